@@ -1,0 +1,172 @@
+"""Prompt datasets: JSONL in the OpenAI `messages` form or ShareGPT `conversations` form.
+
+Rows are streamed (memory does not grow with the dataset). The prompt of a row is every message
+up to and including its last user turn. Rows without an id get a stable one from a hash of their
+content. Malformed rows and repeated ids are reported with file and line and skipped, never
+silently: they are collected in `DatasetReader.problems` and counted by reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+_ROLES = {"system", "user", "assistant"}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    sample_id: str
+    dataset: str
+    messages: list[dict]
+    line: int
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+
+@dataclass
+class DatasetSpec:
+    """One entry of the `datasets` parameter."""
+
+    name: str
+    path: str
+    output_token_budget: int | None = None
+
+    @classmethod
+    def parse(cls, entry: dict, where: str = "datasets") -> "DatasetSpec":
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: each dataset must be a mapping with name and path, got {entry!r}")
+        unknown = set(entry) - {"name", "path", "output_token_budget"}
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)} in dataset {entry.get('name')!r}")
+        for key in ("name", "path"):
+            if not isinstance(entry.get(key), str) or not entry[key]:
+                raise ValueError(f"{where}: dataset field {key!r} must be a non-empty string, got {entry.get(key)!r}")
+        budget = entry.get("output_token_budget")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+            raise ValueError(f"{where}: output_token_budget of {entry['name']!r} must be a positive int, got {budget!r}")
+        return cls(entry["name"], entry["path"], budget)
+
+
+def parse_datasets(datasets: list[dict]) -> list[DatasetSpec]:
+    specs = [DatasetSpec.parse(d, f"datasets[{i}]") for i, d in enumerate(datasets)]
+    names = [s.name for s in specs]
+    dup = [n for n, c in Counter(names).items() if c > 1]
+    if dup:
+        raise ValueError(f"datasets: repeated dataset names {dup}")
+    return specs
+
+
+def stable_id(messages: list[dict]) -> str:
+    blob = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "h" + hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def row_messages(row: dict) -> list[dict]:
+    """The conversation of a row as OpenAI-style messages; raises ValueError naming the field."""
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list):
+            raise ValueError("field 'messages' must be a list")
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise ValueError(f"messages[{i}] must be an object")
+            role, content = m.get("role"), m.get("content")
+            if role not in _ROLES:
+                raise ValueError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
+            if not isinstance(content, str):
+                raise ValueError(f"messages[{i}].content must be a string")
+            out.append({"role": role, "content": content})
+        return out
+    if "conversations" in row:
+        conv = row["conversations"]
+        if not isinstance(conv, list):
+            raise ValueError("field 'conversations' must be a list")
+        out = []
+        for i, m in enumerate(conv):
+            if not isinstance(m, dict):
+                raise ValueError(f"conversations[{i}] must be an object")
+            role = _SHAREGPT_ROLES.get(str(m.get("from", "")).lower())
+            if role is None:
+                raise ValueError(f"conversations[{i}].from must be human, gpt or system, got {m.get('from')!r}")
+            if not isinstance(m.get("value"), str):
+                raise ValueError(f"conversations[{i}].value must be a string")
+            out.append({"role": role, "content": m["value"]})
+        return out
+    raise ValueError("row has neither 'messages' nor 'conversations'")
+
+
+def prompt_of(messages: list[dict]) -> list[dict]:
+    """Every message up to and including the last user turn."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError("conversation has no user turn")
+    prompt = messages[: last_user + 1]
+    if any(m["role"] == "system" for m in prompt[1:]):
+        raise ValueError("a system message is only allowed as the first message")
+    if not prompt[-1]["content"].strip():
+        raise ValueError("the last user turn is empty")
+    return prompt
+
+
+@dataclass
+class DatasetReader:
+    """Streams the prompts of one dataset file. Iterate it; afterwards `problems` lists what was
+    skipped and why, `count` how many prompts were yielded."""
+
+    spec: DatasetSpec
+    problems: list[Problem] = field(default_factory=list)
+    count: int = 0
+
+    def __iter__(self) -> Iterator[Prompt]:
+        self.problems.clear()
+        self.count = 0
+        path = Path(self.spec.path)
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset {self.spec.name!r}: file not found: {path}")
+        seen: set[str] = set()
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise ValueError("row is not a JSON object")
+                    messages = prompt_of(row_messages(row))
+                    rid = row.get("id")
+                    if rid is None:
+                        rid = stable_id(messages)
+                    elif not isinstance(rid, (str, int)) or isinstance(rid, bool) or str(rid) == "":
+                        raise ValueError(f"field 'id' must be a non-empty string or int, got {rid!r}")
+                    rid = str(rid)
+                    if rid in seen:
+                        raise ValueError(f"id {rid!r} repeats an earlier row")
+                except (ValueError, json.JSONDecodeError) as e:
+                    self.problems.append(Problem(str(path), lineno, str(e)))
+                    continue
+                seen.add(rid)
+                self.count += 1
+                yield Prompt(rid, self.spec.name, messages, lineno)
+
+    def summary(self) -> str:
+        if not self.problems:
+            return f"{self.spec.name}: {self.count} prompts"
+        head = "; ".join(str(p) for p in self.problems[:5])
+        more = f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+        return f"{self.spec.name}: {self.count} prompts, {len(self.problems)} rows skipped: {head}{more}"

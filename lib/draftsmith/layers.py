@@ -1,0 +1,65 @@
+"""Which target layers feed the drafter, and how each engine names them.
+
+Two conventions name the same three tensors (reference/EAGLE3.md):
+  "output": id k = the OUTPUT of decoder layer k (SpecForge, ModelOpt forward hooks);
+            default {1, N/2-1, N-4}.
+  "input":  id k = the INPUT of decoder layer k, `hidden_states + residual` before it runs
+            (EAGLE, SGLang and vLLM model code); default {2, N/2, N-3}.
+Output id k == input id k+1. In Hugging Face `output_hidden_states`, element 0 is the embedding
+output and element j (1..N) the output of layer j-1, i.e. output id k is `hidden_states[k + 1]`
+and input id k is `hidden_states[k]`. (HF applies the final norm to its last element; layer ids
+never reach it since input ids stop at N-1.)
+
+draftsmith stores ids in the "output" convention. A draft config names them for one engine:
+  vLLM uses `eagle_aux_hidden_state_layer_ids` as written, as INPUT ids;
+  SGLang adds +1 to them (treats them as OUTPUT ids) when the first id is 1, and otherwise uses
+  them as written (INPUT ids).
+"""
+
+from __future__ import annotations
+
+CONVENTIONS = ("output", "input")
+ENGINES = ("sglang", "vllm")
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """The EAGLE-3 default, output convention: {1, N/2-1, N-4}."""
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    if num_layers < 8 or len(set(ids)) != 3:
+        raise ValueError(f"a target with {num_layers} layers is too shallow for three distinct "
+                         f"auxiliary layers; give layer ids explicitly")
+    return ids
+
+
+def to_output_ids(ids: list[int], convention: str) -> list[int]:
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    return list(ids) if convention == "output" else [k - 1 for k in ids]
+
+
+def hf_hidden_state_indices(output_ids: list[int]) -> list[int]:
+    """Indices into HF `output_hidden_states` that hold the outputs of these layers."""
+    return [k + 1 for k in output_ids]
+
+
+def engine_layer_ids(output_ids: list[int], engine: str) -> list[int]:
+    """The ids to write into a draft config for `engine` so that it captures these tensors."""
+    if engine == "vllm":
+        return [k + 1 for k in output_ids]
+    if engine == "sglang":
+        # SGLang shifts by one only when the first id is 1; otherwise it reads input ids.
+        return list(output_ids) if output_ids[0] == 1 else [k + 1 for k in output_ids]
+    raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+
+
+def engine_capture_indices(config_ids: list[int], engine: str) -> list[int]:
+    """What an engine captures from a draft config's ids, as HF hidden_states indices: the
+    engine-side reading, written independently of `engine_layer_ids` so tests can check one
+    against the other."""
+    if engine == "sglang" and config_ids[0] == 1:
+        input_ids = [k + 1 for k in config_ids]
+    elif engine in ENGINES:
+        input_ids = list(config_ids)
+    else:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    return input_ids  # input id k is hidden_states[k]

@@ -1,0 +1,43 @@
+"""Where things live: the repository, and the folder of one run under `outputs_dir`.
+
+`draftsmith run` hands notebooks absolute paths. A notebook opened by hand in Jupyter gets the
+relative defaults of its parameters cell; those are taken relative to the repository root, so
+nothing depends on the working directory either way.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+
+STAGES = ("providers", "generate", "tokens", "hidden", "drafter", "eval")
+
+
+def resolve(path: str | Path, base: Path = REPO_ROOT) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+class Run:
+    """The folder of run `run_name`: `<outputs_dir>/<run_name>/`, one subfolder per stage."""
+
+    def __init__(self, outputs_dir: str | Path, run_name: str):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_name or ""):
+            raise ValueError(f"run_name {run_name!r}: use letters, digits, '.', '_' and '-'")
+        self.name = run_name
+        self.root = resolve(outputs_dir) / run_name
+
+    def dir(self, stage: str) -> Path:
+        """The folder of a stage (or of notebooks/logs/figures/emulator), created on first use."""
+        d = self.root / stage
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def figure(self, stage: str, name: str) -> Path:
+        return self.dir(f"{stage}/figures") / name
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.root)!r})"

@@ -1,0 +1,85 @@
+"""Progress that reads well both live and in a saved log.
+
+Interactively (a terminal, or Jupyter opened by a person) this is a tqdm bar. Under papermill a
+bar either freezes or floods the log, so there it prints one plain line every `interval` seconds
+and one at the end. `draftsmith run` sets DRAFTSMITH_PROGRESS=log for the notebooks it executes;
+DRAFTSMITH_PROGRESS=bar|log|off overrides the choice anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def mode() -> str:
+    m = os.environ.get("DRAFTSMITH_PROGRESS")
+    if m in ("bar", "log", "off"):
+        return m
+    return "bar" if sys.stderr.isatty() or "ipykernel" in sys.modules else "log"
+
+
+def _fmt(x: float) -> str:
+    if isinstance(x, float) and not x.is_integer():
+        return f"{x:,.2f}" if abs(x) < 100 else f"{x:,.0f}"
+    return f"{int(x):,}"
+
+
+class Progress:
+    """`update(n)` adds to the count, `set(**fields)` replaces the fields shown after it."""
+
+    def __init__(self, total: float | None = None, desc: str = "", unit: str = "it",
+                 interval: float | None = None):
+        self.total, self.desc, self.unit = total, desc, unit
+        self.n = 0
+        self.fields: dict = {}
+        self.mode = mode()
+        self.interval = interval if interval is not None else float(os.environ.get("DRAFTSMITH_PROGRESS_INTERVAL", 10))
+        self.t0 = self._last = time.monotonic()
+        self._bar = None
+        if self.mode == "bar":
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True)
+
+    def update(self, n: float = 1) -> None:
+        self.n += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self.mode == "log" and time.monotonic() - self._last >= self.interval:
+            self._emit()
+
+    def set(self, **fields) -> None:
+        self.fields = fields
+        if self._bar is not None:
+            self._bar.set_postfix({k: _fmt(v) if isinstance(v, (int, float)) else v for k, v in fields.items()},
+                                  refresh=False)
+
+    def line(self) -> str:
+        el = time.monotonic() - self.t0
+        rate = self.n / el if el > 0 else 0.0
+        done = f"{_fmt(self.n)}" + (f"/{_fmt(self.total)}" if self.total else "")
+        pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
+        eta = ""
+        if self.total and rate > 0 and self.n < self.total:
+            eta = f", eta {(self.total - self.n) / rate:.0f}s"
+        extra = "".join(f" {k}={_fmt(v) if isinstance(v, (int, float)) else v}" for k, v in self.fields.items())
+        return f"[{self.desc}] {done} {self.unit}{pct} in {el:.0f}s, {rate:,.1f} {self.unit}/s{eta}{extra}"
+
+    def _emit(self) -> None:
+        self._last = time.monotonic()
+        print(self.line(), flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.mode == "log":
+            self._emit()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

