@@ -215,11 +215,24 @@ def _kernel_env() -> None:
 
 
 def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
-    """Execute the stages in order; raise StageFailed naming the notebook and cell."""
+    """Execute the stages in order, then (re)write the run's report.html from every executed
+    notebook of the run, also when a stage failed. Raise StageFailed naming the notebook and cell."""
+    run = Run(values["outputs_dir"], values["run_name"])
+    try:
+        _run_stages(run, stages, values, echo)
+    finally:
+        from .report import write_report
+
+        path = write_report(run)
+        if path and echo:
+            print(f"== report: {path}", file=sys.stderr, flush=True)
+    return run
+
+
+def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None:
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
-    run = Run(values["outputs_dir"], values["run_name"])
     nb_dir, log_dir = run.dir("notebooks"), run.dir("logs")
     (run.root / "run_params.yaml").write_text(yaml.safe_dump(values, sort_keys=False, allow_unicode=True))
     _kernel_env()
@@ -250,7 +263,6 @@ def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
                 logger.removeHandler(h)
                 h.close()
         print(f"== {stage.title}: done in {time.time() - t0:.0f}s -> {out_nb}", file=sys.stderr, flush=True)
-    return run
 
 
 def _first_line(s: str) -> str:

@@ -1,0 +1,142 @@
+"""Foundation: datasets, API key handling, progress lines, the tiny target and its chat template."""
+
+import json
+import pickle
+
+import pytest
+
+from draftsmith import apikey, datasets, progress, target
+from draftsmith.datasets import DatasetReader, DatasetSpec
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(r if isinstance(r, str) else json.dumps(r))
+            f.write("\n")
+    return path
+
+
+def test_dataset_reader_accepts_both_formats_and_cuts_at_last_user_turn(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "a", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
+                                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},
+                                 {"role": "assistant", "content": "old answer"}]},
+        {"id": 7, "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+    ])
+    got = list(DatasetReader(DatasetSpec("d", str(p))))
+    assert [g.sample_id for g in got] == ["a", "7"]
+    assert got[0].messages[-1] == {"role": "user", "content": "q2"} and len(got[0].messages) == 4
+    assert got[1].messages == [{"role": "user", "content": "hi"}]
+
+
+def test_dataset_reader_reports_malformed_rows_with_file_and_line_and_skips_them(tmp_path):
+    p = write_jsonl(tmp_path / "bad.jsonl", [
+        {"id": "ok", "messages": [{"role": "user", "content": "fine"}]},
+        "{not json",
+        {"id": "x", "messages": [{"role": "robot", "content": "?"}]},
+        {"id": "y", "messages": [{"role": "assistant", "content": "no user"}]},
+        {"id": "ok", "messages": [{"role": "user", "content": "dup"}]},
+        {"conversations": [{"from": "alien", "value": "?"}]},
+    ])
+    r = DatasetReader(DatasetSpec("bad", str(p)))
+    assert [g.sample_id for g in r] == ["ok"]
+    lines = {pr.line: pr.reason for pr in r.problems}
+    assert sorted(lines) == [2, 3, 4, 5, 6]
+    assert "messages[0].role" in lines[3] and "no user turn" in lines[4] and "repeats" in lines[5]
+    assert str(r.problems[0]).startswith(f"{p}:2:")
+    assert "5 rows skipped" in r.summary()
+
+
+def test_rows_without_id_get_a_stable_content_hash(tmp_path):
+    row = {"messages": [{"role": "user", "content": "same"}]}
+    a = list(DatasetReader(DatasetSpec("d", str(write_jsonl(tmp_path / "a.jsonl", [row])))))
+    b = list(DatasetReader(DatasetSpec("d", str(write_jsonl(tmp_path / "b.jsonl", [row])))))
+    assert a[0].sample_id == b[0].sample_id == datasets.stable_id(row["messages"])
+
+
+def test_dataset_spec_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"datasets\[1\].*output_token_budget"):
+        datasets.parse_datasets([{"name": "a", "path": "x"}, {"name": "b", "path": "y", "output_token_budget": -1}])
+    with pytest.raises(ValueError, match="unknown keys"):
+        datasets.parse_datasets([{"name": "a", "path": "x", "budget": 3}])
+
+
+def test_api_key_comes_from_file_or_env_and_never_shows(tmp_path, monkeypatch, api_key_file):
+    path, key = api_key_file
+    k = apikey.read_api_key(path)
+    assert k.reveal() == key and k.header()["Authorization"] == f"Bearer {key}"
+    for shown in (repr(k), str(k), f"{k}", f"{k!r}", str([k]), str({"k": k})):
+        assert key not in shown
+    with pytest.raises(TypeError):
+        pickle.dumps(k)
+    monkeypatch.setenv(apikey.ENV_VAR, key)
+    assert apikey.read_api_key(None).reveal() == key
+    monkeypatch.delenv(apikey.ENV_VAR)
+    with pytest.raises(RuntimeError, match=apikey.ENV_VAR):
+        apikey.read_api_key(None)
+    with pytest.raises(FileNotFoundError, match="missing.key"):
+        apikey.read_api_key(tmp_path / "missing.key")
+
+
+def test_progress_under_papermill_prints_plain_lines(monkeypatch, capsys):
+    monkeypatch.setenv("DRAFTSMITH_PROGRESS", "log")
+    with progress.Progress(total=100, desc="gen", unit="tok", interval=0) as p:
+        p.set(spend=0.5)
+        p.update(40)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("[gen] 40/100 tok (40%)") and "spend=0.50" in out[0]
+    assert "\r" not in "".join(out)
+
+
+def test_tiny_target_round_trips_through_from_pretrained(tiny_target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    assert model.config.vocab_size == len(tok) == 129280
+    assert model.config.num_hidden_layers == 8
+    assert tok.chat_template == target.CHAT_TEMPLATE
+    assert (tok.bos_token_id, tok.eos_token_id) == (0, 1)
+    meta = json.loads((tiny_target / "draftsmith_target.json").read_text())
+    assert meta["variant"] == "tiny-test"
+
+
+def test_chat_template_renders_multi_turn_with_thinking_exactly(target_tokenizer):
+    tok = target_tokenizer
+    conv = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "dropped in history"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert text == ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hi<｜Assistant｜><think></think>Hello!"
+                    "<｜end▁of▁sentence｜><｜User｜>2+2?<｜Assistant｜><think>")
+    ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, return_dict=False)
+    special = {0: "bos", 1: "eos", 128803: "user", 128804: "assistant", 128821: "think", 128822: "/think"}
+    assert [special[i] for i in ids if i in special] == [
+        "bos", "user", "assistant", "think", "/think", "eos", "user", "assistant", "think"]
+    assert ids == tok.encode(text, add_special_tokens=False)
+    # the final assistant turn keeps its reasoning; no system message -> the default one
+    full = tok.apply_chat_template([{"role": "user", "content": "Q"},
+                                    {"role": "assistant", "content": "A", "reasoning_content": "R"}],
+                                   tokenize=False)
+    assert full == (f"<｜begin▁of▁sentence｜>{target.DEFAULT_SYSTEM}<｜User｜>Q<｜Assistant｜>"
+                    "<think>R</think>A<｜end▁of▁sentence｜>")
+
+
+def test_target_build_is_deterministic_for_a_seed(tmp_path, monkeypatch):
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    monkeypatch.setitem(target.VARIANTS, "tiny-test",
+                        dataclasses.replace(target.VARIANTS["tiny-test"], steps=2, seq_len=32))
+    a = target.build_tiny_target("tiny-test", root=tmp_path / "a", log=lambda *x: None)
+    b = target.build_tiny_target("tiny-test", root=tmp_path / "b", log=lambda *x: None)
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    assert target.resolve_target("tiny-test") != a  # the cache is separate from explicit roots
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        target.resolve_target(tmp_path / "nowhere")
