@@ -31,6 +31,7 @@ FORMAT = "draftsmith-hidden/1"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 DTYPES = ("bf16", "fp8")
+FIELDS = ("aux", "last", "input_ids", "loss_mask")
 
 
 def quantize(x: torch.Tensor, groups: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -54,8 +55,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 
 def write_shard(path: str | os.PathLike, aux: torch.Tensor, last: torch.Tensor, input_ids: torch.Tensor,
-                loss_mask: torch.Tensor, offsets: torch.Tensor, dtype: str = "bf16") -> int:
-    """Write one shard atomically (temp name, fsync, rename). Returns its size in bytes."""
+                loss_mask: torch.Tensor, offsets: torch.Tensor, dtype: str = "bf16",
+                metadata: dict[str, str] | None = None) -> int:
+    """Write one shard atomically (temp name, fsync, rename). Returns its size in bytes.
+    `metadata` (str -> str) is stored in the safetensors header beside the format and dtype."""
     path = Path(path)
     aux_q, aux_s = quantize(aux, 3, dtype)
     last_q, last_s = quantize(last, 1, dtype)
@@ -67,7 +70,7 @@ def write_shard(path: str | os.PathLike, aux: torch.Tensor, last: torch.Tensor, 
         tensors["aux_scale"] = aux_s.float().contiguous()
         tensors["last_scale"] = last_s.float().contiguous()
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "dtype": dtype})
+    save_file(tensors, str(tmp), metadata={**(metadata or {}), "format": FORMAT, "dtype": dtype})
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -125,18 +128,22 @@ class HiddenShards:
             self._offsets[si] = f.get_tensor("offsets")
         return self._open[si]
 
-    def sample(self, i: int) -> dict[str, torch.Tensor]:
-        """aux [L, 3H], last [L, H] (float32), input_ids [L], loss_mask [L] of sample i."""
+    def sample(self, i: int, fields: tuple[str, ...] = FIELDS) -> dict[str, torch.Tensor]:
+        """aux [L, 3H], last [L, H] (float32), input_ids [L], loss_mask [L] of sample i; `fields`
+        picks a subset, so a pass that needs only the tokens does not read the hidden states."""
         ref = self.samples[i]
         f = self._handle(ref.shard)
         off = self._offsets[ref.shard]
         a, b = int(off[ref.row]), int(off[ref.row + 1])
         keys = set(f.keys())
         out = {}
-        for name in ("aux", "last"):
-            q = f.get_slice(name)[a:b]
-            s = f.get_slice(f"{name}_scale")[a:b] if f"{name}_scale" in keys else None
-            out[name] = dequantize(q, s)
-        out["input_ids"] = f.get_slice("input_ids")[a:b]
-        out["loss_mask"] = f.get_slice("loss_mask")[a:b]
+        for name in fields:
+            if name in ("aux", "last"):
+                q = f.get_slice(name)[a:b]
+                s = f.get_slice(f"{name}_scale")[a:b] if f"{name}_scale" in keys else None
+                out[name] = dequantize(q, s)
+            elif name in ("input_ids", "loss_mask"):
+                out[name] = f.get_slice(name)[a:b]
+            else:
+                raise ValueError(f"unknown field {name!r}; fields are {FIELDS}")
         return out

@@ -150,6 +150,25 @@ def make_tokenizer():
     return tok
 
 
+_PLAIN_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_tokenizer(target_model_path: str | os.PathLike, trust_remote_code: bool = True, log=print):
+    """The tokenizer of the target (built-in name or checkpoint folder). A checkpoint with a plain
+    tokenizer.json (the built-in targets) loads without importing torch, seconds faster than
+    AutoTokenizer; any other goes through AutoTokenizer."""
+    path = resolve_target(target_model_path, log=log)
+    config = path / "tokenizer_config.json"
+    if (path / "tokenizer.json").is_file() and config.is_file() and \
+            json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") in _PLAIN_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 def _build(name: str, out: Path, log) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

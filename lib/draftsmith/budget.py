@@ -1,0 +1,233 @@
+"""The two budgets that decide whether one more request may start: output tokens per dataset, dollars per run.
+
+Tokens. A dataset's `output_token_budget` B may be overshot by at most T = max(1% of B, one
+`max_tokens`). A request may start when
+  - (until MIN_SAMPLES lengths are known) it is safe outright: completed + (in flight + 1) x the
+    longest possible response <= B + T;
+  - (then) it is expected to fit: completed + the expected tokens of the requests in flight + one
+    mean <= B, and the same plus three standard deviations of that sum (its spread, and the error
+    of estimating each expectation from a finite sample) <= B + T.
+A request in flight is not an average one: the longer it has run, the longer its response is
+likely to be. So each is expected to end at E[L | a response still running at its age], read off
+past (duration, length) pairs; one older than any seen is assumed to come back at max_tokens.
+And the past pairs are not an unbiased draw either (short responses come back first), so only a
+complete cohort counts: requests all of whose predecessors have ended.
+
+Dollars. Each request is reserved at its worst case (prompt bytes bound its tokens with a byte-level
+BPE; max_tokens bounds the rest; the highest price among the endpoints routing may pick) before it
+starts, and settled with `usage.cost` when it ends. A request may start only if the run's spend plus
+all reservations stays within `spend_limit_usd`, and the account's balance (last polled, minus what
+was spent since) stays above the floor. So the limit holds even if every request in flight comes
+back at its longest, on the most expensive provider.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import deque
+
+MIN_SAMPLES = 30
+
+
+class TokenBudget:
+    def __init__(self, budget: int | None, max_tokens: int, history: int = 20000, refresh_s: float = 0.25):
+        self.budget = budget
+        self.max_tokens = max_tokens
+        self.tolerance = max(math.ceil(0.01 * budget), max_tokens) if budget else 0
+        self.done = 0          # completion tokens of completed samples (all sessions)
+        self.longest = 0
+        self.refresh_s = refresh_s
+        # the cohort the statistics come from (see `end`): (duration, tokens), the latest `history`
+        self.cohort: deque[tuple[float, int]] = deque(maxlen=history)
+        self._next = 0         # dispatch sequence numbers
+        self._open: dict[int, float] = {}      # ticket -> start time
+        self._ended: dict[int, tuple[float, int] | None] = {}
+        self._low = 0
+        # (sorted durations, then per duration: mean, variance and standard error of the lengths of the
+        # responses that ran longer; then the same three over all)
+        self._model = None
+        self._model_at = -math.inf
+        self._model_count = -1
+        self._model_built = -math.inf
+        self._est: dict[int, tuple[float, float, float]] = {}   # ticket -> (expected tokens, variance, error)
+        self._est_sum = self._var_sum = self._err_sum = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._open)
+
+    @property
+    def count(self) -> int:
+        return len(self.cohort)
+
+    def add(self, tokens: int, duration: float = 0.0) -> None:
+        """A sample completed in an earlier session (or otherwise known in full)."""
+        self.done += tokens
+        self.longest = max(self.longest, tokens)
+        self.cohort.append((duration, tokens))
+
+    @property
+    def worst(self) -> int:
+        return max(self.max_tokens, self.longest)
+
+    def can_start(self, now: float | None = None) -> bool:
+        if self.budget is None:
+            return True
+        if self.count < MIN_SAMPLES:
+            return (self.in_flight + 1) * self.worst <= self.budget + self.tolerance - self.done
+        now = time.monotonic() if now is None else now
+        if now - self._model_at >= self.refresh_s:
+            self._refresh(now)
+        mean, var, err = self._model[4:]
+        expected = self.done + self._est_sum + mean
+        # the sum's own spread, and the error of the estimated means (shared by all, so it adds up)
+        spread = 3 * math.sqrt(self._var_sum + var + (self._err_sum + err) ** 2)
+        return expected <= self.budget and expected + spread <= self.budget + self.tolerance
+
+    def _refresh(self, now: float) -> None:
+        """Re-estimate every request in flight from its age: E[L | still running after `age`]."""
+        k = len(self.cohort)
+        if k != self._model_count and (k > 1.05 * self._model_count or now - self._model_built >= 5.0):
+            pairs = sorted(self.cohort)
+            durs = [d for d, _ in pairs]
+            k = len(pairs)
+            means, variances, errors = [0.0] * k, [0.0] * k, [0.0] * k
+            s1 = s2 = 0.0
+            for j in range(k - 1, -1, -1):
+                t = pairs[j][1]
+                s1 += t
+                s2 += t * t
+                m = s1 / (k - j)
+                means[j], variances[j] = m, max(0.0, s2 / (k - j) - m * m)
+                errors[j] = math.sqrt(variances[j] / (k - j))     # how far off that mean may be
+            self._model = (durs, means, variances, errors, means[0], variances[0], errors[0])
+            self._model_count, self._model_built = k, now
+        durs, means, variances, errors = self._model[:4]
+        worst, k = float(self.worst), len(durs)
+        est, total, total_var, total_err = {}, 0.0, 0.0, 0.0
+        for ticket, t0 in self._open.items():
+            j = bisect.bisect_right(durs, now - t0)
+            # older than any seen: assume the worst
+            e = (means[j], variances[j], errors[j]) if j < k else (worst, 0.0, 0.0)
+            est[ticket] = e
+            total += e[0]
+            total_var += e[1]
+            total_err += e[2]
+        self._est, self._est_sum, self._var_sum, self._err_sum = est, total, total_var, total_err
+        self._model_at = now
+
+    def start(self, now: float | None = None) -> int:
+        """A request starts; returns its ticket for `end`."""
+        seq = self._next
+        self._next += 1
+        if self.budget is None:            # no budget: only the count in flight matters
+            self._open[seq] = 0.0
+            return seq
+        self._open[seq] = time.monotonic() if now is None else now
+        if self._model is not None:
+            e = self._model[4:]
+            self._est[seq] = e
+            self._est_sum += e[0]
+            self._var_sum += e[1]
+            self._err_sum += e[2]
+        return seq
+
+    def end(self, ticket: int, tokens: int | None = None, now: float | None = None) -> None:
+        """A request left flight; `tokens` if it completed (None if it failed or was abandoned).
+
+        Its tokens count at once, but its length joins the statistics only when every request
+        started before it has ended too: short responses finish first, so the lengths seen early
+        in a run are biased short, while a cohort of all requests started before some moment is not."""
+        t0 = self._open.pop(ticket)
+        if self.budget is None:
+            if tokens is not None:
+                self.done += tokens
+            return
+        e = self._est.pop(ticket, None)
+        if e is not None:
+            self._est_sum -= e[0]
+            self._var_sum -= e[1]
+            self._err_sum -= e[2]
+        if tokens is not None:
+            self.done += tokens
+            self.longest = max(self.longest, tokens)
+        now = time.monotonic() if now is None else now
+        self._ended[ticket] = None if tokens is None else (now - t0, tokens)
+        while self._low < self._next and self._low not in self._open:
+            pair = self._ended.pop(self._low, None)
+            if pair is not None:
+                self.cohort.append(pair)
+            self._low += 1
+
+    @property
+    def reached(self) -> bool:
+        """Nothing more will start, and nothing is in flight."""
+        return self.in_flight == 0 and not self.can_start()
+
+
+def prompt_tokens_bound(messages: list[dict]) -> int:
+    """More tokens than the prompt can have: a byte-level BPE token is at least one byte, plus the
+    chat template's markers."""
+    return 32 + sum(16 + len(m["content"].encode("utf-8")) for m in messages)
+
+
+class SpendBudget:
+    def __init__(self, limit_usd: float, floor_usd: float = 0.0, spent: float = 0.0):
+        if not limit_usd or limit_usd <= 0:
+            raise ValueError(f"spend_limit_usd must be a positive number, got {limit_usd!r}")
+        self.limit = float(limit_usd)
+        self.floor = float(floor_usd or 0.0)
+        self.spent = float(spent)       # the run's known spend, all sessions
+        self.reserved = 0.0
+        self.balance: float | None = None   # account balance at the last poll (None: unknown / uncapped)
+        self._spent_at_poll = 0.0
+        self.prompt_price = 0.0         # worst USD per token
+        self.completion_price = 0.0
+
+    def set_prices(self, prompt: float, completion: float) -> None:
+        self.prompt_price, self.completion_price = float(prompt), float(completion)
+
+    def worst_cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return prompt_tokens * self.prompt_price + completion_tokens * self.completion_price
+
+    def set_balance(self, balance: float | None) -> None:
+        self.balance = balance
+        self._spent_at_poll = self.spent
+
+    @property
+    def balance_left(self) -> float | None:
+        if self.balance is None:
+            return None
+        return self.balance - (self.spent - self._spent_at_poll)
+
+    def headroom(self) -> float:
+        """Dollars a new request may still reserve."""
+        room = self.limit - self.spent - self.reserved
+        left = self.balance_left
+        if left is not None:
+            room = min(room, left - self.floor - self.reserved)
+        return room
+
+    def try_reserve(self, amount: float) -> bool:
+        if amount > self.headroom():
+            return False
+        self.reserved += amount
+        return True
+
+    def settle(self, reserved: float, cost: float, prompt_tokens: int | None = None,
+               completion_tokens: int | None = None) -> None:
+        """A request ended: release its reservation, count what it cost. If it cost more than the
+        worst case priced for its tokens, the prices were wrong: raise them for the next ones."""
+        self.reserved = max(0.0, self.reserved - reserved)
+        self.spent += cost
+        if prompt_tokens is not None and completion_tokens is not None and cost > 0:
+            priced = self.worst_cost(prompt_tokens, completion_tokens)
+            if cost > priced * 1.0001:
+                scale = cost / priced if priced > 0 else None
+                if scale:
+                    self.set_prices(self.prompt_price * scale, self.completion_price * scale)
+                else:
+                    per = cost / max(1, prompt_tokens + completion_tokens)
+                    self.set_prices(max(self.prompt_price, per), max(self.completion_price, per))

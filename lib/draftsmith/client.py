@@ -1,0 +1,275 @@
+"""One OpenRouter chat completion: build the body, POST it, read the answer, classify the outcome.
+
+Every way a request can end is sorted into what the engine should do next (see OPENROUTER.md):
+
+  Reply                       a usable completion (`finish_reason` stop, length, ...) — keep it
+  Failure(action="retry")     408/429/5xx/524/529, an error inside a 200 body or a stream, an empty
+                              200, a cut stream, a hung or dropped connection — try again later
+  Failure(action="permanent") 400 (e.g. context too long), 403 moderation — record, do not retry
+  Failure(action="fatal")     401 bad key, 404 no provider matches the routing — stop the run
+  Failure(action="balance")   402 "can only afford": the balance is gone — stop dispatching
+  Failure(action="inflight")  402 in-flight spending budget — back off and lower concurrency
+
+Bodies may start with whitespace padding (json.loads skips it); streams carry `:` comment lines
+and the usage in a final chunk with no choices. Nothing here ever formats the API key: it lives
+only in the prepared headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 520, 522, 524, 529})
+
+
+@dataclass(slots=True)
+class Reply:
+    content: str
+    reasoning: str | None
+    finish_reason: str
+    native_finish_reason: str | None
+    provider: str | None
+    model: str | None
+    generation_id: str | None
+    usage: dict
+
+
+@dataclass(slots=True)
+class Failure:
+    action: str                 # retry | permanent | fatal | balance | inflight
+    kind: str                   # short label counted in the manifest, e.g. http_429, error_in_200, timeout
+    message: str
+    status: int | None = None
+    retry_after: float | None = None
+    provider: str | None = None
+    cost: float = 0.0           # what the failed attempt was billed, if the body said so
+
+    def __str__(self) -> str:
+        where = f" from {self.provider}" if self.provider else ""
+        return f"{self.kind}{where}: {self.message}"
+
+
+def request_settings(model: str, max_tokens: int, temperature: float | None = None, top_p: float | None = None,
+                     seed: int | None = None, provider: dict | None = None, reasoning: dict | None = None,
+                     stream: bool = False) -> dict:
+    """The sampling settings sent with every prompt (and recorded with every response)."""
+    if not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    s = {"model": model, "max_tokens": max_tokens}
+    for k, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed)):
+        if v is not None:
+            s[k] = v
+    if provider:
+        s["provider"] = provider
+    if reasoning:
+        s["reasoning"] = reasoning
+    s["stream"] = bool(stream)
+    return s
+
+
+class BodyMaker:
+    """Request bodies as bytes: the constant settings are serialized once, the messages per prompt."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings
+        self._head = json.dumps(settings, ensure_ascii=False, separators=(",", ":"))[:-1] + ',"messages":'
+
+    def body(self, messages_json: str) -> bytes:
+        return (self._head + messages_json + "}").encode("utf-8")
+
+
+def messages_json(messages: list[dict]) -> str:
+    return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """`Retry-After` as seconds: a number, or an HTTP date."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
+
+
+def classify_error(status: int, error: dict | None, retry_after: float | None = None, in_200: bool = False) -> Failure:
+    """A failure from an HTTP status and the `error` object of the envelope (or of a 200 body / chunk)."""
+    error = error if isinstance(error, dict) else {}
+    meta = error.get("metadata") if isinstance(error.get("metadata"), dict) else {}
+    message = str(error.get("message") or f"HTTP {status}")
+    raw = meta.get("raw")
+    if raw and isinstance(raw, str) and raw not in message:
+        message = f"{message} ({raw[:300]})"
+    provider = meta.get("provider_name")
+    if retry_after is None and isinstance(meta.get("retry_after_seconds"), (int, float)):
+        retry_after = float(meta["retry_after_seconds"])
+    code = error.get("code")
+    if in_200:
+        # Errors inside a 200 are retryable, except the unambiguous account and routing ones.
+        status = code if isinstance(code, int) and code in (401, 402, 404) else None
+    f = Failure("retry", "error_in_200" if in_200 else f"http_{status}", message, status, retry_after, provider)
+    if status is None:
+        return f
+    if status == 401:
+        f.action, f.kind = "fatal", "unauthorized"
+    elif status == 404:
+        f.action, f.kind = "fatal", "no_provider"
+    elif status == 402:
+        text = json.dumps(error).lower()
+        if "in_flight" in text or "in-flight" in text or "weight_exceeds_budget" in text:
+            f.action, f.kind = "inflight", "in_flight_budget"
+        else:
+            f.action, f.kind = "balance", "balance"
+    elif status in RETRY_STATUSES or status >= 500:
+        f.action = "retry"
+    elif status == 403:
+        f.action, f.kind = "permanent", "moderation"
+    elif 400 <= status < 500:
+        f.action = "permanent"
+        f.kind = "bad_request" if status == 400 else f"http_{status}"
+    return f
+
+
+def _usage(u: dict | None) -> dict:
+    u = u if isinstance(u, dict) else {}
+    details = u.get("completion_tokens_details") or {}
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+    out = {"prompt_tokens": u.get("prompt_tokens"), "completion_tokens": u.get("completion_tokens"),
+           "reasoning_tokens": details.get("reasoning_tokens"), "cost": u.get("cost")}
+    if cached:
+        out["cached_tokens"] = cached
+    return out
+
+
+def _cost(u) -> float:
+    c = u.get("cost") if isinstance(u, dict) else None
+    return float(c) if isinstance(c, (int, float)) else 0.0
+
+
+def parse_completion(raw: bytes) -> Reply | Failure:
+    """A non-streaming 200 body (possibly whitespace-padded)."""
+    if not raw.strip():
+        return Failure("retry", "empty", "HTTP 200 with an empty body")
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return Failure("retry", "bad_json", f"HTTP 200 body is not JSON: {raw[:120]!r}")
+    if not isinstance(obj, dict):
+        return Failure("retry", "bad_json", "HTTP 200 body is not a JSON object")
+    if obj.get("error"):
+        f = classify_error(200, obj["error"], in_200=True)
+        f.cost = _cost(obj.get("usage"))
+        return f
+    choices = obj.get("choices")
+    if not choices or not isinstance(choices[0], dict):
+        f = Failure("retry", "no_choices", "HTTP 200 without choices", provider=obj.get("provider"))
+        f.cost = _cost(obj.get("usage"))
+        return f
+    choice = choices[0]
+    msg = choice.get("message") or {}
+    return _reply(obj, msg.get("content"), msg.get("reasoning"), choice.get("finish_reason"),
+                  choice.get("native_finish_reason"), obj.get("usage"), choice.get("error"))
+
+
+def _reply(head: dict, content, reasoning, finish, native, usage, choice_error=None) -> Reply | Failure:
+    provider = head.get("provider")
+    if finish == "error" or choice_error:
+        err = choice_error if isinstance(choice_error, dict) else {"message": "finish_reason error"}
+        f = classify_error(200, err, in_200=True)
+        f.kind, f.provider, f.cost = "finish_error", f.provider or provider, _cost(usage)
+        return f
+    if not finish:
+        kind = "empty" if not content and not reasoning else "no_finish_reason"
+        return Failure("retry", kind, "HTTP 200 without a finish reason (cold start?)", provider=provider,
+                       cost=_cost(usage))
+    u = _usage(usage)
+    if not content and not reasoning and not u["completion_tokens"]:
+        return Failure("retry", "empty", f"empty completion (finish_reason {finish})", provider=provider,
+                       cost=_cost(usage))
+    return Reply(content or "", reasoning or None, finish, native, provider, head.get("model"), head.get("id"), u)
+
+
+async def _read_stream(resp: aiohttp.ClientResponse) -> Reply | Failure:
+    head: dict = {}
+    content: list[str] = []
+    reasoning: list[str] = []
+    finish = native = usage = None
+    done = False
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue                              # blank separators, `: OPENROUTER PROCESSING`, event:
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            done = True
+            break
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return Failure("retry", "bad_json", f"stream chunk is not JSON: {data[:120]!r}",
+                           provider=head.get("provider"))
+        if not head:
+            head = {"id": chunk.get("id"), "provider": chunk.get("provider"), "model": chunk.get("model")}
+        if chunk.get("error"):
+            f = classify_error(200, chunk["error"], in_200=True)
+            f.kind, f.provider, f.cost = "stream_error", f.provider or head.get("provider"), _cost(chunk.get("usage"))
+            return f
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for c in chunk.get("choices") or ():
+            delta = c.get("delta") or {}
+            if delta.get("content"):
+                content.append(delta["content"])
+            if delta.get("reasoning"):
+                reasoning.append(delta["reasoning"])
+            if c.get("finish_reason"):
+                finish, native = c["finish_reason"], c.get("native_finish_reason")
+                if c.get("error"):
+                    return _reply(head, None, None, "error", native, usage, c["error"])
+    if not done and not (finish and usage):
+        return Failure("retry", "stream_cut", "stream ended before [DONE]", provider=head.get("provider"),
+                       cost=_cost(usage))
+    return _reply(head, "".join(content), "".join(reasoning), finish, native, usage)
+
+
+async def complete(session: aiohttp.ClientSession, url: str, headers: dict | None, body: bytes, stream: bool,
+                   timeout: aiohttp.ClientTimeout | None = None) -> Reply | Failure:
+    """POST one chat completion and classify the outcome; never raises for a bad answer or network trouble.
+    `headers` and `timeout` default to the session's (which must then carry the key and a read timeout)."""
+    kw = {"timeout": timeout} if timeout is not None else {}
+    try:
+        async with session.post(url, data=body, headers=headers, **kw) as resp:
+            status = resp.status
+            if status == 200:
+                if stream:
+                    return await _read_stream(resp)
+                return parse_completion(await resp.read())
+            raw = await resp.read()
+            ra = retry_after_seconds(resp.headers.get("Retry-After"))
+    except asyncio.TimeoutError:
+        return Failure("retry", "timeout", "no data within the read timeout (hung connection)")
+    except aiohttp.ClientPayloadError as e:
+        return Failure("retry", "connection", f"response cut off: {type(e).__name__}")
+    except (aiohttp.ClientError, OSError) as e:
+        return Failure("retry", "connection", f"{type(e).__name__}: {e}"[:300])
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+        # a body of the wrong shape (or an SSE line too long to buffer): one bad answer, not a crash
+        return Failure("retry", "bad_response", f"{type(e).__name__}: {e}"[:300])
+    try:
+        env = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        env = {}
+    err = env.get("error") if isinstance(env, dict) else None
+    if not isinstance(err, dict):
+        err = {"message": raw[:200].decode("utf-8", "replace").strip() or f"HTTP {status}"}
+    return classify_error(status, err, ra)

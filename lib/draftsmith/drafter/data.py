@@ -1,0 +1,191 @@
+"""The drafter's training data, read from the hidden-state shards: split, supervision, micro-batches.
+
+Supervision. Target position u (hidden state after token u) gives the teacher for token u+1:
+softmax(lm_head(last[u])) restricted to the draft vocabulary. Position u is supervised when token
+u+1 is a response token (loss_mask[u+1] = 1, so the end-of-turn token is predicted and the
+assistant header never is) and the target's argmax over its FULL vocabulary at u lies in the draft
+vocabulary (other positions are dropped, as in EAGLE-3). `sup[u]` marks these; the full-vocab
+argmax needs one pass over `last` with the target's lm_head, done once before training
+(`supervision`) and cached beside the drafter.
+
+TTT step i at drafter position t predicts token t+2+i from target position u = t+1+i, so it uses
+the supervised positions u >= 1+i; `step_counts` gives their number per sample and step, which
+fixes every loss denominator before training starts (exact global-batch means, any split of the
+batch over micro-batches and processes).
+
+Batches. A global batch is `batch_size` training samples of a seeded per-epoch permutation; it is
+sorted by length and cut into micro-batches (less padding), and process r of W takes micro-batches
+r, r+W, ... Each micro-batch is right-padded to its longest sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..progress import Progress
+from ..shards import HiddenShards
+
+
+def split(shards: HiddenShards, holdout_fraction: float) -> tuple[list[int], list[int]]:
+    """(train, held-out) sample indices. A sample's side depends only on its dataset and id (a hash
+    rank), so it stays put when the data is re-extracted; at least one held-out sample when asked."""
+    if not 0 <= holdout_fraction < 1:
+        raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
+    n = len(shards)
+    key = [hashlib.sha256(f"{s.dataset}/{s.sample_id}".encode()).hexdigest() for s in shards.samples]
+    order = sorted(range(n), key=lambda i: key[i])
+    n_held = min(n - 1, max(1, math.ceil(holdout_fraction * n))) if holdout_fraction > 0 else 0
+    held = sorted(order[:n_held])
+    train = sorted(order[n_held:])
+    if not train:
+        raise ValueError(f"{shards.dir}: no training samples ({n} samples in all)")
+    return train, held
+
+
+def supervision(shards: HiddenShards, indices: list[int], lm_head: torch.Tensor, t2d: torch.Tensor,
+                max_len: int, device: torch.device, desc: str = "teacher argmax") -> dict[int, torch.Tensor]:
+    """sup [min(L, max_len)] uint8 of each sample in `indices` (see the module doc)."""
+    lm_head = lm_head.to(device)
+    used = t2d.nonzero().flatten().to(device)
+    # logits of a chunk stay in cache on a CPU; a GPU wants big matmuls
+    rows_per_chunk = max(1, (2 ** 28 if device.type == "cuda" else 2 ** 23) // lm_head.shape[0])
+    out: dict[int, torch.Tensor] = {}
+    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []   # (sample, positions, rows)
+    n_rows = 0
+
+    def flush():
+        nonlocal pending, n_rows
+        if not pending:
+            return
+        rows = torch.cat([r for _, _, r in pending]).to(device, lm_head.dtype)
+        # the full-vocab argmax is a draft token iff the best draft logit reaches the overall max
+        ok = torch.cat([_argmax_in(c @ lm_head.T, used) for c in rows.split(rows_per_chunk)]).cpu()
+        k = 0
+        for i, pos, r in pending:
+            out[i][pos] = ok[k:k + len(pos)].to(torch.uint8)
+            k += len(pos)
+        pending, n_rows = [], 0
+
+    with Progress(len(indices), f"{desc}", "samples") as bar, torch.no_grad():
+        for i in indices:
+            s = shards.sample(i, fields=("last", "loss_mask"))
+            n = min(s["loss_mask"].numel(), max_len)
+            sup = torch.zeros(n, dtype=torch.uint8)
+            out[i] = sup
+            pos = (s["loss_mask"][1:n] > 0).nonzero().flatten()   # u with a response token at u+1
+            if len(pos):
+                pending.append((i, pos, s["last"][pos]))
+                n_rows += len(pos)
+            if n_rows >= rows_per_chunk:
+                flush()
+            bar.update(1)
+        flush()
+    return out
+
+
+def _argmax_in(logits: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """Whether each row's argmax is one of the `used` columns: their best logit reaches the row's
+    max (the same numbers compared, so exact; amax is far cheaper than argmax on a CPU)."""
+    return logits.index_select(1, used).amax(-1) >= logits.amax(-1)
+
+
+def step_counts(sup: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps] number of positions TTT step i supervises in one sample: sup[u] for u >= 1+i."""
+    c = sup.long().flip(0).cumsum(0).flip(0)          # c[u] = sup[u:].sum()
+    return torch.stack([c[1 + i] if 1 + i < len(c) else c.new_zeros(()) for i in range(steps)])
+
+
+class Supervision:
+    """The sup masks of all samples in one flat uint8 tensor with offsets: one object to cache, and
+    cheap to hand to loader processes however many samples there are."""
+
+    def __init__(self, flat: torch.Tensor, offsets: torch.Tensor):
+        self.flat, self.offsets = flat, offsets
+
+    @classmethod
+    def from_parts(cls, parts: dict[int, torch.Tensor], n: int) -> "Supervision":
+        lengths = torch.tensor([len(parts[i]) for i in range(n)], dtype=torch.int64)
+        offsets = torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)))
+        flat = torch.cat([parts[i] for i in range(n)]) if n else torch.zeros(0, dtype=torch.uint8)
+        return cls(flat, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    def step_counts(self, steps: int) -> torch.Tensor:
+        """[samples, steps]: positions each TTT step supervises in each sample."""
+        return torch.stack([step_counts(self[i], steps) for i in range(len(self))]) if len(self) else \
+            torch.zeros(0, steps, dtype=torch.int64)
+
+    def save(self, path, fingerprint: str) -> None:
+        tmp = f"{path}.tmp"
+        save_file({"sup": self.flat, "offsets": self.offsets}, tmp, metadata={"fingerprint": fingerprint})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path, fingerprint: str) -> "Supervision | None":
+        """The cached masks, or None when missing or made for other data, vocab or max_len."""
+        if not os.path.isfile(path):
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("fingerprint") != fingerprint:
+                return None
+            return cls(f.get_tensor("sup"), f.get_tensor("offsets"))
+
+
+def global_batches(train: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The global batches of one epoch (an incomplete last batch is dropped)."""
+    g = torch.Generator().manual_seed(seed * 100003 + epoch)
+    perm = [train[j] for j in torch.randperm(len(train), generator=g).tolist()]
+    return [perm[k:k + batch_size] for k in range(0, len(perm) - batch_size + 1, batch_size)]
+
+
+def micro_batches(batch: list[int], sup: Supervision, micro_batch_size: int) -> list[list[int]]:
+    """A global batch sorted by length (longest first, ties by index) and cut into micro-batches."""
+    ordered = sorted(batch, key=lambda i: (-sup.length(i), i))
+    return [ordered[k:k + micro_batch_size] for k in range(0, len(ordered), micro_batch_size)]
+
+
+class MicroBatches(torch.utils.data.Dataset):
+    """Item j = micro-batch `batches[j]` collated: aux [b, L, 3H], input_ids [b, L], sup [b, L]
+    bool, last [N, H] (only the rows of supervised positions, in sup.nonzero() order), tokens."""
+
+    def __init__(self, hidden_dir, batches: list[list[int]], sup: Supervision):
+        self.hidden_dir = hidden_dir
+        self.batches = batches
+        self.sup = sup
+        self._shards = None
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, j: int) -> dict[str, torch.Tensor]:
+        if self._shards is None:   # opened in the process that reads (DataLoader workers)
+            self._shards = HiddenShards(self.hidden_dir)
+        samples = [(self._shards.sample(i), self.sup[i]) for i in self.batches[j]]
+        b, n = len(samples), max(len(sup) for _, sup in samples)
+        h3 = samples[0][0]["aux"].shape[1]
+        aux = torch.zeros(b, n, h3)
+        ids = torch.zeros(b, n, dtype=torch.int64)
+        supm = torch.zeros(b, n, dtype=torch.bool)
+        last = []
+        for r, (s, sup) in enumerate(samples):
+            m = len(sup)
+            aux[r, :m] = s["aux"][:m]
+            ids[r, :m] = s["input_ids"][:m]
+            supm[r, :m] = sup.bool()
+            last.append(s["last"][:m][sup.bool()])
+        return {"aux": aux, "input_ids": ids, "sup": supm, "last": torch.cat(last),
+                "tokens": torch.tensor(sum(len(sup) for _, sup in samples))}

@@ -1,0 +1,122 @@
+"""Writing a chat response the way OpenRouter does: SSE streams and padded JSON bodies.
+
+Streams start with `: OPENROUTER PROCESSING` and repeat that comment while nothing else is sent
+for `interval` seconds; chunks are `data: {json}` lines, then a usage chunk with empty `choices`,
+then `data: [DONE]`. Events ready at the same moment go out in one write (fewer syscalls). Non-streaming responses that take longer than `interval` commit to HTTP 200
+and send whitespace every `interval` as keep-alive, so the JSON body (or an error body, still with
+status 200) follows leading whitespace. A client gone away shows up as ConnectionResetError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from aiohttp import web
+
+PROCESSING = b": OPENROUTER PROCESSING\n\n"
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+class _Writer:
+    def __init__(self, request: web.Request, interval: float):
+        self.request, self.interval = request, interval
+        self.resp: web.StreamResponse | None = None
+        self._lock = asyncio.Lock()
+        self._last = asyncio.get_running_loop().time()
+        self._keepalive: asyncio.Task | None = None
+        self.gone = False
+
+    async def _write(self, data: bytes) -> None:
+        async with self._lock:
+            await self._write_locked(data)
+
+    async def _write_locked(self, data: bytes) -> None:
+        if self.resp is None:
+            await self._prepare()
+        try:
+            await self.resp.write(data)
+        except ConnectionResetError:
+            self.gone = True
+            raise
+        self._last = asyncio.get_running_loop().time()
+
+    async def _prepare(self) -> None:
+        raise NotImplementedError
+
+    def start_keepalive(self) -> None:
+        self._keepalive = asyncio.create_task(self._keepalive_loop())
+
+    async def _keepalive_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, self._last + self.interval - loop.time()))
+                if loop.time() - self._last >= self.interval:
+                    await self._write(self.KEEPALIVE)
+        except ConnectionResetError:
+            pass
+
+    def stop_keepalive(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
+
+
+class SSEWriter(_Writer):
+    KEEPALIVE = PROCESSING
+
+    async def _prepare(self) -> None:
+        self.resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await self.resp.prepare(self.request)
+
+    async def open(self) -> None:
+        self._buf: list[bytes] = []
+        await self._write(PROCESSING)
+        self.start_keepalive()
+
+    def event(self, obj) -> None:
+        """Queue one `data:` event; `flush` sends the queued ones in one write."""
+        self._buf.append(b"data: " + _dumps(obj) + b"\n\n")
+
+    async def flush(self) -> None:
+        if self._buf:
+            data, self._buf = b"".join(self._buf), []
+            await self._write(data)
+
+    async def done(self) -> None:
+        self.stop_keepalive()
+        self._buf.append(b"data: [DONE]\n\n")
+        await self.flush()
+        await self.resp.write_eof()
+
+    async def end(self) -> None:
+        """End the stream without [DONE] (after an error chunk)."""
+        self.stop_keepalive()
+        await self.flush()
+        await self.resp.write_eof()
+
+
+class JSONWriter(_Writer):
+    KEEPALIVE = b"\n"
+
+    async def _prepare(self) -> None:
+        self.resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        await self.resp.prepare(self.request)
+
+    async def open(self) -> None:
+        self.start_keepalive()
+
+    async def body(self, obj, status: int = 200) -> web.StreamResponse:
+        """The JSON body: a plain response if nothing was sent yet, else after the padding."""
+        self.stop_keepalive()
+        async with self._lock:
+            if self.resp is None:
+                return web.Response(body=_dumps(obj), status=status, content_type="application/json")
+            await self._write_locked(_dumps(obj))
+            await self.resp.write_eof()
+            return self.resp

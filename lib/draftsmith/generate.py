@@ -1,0 +1,565 @@
+"""Stage 02: sample responses for every prompt through the API, within token and dollar budgets.
+
+One aiohttp session carries up to `concurrency` requests at once, shared by all datasets: a slot
+freed by one dataset goes to whichever dataset still has budget and prompts (round robin), so the
+run stays full until the last budget is reached. Prompts are read lazily from the files
+(prompt_queue.py), so memory does not grow with the number of prompts.
+
+Each request: reserve its worst-case dollars and count it against its dataset's tokens in flight
+(budget.py), POST it (client.py), then save the response (store.py) or deal with the failure:
+back off and retry (retry.py; throttling also lowers the concurrency), record a permanent failure,
+or stop the run. A stop (balance gone, spend limit, bad key, SIGINT/SIGTERM) starts nothing new,
+gives the requests in flight `stop_grace_s` to finish and be saved, and closes the files, so a
+re-run resumes exactly where this one ended.
+
+`run_generation(...)` is what notebook 02 calls; it returns a `GenerationResult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from . import client
+from .budget import SpendBudget, TokenBudget
+from .datasets import DatasetSpec, Prompt, parse_datasets
+from .paths import Run, resolve
+from .pricing import BalanceReader, CatalogueError, fetch_catalogue
+from .progress import Progress
+from .prompt_queue import ContextCheck, DatasetQueue
+from .retry import Aimd, backoff_delay
+from .store import DatasetStore, Manifest
+
+THROTTLE_KINDS = ("http_429", "in_flight_budget")
+TODO = {"balance": "top up the balance, then re-run", "spend_limit": "raise spend_limit_usd, then re-run",
+        "fatal": "fix that, then re-run", "interrupted": "re-run"}
+
+
+@dataclass
+class Options:
+    """How the engine behaves (the notebook's stage 02 parameters)."""
+
+    concurrency: int
+    spend_limit_usd: float
+    balance_floor_usd: float = 0.0
+    max_attempts: int = 6
+    request_timeout_s: float = 600.0     # no byte for this long: a hung connection
+    stop_grace_s: float = 30.0
+    balance_poll_s: float = 15.0
+    fsync_s: float = 5.0
+    backoff_base_s: float = 1.0
+    backoff_cap_s: float = 60.0
+    target_model_path: str | None = None  # its tokenizer measures prompts that may be too long
+
+    def __post_init__(self):
+        for name in ("concurrency", "max_attempts"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not self.request_timeout_s or self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s!r}")
+
+
+@dataclass
+class GenerationResult:
+    status: str                 # finished | stopped
+    reason: str                 # finished | nothing_to_do | balance | spend_limit | fatal | interrupted
+    message: str
+    folder: Path
+    spent_usd: float
+    session: dict
+    datasets: dict = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "finished"
+
+    def raise_if_incomplete(self) -> None:
+        """Make a stopped run fail its notebook (so `draftsmith run all` does not go on with half the data)."""
+        if not self.complete:
+            raise GenerationStopped(self.message)
+
+
+class GenerationStopped(RuntimeError):
+    pass
+
+
+def routing(provider: dict | None, run: Run) -> dict:
+    """The provider object to send: stage 01's `providers/routing.json` (if any), overridden key by
+    key by the `provider` parameter."""
+    merged: dict = {}
+    path = run.root / "providers" / "routing.json"
+    if path.is_file():
+        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = obj.get("provider", obj) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: expected a JSON object (or one with a 'provider' object)")
+        merged.update(obj)
+    merged.update(provider or {})
+    return merged
+
+
+class Engine:
+    def __init__(self, base_url: str, api_key, run: Run, specs: list[DatasetSpec], settings: dict,
+                 opts: Options, config: dict, log=print):
+        self.base = base_url.rstrip("/")
+        self.url = self.base + "/chat/completions"
+        self._headers = {**api_key.header(), "Content-Type": "application/json", "X-Title": "draftsmith"}
+        self.opts, self.config, self.log = opts, config, log
+        self.folder = run.dir("generate")
+        self.stream = bool(settings.get("stream"))
+        self.bodies = client.BodyMaker(settings)
+        self.settings_json = json.dumps(settings, ensure_ascii=False, separators=(",", ":"))
+        self.model, self.provider, self.max_tokens = settings["model"], settings.get("provider") or {}, settings["max_tokens"]
+        self.stop_grace_s = opts.stop_grace_s
+
+        self.manifest = Manifest.open(self.folder / "manifest.json")
+        self.datasets: list[DatasetQueue] = []
+        spent = self.manifest.spent_outside_responses
+        for spec in specs:
+            store = DatasetStore(self.folder / spec.name, fsync_s=opts.fsync_s)
+            for note in store.notes:
+                log(f"resume: {note}")
+            budget = TokenBudget(spec.output_token_budget, self.max_tokens)
+            for duration, n in store.lengths:
+                budget.add(n, duration)
+            store.lengths = []
+            spent += store.totals.cost
+            self.datasets.append(DatasetQueue(spec, store, budget))
+        self.spend = SpendBudget(opts.spend_limit_usd, opts.balance_floor_usd, spent)
+        self.aimd = Aimd(opts.concurrency)
+        self.check: ContextCheck | None = None
+        self.progress: Progress | None = None
+        self.http: aiohttp.ClientSession | None = None
+
+        self.in_flight = self.peak_in_flight = 0
+        self.tasks: set[asyncio.Task] = set()
+        self.reason: str | None = None       # why the session ended (None while running)
+        self.message = ""
+        self.blocked: tuple[str, float] | None = None   # (spend_limit | balance, worst cost) if dollars stopped a start
+        self.errors: dict[str, int] = {}
+        self.attempts = self.samples = self.tokens = 0
+        self.exhausted_samples = self.permanent_samples = 0
+        self.cost = self.failed_attempts_cost = self.abandoned_reserved = 0.0
+        self._rr = 0
+        self.entry = {"started": _now(), "status": "running",      # this session's line in the manifest
+                      "samples_at_start": sum(len(d.store.done) for d in self.datasets)}
+        self.manifest.sessions.append(self.entry)
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def _take(self) -> tuple | None:
+        """Claim a slot and the next job for it: round robin over the datasets that can start one,
+        its dollars reserved. None if nothing can start now."""
+        if self.reason is not None or self.in_flight >= self.aimd.limit:
+            return None
+        n = len(self.datasets)
+        for i in range(n):
+            d = self.datasets[(self._rr + i) % n]
+            if not d.budget.can_start():
+                continue
+            nxt = d.peek(self.check)
+            if nxt is None:
+                continue
+            p, bound = nxt
+            worst = self.spend.worst_cost(bound, d.budget.worst)
+            if not self.spend.try_reserve(worst):
+                left = self.spend.balance_left
+                by_balance = left is not None and left - self.spend.floor < self.spend.limit - self.spend.spent
+                self.blocked = ("balance" if by_balance else "spend_limit", worst)
+                return None
+            self.blocked = None
+            d.take()
+            self._rr = (self._rr + i + 1) % n
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            return d, p, worst, d.budget.start()
+        return None
+
+    async def _dispatch(self) -> None:
+        """Start a worker per free slot. A worker keeps taking jobs itself when it finishes one, so
+        this loop only wakes when a worker runs dry, on the periodic tick, or at a stop."""
+        loop = asyncio.get_running_loop()
+        while self.reason is None:
+            while (job := self._take()) is not None:
+                t = loop.create_task(self._worker(job))
+                self.tasks.add(t)
+                t.add_done_callback(self.tasks.discard)
+            if self.in_flight == 0 and self.reason is None:
+                if self.blocked and any(d.budget.can_start() and d.peek(self.check) for d in self.datasets):
+                    self.request_stop(self.blocked[0], self._blocked_message())
+                else:
+                    self.request_stop("finished")
+                break
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _worker(self, job: tuple) -> None:
+        while job is not None:
+            await self._sample(*job)
+            job = self._take()
+        self._wake.set()
+
+    def _blocked_message(self) -> str:
+        why, worst = self.blocked
+        if why == "balance":
+            floor = f" (balance_floor_usd ${self.spend.floor:.2f})" if self.spend.floor else ""
+            return (f"the balance ran out: ${self.spend.balance_left:.4f} left{floor}, less than the next "
+                    f"request could cost (${worst:.4f} at max_tokens on the dearest allowed provider)")
+        return (f"spend_limit_usd ${self.spend.limit:.2f} reached: spent ${self.spend.spent:.4f}, and the next "
+                f"request could cost ${worst:.4f}, more than the ${self.spend.limit - self.spend.spent:.4f} left")
+
+    # -- one sample -------------------------------------------------------------------------
+    async def _sample(self, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) -> None:
+        msgs_json = client.messages_json(p.messages)
+        body = self.bodies.body(msgs_json)
+        started = time.time()
+        tokens = prompt_tokens = None
+        cost = 0.0
+        try:
+            for attempt in range(1, self.opts.max_attempts + 1):
+                self.attempts += 1
+                t0 = time.monotonic()
+                res = await client.complete(self.http, self.url, None, body, self.stream)
+                if isinstance(res, client.Reply):
+                    latency = time.monotonic() - t0
+                    self.aimd.observe_latency(latency)
+                    self.aimd.on_success()
+                    u = res.usage
+                    tokens = u["completion_tokens"]
+                    if tokens is None:      # no usage came back: count what we got, roughly
+                        tokens = max(1, (len(res.content) + len(res.reasoning or "")) // 4)
+                    cost, prompt_tokens = u["cost"] or 0.0, u["prompt_tokens"]
+                    d.store.write(p.sample_id, self._line(d, p, msgs_json, res, attempt, latency, started))
+                    d.store.count_reply(u, res.finish_reason, res.provider)
+                    self.samples += 1
+                    self.tokens += tokens
+                    self.cost += cost
+                    self.progress.update(tokens)
+                    return
+                self.errors[res.kind] = self.errors.get(res.kind, 0) + 1
+                if res.cost:
+                    self.failed_attempts_cost += res.cost
+                    self.spend.spent += res.cost
+                if res.action == "permanent":
+                    return self._record_failure(d, p, res, attempt, "permanent")
+                if res.action == "balance":
+                    return self.request_stop("balance", f"the OpenRouter balance ran out ({res.message})")
+                if res.action == "fatal":
+                    hint = ("check api_key_file / OPENROUTER_API_KEY" if res.kind == "unauthorized"
+                            else "check `model` and `provider` (and providers/routing.json from stage 01)")
+                    return self.request_stop("fatal", f"{res}: {hint}")
+                if res.kind in THROTTLE_KINDS:
+                    self.aimd.on_throttle()
+                if attempt == self.opts.max_attempts or self.reason is not None:
+                    break
+                delay = backoff_delay(attempt, res.retry_after, self.opts.backoff_base_s, self.opts.backoff_cap_s)
+                await asyncio.wait((self._stop,), timeout=delay)     # a stop cuts the wait short
+                if self.reason is not None:
+                    return
+            if self.reason is None:
+                self._record_failure(d, p, res, attempt, "exhausted")
+        except asyncio.CancelledError:
+            # Given up on while in flight: it may still be billed, so count it at its worst case.
+            self.abandoned_reserved += reserved
+            cost = reserved
+            raise
+        finally:
+            d.budget.end(ticket, tokens)
+            self.spend.settle(reserved, cost, prompt_tokens, tokens)
+            self.in_flight -= 1
+
+    def _line(self, d: DatasetQueue, p: Prompt, msgs_json: str, res: client.Reply, attempt: int,
+              latency: float, started: float) -> str:
+        """The raw_responses.jsonl line; the prompt and the settings are already JSON."""
+        rec = json.dumps({
+            "sample_id": p.sample_id, "dataset": d.name, "content": res.content, "reasoning": res.reasoning,
+            "finish_reason": res.finish_reason, "native_finish_reason": res.native_finish_reason,
+            "provider": res.provider, "model": res.model, "generation_id": res.generation_id, "usage": res.usage,
+            "attempts": attempt, "latency_s": round(latency, 3), "started_at": round(started, 3),
+            "completed_at": round(time.time(), 3)}, ensure_ascii=False, separators=(",", ":"))
+        return f'{rec[:-1]},"messages":{msgs_json},"request":{self.settings_json}}}'
+
+    def _record_failure(self, d: DatasetQueue, p: Prompt, res: client.Failure, attempts: int, action: str) -> None:
+        if action == "permanent":
+            self.permanent_samples += 1
+        else:
+            self.exhausted_samples += 1
+        d.store.write_error({"sample_id": p.sample_id, "dataset": d.name, "action": action, "kind": res.kind,
+                             "status": res.status, "message": res.message, "provider": res.provider,
+                             "attempts": attempts, "time": round(time.time(), 3)})
+
+    # -- stopping ---------------------------------------------------------------------------
+    def request_stop(self, reason: str, message: str = "") -> None:
+        if self.reason is None:
+            self.reason, self.message = reason, message
+            if reason != "finished":
+                wait = (f", waiting up to {self.stop_grace_s:.0f}s for the {self.in_flight} requests in flight"
+                        if self.in_flight else "")
+                self.log(f"stopping: {message or reason}; starting nothing new{wait}")
+        if not self._stop.done():
+            self._stop.set_result(None)
+        self._wake.set()
+
+    def cancel_all(self) -> None:
+        """Give up on everything in flight now (a second SIGINT)."""
+        self.stop_grace_s = 0
+        self.request_stop("interrupted", "interrupted twice")
+        for t in list(self.tasks):
+            t.cancel()
+
+    # -- background: balance polling, progress, periodic saves ------------------------------
+    async def _poll_balance(self, reader: BalanceReader) -> None:
+        while self.reason is None:
+            await asyncio.wait((self._stop,), timeout=self.opts.balance_poll_s)
+            balance = await reader.read()
+            if balance is not None:
+                self.spend.set_balance(balance)
+                self._wake.set()
+
+    async def _tick(self) -> None:
+        last_save = last_t = time.monotonic()
+        last_tokens, rate = self.tokens, 0.0
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            rate = 0.7 * rate + 0.3 * (self.tokens - last_tokens) / max(1e-9, now - last_t)
+            last_tokens, last_t = self.tokens, now
+            self.progress.set(**self._progress_fields(rate))
+            self._wake.set()       # the limit may have grown back, or a reservation been freed
+            if now - last_save >= 2:
+                for d in self.datasets:
+                    d.store.sync()
+                self._save_manifest()
+                last_save = now
+
+    def _progress_fields(self, rate: float) -> dict:
+        f = {}
+        for d in self.datasets:
+            b = d.spec.output_token_budget
+            f[d.name] = f"{_short(d.budget.done)}/{_short(b)}" if b else _short(d.budget.done)
+        f.update(samples=self.samples, spent=f"${self.spend.spent:.4f}/{self.spend.limit:g}",
+                 tok_s=round(rate), in_flight=f"{self.in_flight}/{self.aimd.limit}",
+                 err=f"{100 * sum(self.errors.values()) / max(1, self.attempts):.1f}%")
+        return f
+
+    # -- the manifest -----------------------------------------------------------------------
+    def _dataset_table(self) -> dict:
+        out = {}
+        for d in self.datasets:
+            out[d.name] = {**d.store.totals.as_dict(), "budget": d.spec.output_token_budget, "path": d.spec.path,
+                           "failed_for_good": len(d.store.permanent)}
+        return out
+
+    def _provider_table(self) -> dict:
+        merged: dict[str, dict] = {}
+        for d in self.datasets:
+            for name, t in d.store.providers.items():
+                m = merged.setdefault(name, {"samples": 0, "completion_tokens": 0, "prompt_tokens": 0, "cost": 0.0})
+                m["samples"] += t.samples
+                m["completion_tokens"] += t.completion_tokens
+                m["prompt_tokens"] += t.prompt_tokens
+                m["cost"] = round(m["cost"] + t.cost, 8)
+        return merged
+
+    def _save_manifest(self, final: bool = False) -> None:
+        problems = {d.name: [str(p) for p in d.reader.problems[:20]] +
+                    ([f"... {len(d.reader.problems) - 20} more"] if len(d.reader.problems) > 20 else [])
+                    for d in self.datasets if d.reader.problems}
+        self.entry.update(
+            updated=_now(), samples=self.samples, completion_tokens=self.tokens, cost=round(self.cost, 8),
+            attempts=self.attempts, errors_by_kind=dict(self.errors),
+            failed_attempts_cost=round(self.failed_attempts_cost, 8), reserved_usd=round(self.spend.reserved, 8),
+            peak_in_flight=self.peak_in_flight, concurrency_limit=self.aimd.limit, concurrency_cuts=self.aimd.cuts,
+            exhausted_samples=self.exhausted_samples, permanent_samples=self.permanent_samples,
+            skipped_too_long={d.name: d.skipped for d in self.datasets if d.skipped}, malformed_rows=problems)
+        if final:
+            self.entry.update(ended=_now(), status=self.reason, message=self.message, reserved_usd=0.0,
+                                abandoned_reserved_usd=round(self.abandoned_reserved, 8))
+        self.manifest.write(self.config, self._dataset_table(), self._provider_table(), self.spend.spent)
+
+    # -- the whole session -------------------------------------------------------------------
+    async def main(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stop = loop.create_future()
+        self._wake = asyncio.Event()
+        if not any(d.budget.can_start() and d.peek() for d in self.datasets):
+            self.reason = "nothing_to_do"
+            self.message = "every dataset is done (budget reached or no prompts left); nothing was requested"
+            return self._close()
+        budgets = [d.spec.output_token_budget for d in self.datasets]
+        self.progress = Progress(total=sum(budgets) if all(budgets) else None, desc="generate", unit="tok")
+        self.progress.update(sum(d.budget.done for d in self.datasets))
+        _raise_fd_limit(self.opts.concurrency + 256)
+        connector = aiohttp.TCPConnector(limit=self.opts.concurrency + 16, limit_per_host=0, ttl_dns_cache=300,
+                                         enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.opts.request_timeout_s)
+        background: list[asyncio.Task] = []
+        try:
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers) as session:
+                self.http = session
+                try:
+                    cat = await fetch_catalogue(session, self.base, self.model, self.provider)
+                except CatalogueError as e:
+                    self.reason, self.message = "fatal", str(e)
+                    return
+                self.spend.set_prices(cat.prompt_price, cat.completion_price)
+                self.check = ContextCheck(cat.context_length, self.max_tokens, self.opts.target_model_path)
+                reader = BalanceReader(session, self.base)
+                self.spend.set_balance(await reader.read())
+                background = [loop.create_task(self._poll_balance(reader)), loop.create_task(self._tick())]
+                self._save_manifest()
+                await self._dispatch()
+                if self.tasks:
+                    _, pending = await asyncio.wait(set(self.tasks), timeout=self.stop_grace_s)
+                    for t in pending:
+                        t.cancel()
+                    if pending:
+                        await asyncio.wait(pending)
+                        self.log(f"gave up on {len(pending)} requests still in flight after {self.stop_grace_s:.0f}s")
+        finally:
+            for t in background:
+                t.cancel()
+            if self.reason is None:
+                self.reason, self.message = "interrupted", self.message or "interrupted"
+            self._close()
+
+    def _close(self) -> None:
+        for d in self.datasets:
+            d.store.close()
+        if self.progress is not None:
+            self.progress.set(**self._progress_fields(0.0))
+            self.progress.close()
+        self._save_manifest(final=True)
+        for d in self.datasets:
+            if d.reader.problems:
+                self.log(d.reader.summary())
+
+    def result(self) -> GenerationResult:
+        done = self.reason in ("finished", "nothing_to_do")
+        parts = []
+        for d in self.datasets:
+            t, b = d.store.totals, d.spec.output_token_budget
+            parts.append(f"{d.name}: {t.samples} samples, {t.completion_tokens:,} tokens" + (f" of {b:,}" if b else "")
+                         + (f", {len(d.store.permanent)} failed for good" if d.store.permanent else ""))
+        summary = "; ".join(parts)
+        spent = (f"spent ${self.cost + self.failed_attempts_cost:.4f} this session, ${self.spend.spent:.4f} "
+                 f"in this run (limit ${self.spend.limit:.2f})")
+        if done:
+            head = self.message + ": " if self.reason == "nothing_to_do" else "finished: "
+            retry = (f"; {self.exhausted_samples} samples failed after {self.opts.max_attempts} attempts and "
+                     f"a re-run tries them again" if self.exhausted_samples else "")
+            msg = f"{head}{summary}; {spent}{retry}"
+        else:
+            msg = (f"stopped: {self.message}. Done so far: {summary}; {spent}. Nothing paid for is lost: "
+                   f"{TODO.get(self.reason, 're-run')} and it resumes where it stopped.")
+        return GenerationResult("finished" if done else "stopped", self.reason, msg, self.folder,
+                                self.spend.spent, dict(self.entry), self._dataset_table())
+
+
+def _raise_fd_limit(need: int) -> None:
+    """One socket per request in flight: make sure the process may open that many files."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < need:
+            print(f"warning: the open-file limit ({hard}) is below concurrency + 256 = {need}; "
+                  f"raise it (ulimit -n) or lower concurrency")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _short(n: float) -> str:
+    for unit, div in (("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+# --- the entry point ---------------------------------------------------------------------------
+
+def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model: str, max_tokens: int,
+                   concurrency: int, spend_limit_usd: float, temperature: float | None = None,
+                   top_p: float | None = None, seed: int | None = None, provider: dict | None = None,
+                   reasoning: dict | None = None, stream: bool = False, log=print, **options) -> GenerationResult:
+    """Generate responses for `datasets` into `run.dir("generate")`, resuming whatever is there.
+    `options`: the other fields of `Options` (balance_floor_usd, max_attempts, request_timeout_s, ...).
+
+    Runs its own event loop (in a thread when one is already running, as in Jupyter). SIGINT and
+    SIGTERM stop it cleanly; a second SIGINT gives up on the requests in flight at once."""
+    datasets = [{**d, "path": str(resolve(d["path"]))} if isinstance(d, dict) and isinstance(d.get("path"), str)
+                else d for d in datasets]
+    specs = parse_datasets(datasets)
+    for spec in specs:
+        if not Path(spec.path).is_file():
+            raise FileNotFoundError(f"datasets: file of dataset {spec.name!r} not found: {spec.path}")
+    opts = Options(concurrency, spend_limit_usd, **options)
+    settings = client.request_settings(model, max_tokens, temperature, top_p, seed, routing(provider, run),
+                                       reasoning, stream)
+    config = {"base_url": base_url, "key_source": api_key.source, "datasets": datasets, "request": settings,
+              **{k: v for k, v in vars(opts).items() if k != "target_model_path"}}
+    engine = Engine(base_url, api_key, run, specs, settings, opts, config, log)
+    _run_with_signals(engine)
+    return engine.result()
+
+
+def _run_with_signals(engine: Engine) -> None:
+    """Run the engine's event loop; SIGINT/SIGTERM ask it to stop (a second one: at once)."""
+    state = {"loop": None, "signals": 0}
+
+    def stop(loop) -> None:
+        if state["signals"] == 1:
+            loop.call_soon_threadsafe(engine.request_stop, "interrupted", f"{state['name']} received")
+        else:
+            loop.call_soon_threadsafe(engine.cancel_all)
+
+    def on_signal(signum, frame=None) -> None:
+        state["signals"] += 1
+        state["name"] = signal.Signals(signum).name
+        if state["loop"] is not None:
+            stop(state["loop"])
+
+    async def body() -> None:
+        state["loop"] = asyncio.get_running_loop()
+        if state["signals"]:            # a signal came before the loop did
+            stop(state["loop"])
+        await engine.main()
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            old[s] = signal.signal(s, on_signal)
+    try:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(body())         # a script, or papermill's kernel cell without a loop
+            return
+        # Jupyter already runs a loop in this thread: run ours in another, wait here (signals land here).
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                asyncio.run(body())
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(e)
+
+        th = threading.Thread(target=target, name="draftsmith-generate", daemon=True)
+        th.start()
+        while th.is_alive():
+            th.join(0.2)
+        if errors:
+            raise errors[0]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,130 @@
+"""Tables and figures of stage 02, read back from what it wrote (so they also work on a run
+generated elsewhere, or resumed several times): tokens over time, spend against the limit,
+latency and length distributions, the providers that served, and the errors met."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens", "completion_tokens",
+           "reasoning_tokens", "cost", "attempts", "latency_s", "started_at", "completed_at"]
+
+
+def load_responses(folder: Path) -> pd.DataFrame:
+    """One row per saved sample (text left out), from every `<dataset>/raw_responses.jsonl`."""
+    rows = []
+    for path in sorted(Path(folder).glob("*/raw_responses.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break                   # a torn tail: the next run cuts it off
+                r = json.loads(line)
+                u = r.get("usage") or {}
+                rows.append((r["dataset"], r["sample_id"], r.get("provider") or "unknown", r.get("finish_reason"),
+                             u.get("prompt_tokens"), u.get("completion_tokens"), u.get("reasoning_tokens"),
+                             u.get("cost"), r.get("attempts"), r.get("latency_s"), r.get("started_at"),
+                             r.get("completed_at")))
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    if len(df):
+        df["completed"] = pd.to_datetime(df["completed_at"], unit="s")
+    return df
+
+
+def load_errors(folder: Path) -> pd.DataFrame:
+    rows = []
+    for path in sorted(Path(folder).glob("*/errors.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            rows.extend(json.loads(line) for line in f if line.endswith("\n"))
+    return pd.DataFrame(rows, columns=["dataset", "sample_id", "action", "kind", "status", "message", "attempts"])
+
+
+def load_manifest(folder: Path) -> dict:
+    path = Path(folder) / "manifest.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def dataset_table(manifest: dict) -> pd.DataFrame:
+    rows = []
+    for name, t in (manifest.get("datasets") or {}).items():
+        b = t.get("budget")
+        rows.append({"dataset": name, "samples": t["samples"], "output tokens": t["completion_tokens"],
+                     "budget": b, "of budget %": round(100 * t["completion_tokens"] / b, 2) if b else None,
+                     "reasoning tokens": t["reasoning_tokens"], "prompt tokens": t["prompt_tokens"],
+                     "cost $": round(t["cost"], 4), "finish=length": t["length_finishes"],
+                     "failed for good": t.get("failed_for_good", 0)})
+    return pd.DataFrame(rows).set_index("dataset") if rows else pd.DataFrame()
+
+
+def provider_table(df: pd.DataFrame) -> pd.DataFrame:
+    if not len(df):
+        return pd.DataFrame()
+    g = df.groupby("provider").agg(samples=("sample_id", "size"), output_tokens=("completion_tokens", "sum"),
+                                   cost=("cost", "sum"), p50_latency_s=("latency_s", "median"))
+    g["share %"] = (100 * g["output_tokens"] / g["output_tokens"].sum()).round(1)
+    g["$ per M out"] = (1e6 * g["cost"] / g["output_tokens"].clip(lower=1)).round(3)
+    return g.sort_values("output_tokens", ascending=False)
+
+
+def errors_table(manifest: dict, errors: pd.DataFrame) -> pd.DataFrame:
+    """Every failed attempt by kind (most were retried and then succeeded), and how many samples
+    ended failed for good or out of attempts."""
+    out = pd.Series(manifest.get("errors_by_kind") or {}, dtype="int64", name="failed attempts").to_frame()
+    if len(errors):
+        final = errors.groupby(["kind", "action"]).size().unstack(fill_value=0)
+        final.columns = [f"samples {c}" for c in final.columns]
+        out = out.join(final, how="outer")
+    out = out.fillna(0).astype(int)
+    out.index.name = "kind"
+    return out.sort_values("failed attempts", ascending=False)
+
+
+def sessions_table(manifest: dict) -> pd.DataFrame:
+    keep = ["started", "ended", "status", "samples", "completion_tokens", "cost", "attempts", "peak_in_flight",
+            "concurrency_limit", "exhausted_samples", "message"]
+    return pd.DataFrame([{k: s.get(k) for k in keep} for s in manifest.get("sessions", [])])
+
+
+def plot_overview(df: pd.DataFrame, manifest: dict, spend_limit_usd: float, path: Path | None = None):
+    """Six panels: tokens over time per dataset, spend vs the limit, latency and length
+    distributions, provider share, errors by kind."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 3, figsize=(15, 8))
+    ax = ax.ravel()
+    unit, div = "minutes", 60.0
+    if len(df):
+        t0 = df["completed_at"].min()
+        if df["completed_at"].max() - t0 < 180:
+            unit, div = "seconds", 1.0
+        d = df.sort_values("completed_at")
+        for name, g in d.groupby("dataset"):
+            ax[0].plot((g["completed_at"] - t0) / div, g["completion_tokens"].cumsum(), label=name)
+            b = (manifest.get("datasets", {}).get(name) or {}).get("budget")
+            if b:
+                ax[0].axhline(b, ls=":", lw=1, color=ax[0].lines[-1].get_color())
+        ax[1].plot((d["completed_at"] - t0) / div, d["cost"].fillna(0).cumsum(), label="spent (saved responses)")
+        ax[2].hist(df["latency_s"].dropna(), bins=40)
+        for name, g in df.groupby("dataset"):
+            ax[3].hist(g["completion_tokens"].dropna(), bins=40, alpha=0.6, label=name)
+        share = df.groupby("provider")["completion_tokens"].sum().sort_values()
+        ax[4].barh(share.index, share.values)
+    ax[0].set(title="output tokens over time (dotted: budget)", xlabel=f"{unit} since the first response", ylabel="tokens")
+    ax[0].legend()
+    ax[1].axhline(spend_limit_usd, color="red", ls="--", label=f"spend_limit_usd ${spend_limit_usd:g}")
+    ax[1].set(title=f"spend vs limit (run total ${manifest.get('spent_usd', 0):.4f})", xlabel=unit, ylabel="USD")
+    ax[1].legend()
+    ax[2].set(title="latency per response", xlabel="seconds", ylabel="responses")
+    ax[3].set(title="response length", xlabel="completion tokens", ylabel="responses")
+    ax[3].legend()
+    ax[4].set(title="output tokens per provider", xlabel="tokens")
+    errs = pd.Series(manifest.get("errors_by_kind") or {}, dtype="int64").sort_values()
+    if len(errs):
+        ax[5].barh(errs.index, errs.values)
+    ax[5].set(title="failed attempts by kind (retried unless final)", xlabel="attempts")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig

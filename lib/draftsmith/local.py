@@ -1,0 +1,89 @@
+"""`api_base: local`: run a stage against the local OpenRouter emulator instead of the real one.
+
+    with open_api(api_base, api_key_file, run, target_model_path, emulator, model) as (base_url, key):
+        ...
+
+For a real `api_base` this only reads the key. For `local` it starts the emulator as a child
+process on a free port, serving the target checkpoint under the model's name, with its state
+(account, ledger) in `run.dir("emulator")` so that every stage of the run sees the same account;
+it stops the emulator on exit (and the emulator stops by itself if this process dies). The key is
+the one from `api_key_file` / $OPENROUTER_API_KEY if there is one, else a random throwaway key;
+it reaches the child through its environment, never its command line.
+
+`emulator` is the notebooks' `emulator` parameter: a dict of emulator config fields (see
+draftsmith.emulator.config), e.g. {"time_scale": 0.0, "credits": 5.0, "fault_scale": 1.0}. Here
+`backend` defaults to `model` (the target itself answers); tests may pass `synthetic`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from .apikey import ENV_VAR, ApiKey, read_api_key
+from .paths import Run
+
+START_TIMEOUT_S = 300
+
+
+@contextmanager
+def open_api(api_base: str, api_key_file: str | None, run: Run, target_model_path: str | None,
+             emulator: dict | None = None, model: str | None = None) -> Iterator[tuple[str, ApiKey]]:
+    if api_base != "local":
+        yield api_base.rstrip("/"), read_api_key(api_key_file)
+        return
+    from .emulator import KEY_ENV, new_key
+    from .emulator.config import load_config
+    from .target import resolve_target
+
+    if api_key_file or os.environ.get(ENV_VAR, "").strip():
+        key = read_api_key(api_key_file)
+    else:
+        key = ApiKey(new_key(), "throwaway key of the local emulator")
+    fields = {"backend": "model", **(emulator or {})}
+    if target_model_path:
+        fields["target_model_path"] = str(resolve_target(target_model_path))  # builds a built-in target here, visibly
+    if model:
+        fields["model"] = model
+    cfg = load_config(fields)
+    state = run.dir("emulator")
+    (state / "config.json").write_text(cfg.model_dump_json(indent=1))
+    ready = state / "ready.json"
+    ready.unlink(missing_ok=True)
+    log = open(state / "emulator.log", "a")
+    env = dict(os.environ, **{KEY_ENV: key.reveal()})
+    env.pop(ENV_VAR, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "draftsmith.emulator", "--port", "0", "--config", str(state / "config.json"),
+         "--state-dir", str(state), "--ready-file", str(ready), "--parent-pid", str(os.getpid())],
+        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        base_url = _wait_ready(proc, ready, state / "emulator.log")
+        yield base_url, key
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path) -> str:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < START_TIMEOUT_S:
+        if ready.exists():
+            return json.loads(ready.read_text())["base_url"]
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+            raise RuntimeError("the local emulator failed to start (exit code %s); end of %s:\n%s"
+                               % (proc.returncode, log, "\n".join(tail)))
+        time.sleep(0.05)
+    raise TimeoutError(f"the local emulator did not start within {START_TIMEOUT_S}s; see {log}")

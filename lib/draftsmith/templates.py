@@ -1,0 +1,111 @@
+"""Chat templates: which one to use, and what a response looks like under it.
+
+The target's own template comes with its tokenizer folder; `chat_template_file` replaces it (a jinja
+file, or the name of a built-in one below). Stage 03 needs more than the prompt: it must know how the
+template lays out the turn the model writes, because OpenRouter returns that turn as two strings
+(`reasoning`, `content`). `response_layout` reads the layout off the template itself by rendering a
+probe conversation, so nothing about a model family is hard-coded here:
+
+    prompt (generation prompt included) | {reasoning}{think_end}{content}{end_of_turn}
+
+e.g. DeepSeek-style / Kimi-K2.5: the prompt ends with `<think>`, think_end = `</think>`,
+end_of_turn = `<｜end▁of▁sentence｜>` / `<|im_end|>`. A template without reasoning has think_end "".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# Kimi-K2.5 as documented in reference/OPENROUTER.md: no newlines between turns, a default system
+# prompt when none is given, earlier assistant turns keep an empty <think></think>, and the
+# generation prompt opens the reasoning block. The real checkpoint ships its own (longer: tools,
+# media) chat_template.jinja, which renders these conversations the same way; this one is for a
+# tokenizer folder without a template and for tests.
+KIMI_K25_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+KIMI_K25_CHAT_TEMPLATE = (
+    "{% set ns = namespace(start=0) %}"
+    "<|im_system|>system<|im_middle|>"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] }}{% set ns.start = 1 %}"
+    "{% else %}" + KIMI_K25_DEFAULT_SYSTEM + "{% endif %}<|im_end|>"
+    "{% for message in messages[ns.start:] %}"
+    "{% if message['role'] == 'user' %}<|im_user|>user<|im_middle|>{{ message['content'] }}<|im_end|>"
+    "{% elif message['role'] == 'assistant' %}<|im_assistant|>assistant<|im_middle|>"
+    "{% if loop.last and message.get('reasoning_content') is not none %}"
+    "<think>{{ message['reasoning_content'] }}</think>"
+    "{% else %}<think></think>{% endif %}"
+    "{{ message['content'] }}<|im_end|>"
+    "{% else %}{{ raise_exception('unsupported role: ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|><think>{% endif %}"
+)
+
+BUILTIN = {"kimi-k2.5": KIMI_K25_CHAT_TEMPLATE}
+
+
+def load_chat_template(chat_template_file: str | Path | None) -> str | None:
+    """The jinja text of `chat_template_file`: an existing file, else a built-in name (the runner
+    may have made the name an absolute path; its last part is used). None: keep the tokenizer's."""
+    if chat_template_file is None or str(chat_template_file) == "":
+        return None
+    path = Path(chat_template_file).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if path.name in BUILTIN:
+        return BUILTIN[path.name]
+    raise FileNotFoundError(f"chat_template_file {str(chat_template_file)!r}: no such file, and not a "
+                            f"built-in template ({', '.join(sorted(BUILTIN))})")
+
+
+_PROBE = "\ue000draftsmith-probe\ue001"  # private-use characters: no template or tokenizer treats them specially
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the template lays out the assistant turn that follows the generation prompt."""
+
+    think_end: str     # text between reasoning and answer ("" when the template has no reasoning)
+    end_of_turn: str   # text the model writes to end its turn
+
+    @property
+    def thinking(self) -> bool:
+        return bool(self.think_end)
+
+    @property
+    def think_markers(self) -> tuple[str, ...]:
+        """The reasoning delimiters, which should never appear inside the answer text."""
+        if not self.think_end:
+            return ()
+        opening = self.think_end.replace("</", "<", 1) if self.think_end.startswith("</") else None
+        return tuple(m for m in (opening, self.think_end) if m)
+
+
+def response_layout(render) -> Layout:
+    """Read the layout off a template. `render(messages, add_generation_prompt)` returns its text.
+
+    Renders one user turn with the generation prompt, and the same turn followed by an assistant
+    answer (a probe string, no reasoning): whatever the second adds around the probe is what the
+    model writes around its answer. Templates render an earlier turn's reasoning as nothing, so the
+    text before the probe is exactly the delimiter that closes a reasoning block the generation
+    prompt opened."""
+    user = [{"role": "user", "content": "Hello"}]
+    prompt = render(user, True)
+    full = render(user + [{"role": "assistant", "content": _PROBE}], False)
+    if not full.startswith(prompt) or full.count(_PROBE) != 1:
+        raise ValueError(
+            "chat template: a rendered assistant turn does not continue the generation prompt "
+            f"(generation prompt ends {prompt[-60:]!r}, assistant turn renders {full[-80:]!r}); "
+            "give a template that does via chat_template_file")
+    think_end, end_of_turn = full[len(prompt):].split(_PROBE)
+    end_of_turn = end_of_turn.rstrip()  # e.g. ChatML's "<|im_end|>\n": the model stops at the token
+    if not end_of_turn:
+        raise ValueError("chat template: an assistant turn renders no end-of-turn marker after the answer")
+    layout = Layout(think_end, end_of_turn)
+    opening = layout.think_markers[0] if layout.thinking else None
+    if layout.thinking and (opening == think_end or not prompt.endswith(opening)):
+        raise ValueError(
+            f"chat template: the answer follows {think_end!r}, but the generation prompt does not end "
+            f"by opening a reasoning block (it ends {prompt[-40:]!r}); only templates whose generation "
+            "prompt opens the reasoning (DeepSeek, Kimi-K2.5) or that have none are supported")
+    return layout

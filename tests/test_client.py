@@ -1,0 +1,212 @@
+"""client.py: every way an OpenRouter answer can look, sorted into what the engine does next.
+
+The wire-level cases (padding, SSE comments, cut streams, hung connections) are served by a tiny
+in-process aiohttp app that replays exact bytes; the emulator tests in test_generate*.py cover the
+same paths end to end.
+"""
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from draftsmith import client
+
+OK = {"id": "gen-1", "provider": "Novita", "model": "moonshotai/kimi-k2.5", "object": "chat.completion",
+      "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop",
+                   "message": {"role": "assistant", "content": "Hello.", "reasoning": "Think."}}],
+      "usage": {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23, "cost": 0.0000195,
+                "completion_tokens_details": {"reasoning_tokens": 1}}}
+
+
+def test_padded_json_body_parses():
+    r = client.parse_completion(b"\n\n   \n" + json.dumps(OK).encode())
+    assert isinstance(r, client.Reply)
+    assert (r.content, r.reasoning, r.finish_reason, r.provider, r.generation_id) == \
+        ("Hello.", "Think.", "stop", "Novita", "gen-1")
+    assert r.usage == {"prompt_tokens": 20, "completion_tokens": 3, "reasoning_tokens": 1, "cost": 0.0000195}
+
+
+def test_length_finish_is_a_result_not_a_retry():
+    body = json.loads(json.dumps(OK))
+    body["choices"][0]["finish_reason"] = "length"
+    assert isinstance(client.parse_completion(json.dumps(body).encode()), client.Reply)
+
+
+@pytest.mark.parametrize("mutate,kind", [
+    (lambda b: b.update(error={"code": 502, "message": "Provider returned error"}) or b.pop("choices"), "error_in_200"),
+    (lambda b: b["choices"][0].update(finish_reason="error"), "finish_error"),
+    (lambda b: b["choices"][0].update(finish_reason=None, message={"role": "assistant", "content": ""}), "empty"),
+    (lambda b: b.update(choices=[]), "no_choices"),
+    (lambda b: b["choices"][0].update(message={"content": "", "reasoning": None}) or
+     b["usage"].update(completion_tokens=0), "empty"),
+])
+def test_errors_inside_200_are_retryable(mutate, kind):
+    body = json.loads(json.dumps(OK))
+    mutate(body)
+    f = client.parse_completion(json.dumps(body).encode())
+    assert isinstance(f, client.Failure) and f.action == "retry" and f.kind == kind
+
+
+def test_error_in_200_with_a_balance_code_stops():
+    f = client.parse_completion(json.dumps({"error": {"code": 402, "message": "can only afford 10"}}).encode())
+    assert (f.action, f.kind) == ("balance", "balance")
+
+
+@pytest.mark.parametrize("status,error,action,kind", [
+    (400, {"message": "This endpoint's maximum context length is 262144 tokens"}, "permanent", "bad_request"),
+    (403, {"message": "flagged", "metadata": {"reasons": ["x"]}}, "permanent", "moderation"),
+    (401, {"message": "No auth credentials found"}, "fatal", "unauthorized"),
+    (404, {"message": "No allowed providers are available for the selected model."}, "fatal", "no_provider"),
+    (402, {"message": "This request requires more credits, or fewer max_tokens. You requested up to 4096 "
+                      "tokens, but can only afford 1200."}, "balance", "balance"),
+    (402, {"message": "Too much spend in flight", "metadata": {"code": "in_flight_budget_exhausted"}},
+     "inflight", "in_flight_budget"),
+    (402, {"code": "weight_exceeds_budget", "message": "request weight exceeds budget"}, "inflight", "in_flight_budget"),
+    (408, {"message": "timeout"}, "retry", "http_408"),
+    (429, {"message": "Provider returned error", "metadata": {"raw": "rate limited", "provider_name": "Novita",
+                                                               "retry_after_seconds": 7}}, "retry", "http_429"),
+    (500, {}, "retry", "http_500"), (502, {}, "retry", "http_502"), (503, {}, "retry", "http_503"),
+    (524, {}, "retry", "http_524"), (529, {}, "retry", "http_529"),
+    (422, {"message": "unprocessable"}, "permanent", "http_422"),
+])
+def test_status_classification(status, error, action, kind):
+    f = client.classify_error(status, error)
+    assert (f.action, f.kind) == (action, kind)
+    if status == 429:
+        assert f.retry_after == 7 and f.provider == "Novita" and "rate limited" in f.message
+
+
+def test_retry_after_header_forms():
+    assert client.retry_after_seconds("3") == 3.0
+    assert client.retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0
+    assert client.retry_after_seconds("soon") is None and client.retry_after_seconds(None) is None
+
+
+def test_body_carries_settings_and_messages():
+    s = client.request_settings("m/x", 64, 1.0, 0.95, 7, {"only": ["a"]}, {"enabled": True}, stream=True)
+    body = json.loads(client.BodyMaker(s).body(client.messages_json([{"role": "user", "content": "héllo"}])))
+    assert body == {**s, "messages": [{"role": "user", "content": "héllo"}]}
+    assert "provider" not in client.request_settings("m/x", 64, provider={})
+    with pytest.raises(ValueError, match="max_tokens"):
+        client.request_settings("m/x", 0)
+
+
+# --- on the wire -----------------------------------------------------------------------------
+
+def _sse(*chunks, done=True, comments=True) -> bytes:
+    out = [b": OPENROUTER PROCESSING\n\n"] if comments else []
+    for c in chunks:
+        out.append(b"data: " + json.dumps(c).encode() + b"\n\n")
+        if comments:
+            out.append(b": OPENROUTER PROCESSING\n\n")
+    if done:
+        out.append(b"data: [DONE]\n\n")
+    return b"".join(out)
+
+
+HEAD = {"id": "gen-2", "provider": "Parasail", "model": "moonshotai/kimi-k2.5", "object": "chat.completion.chunk"}
+STREAM_OK = _sse(
+    {**HEAD, "choices": [{"index": 0, "delta": {"role": "assistant", "reasoning": "Hm, "}}]},
+    {**HEAD, "choices": [{"index": 0, "delta": {"reasoning": "ok."}}]},
+    {**HEAD, "choices": [{"index": 0, "delta": {"content": "Hi"}}]},
+    {**HEAD, "choices": [{"index": 0, "delta": {"content": " there"}, "finish_reason": "stop",
+                          "native_finish_reason": "eos"}]},
+    {**HEAD, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6, "cost": 1e-5,
+                                      "completion_tokens_details": {"reasoning_tokens": 3}}})
+STREAM_ERROR = _sse(
+    {**HEAD, "choices": [{"index": 0, "delta": {"content": "Hi"}}]},
+    {**HEAD, "error": {"code": "server_error", "message": "upstream died"},
+     "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]}, done=False)
+STREAM_CUT = _sse({**HEAD, "choices": [{"index": 0, "delta": {"content": "Hi"}}]}, done=False)
+
+
+def _serve(handler, fn):
+    async def main():
+        app = web.Application()
+        app.router.add_post("/api/v1/chat/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as s:
+                return await fn(s, f"http://127.0.0.1:{port}/api/v1/chat/completions")
+        finally:
+            await runner.cleanup()
+    return asyncio.run(main())
+
+
+def _post(raw: bytes, status=200, stream=False, headers=None, delay_after=None, timeout=None):
+    async def handler(request):
+        resp = web.StreamResponse(status=status, headers=headers or {})
+        await resp.prepare(request)
+        # write in small pieces, as a server streaming would
+        for i in range(0, len(raw), 7):
+            await resp.write(raw[i:i + 7])
+        if delay_after:
+            await asyncio.sleep(delay_after)
+        return resp
+
+    async def go(s, url):
+        return await client.complete(s, url, {"Authorization": "Bearer sk-test"}, b"{}", stream,
+                                     timeout or aiohttp.ClientTimeout(total=None, sock_read=5))
+    return _serve(handler, go)
+
+
+def test_stream_with_comments_and_final_usage_chunk():
+    r = _post(STREAM_OK, stream=True)
+    assert isinstance(r, client.Reply)
+    assert (r.content, r.reasoning, r.finish_reason, r.native_finish_reason, r.provider, r.generation_id) == \
+        ("Hi there", "Hm, ok.", "stop", "eos", "Parasail", "gen-2")
+    assert r.usage["completion_tokens"] == 6 and r.usage["reasoning_tokens"] == 3
+
+
+def test_mid_stream_error_is_retryable():
+    f = _post(STREAM_ERROR, stream=True)
+    assert isinstance(f, client.Failure) and (f.action, f.kind) == ("retry", "stream_error")
+
+
+def test_stream_cut_before_done_is_retryable():
+    f = _post(STREAM_CUT, stream=True)
+    assert (f.action, f.kind) == ("retry", "stream_cut")
+
+
+def test_padded_json_on_the_wire():
+    r = _post(b" " * 300 + b"\n" + json.dumps(OK).encode())
+    assert isinstance(r, client.Reply) and r.content == "Hello."
+
+
+def test_hung_connection_hits_the_read_timeout():
+    f = _post(b"", delay_after=3, timeout=aiohttp.ClientTimeout(total=None, sock_read=0.3))
+    assert (f.action, f.kind) == ("retry", "timeout")
+
+
+def test_429_envelope_and_retry_after_header():
+    env = {"error": {"code": 429, "message": "Provider returned error",
+                     "metadata": {"provider_name": "Novita", "raw": "slow down"}}, "user_id": "u"}
+    f = _post(json.dumps(env).encode(), status=429, headers={"Retry-After": "4"})
+    assert (f.action, f.kind, f.status, f.retry_after, f.provider) == ("retry", "http_429", 429, 4.0, "Novita")
+
+
+def test_non_json_error_body_still_classified():
+    f = _post(b"<html>Bad Gateway</html>", status=502)
+    assert (f.action, f.kind) == ("retry", "http_502") and "Bad Gateway" in f.message
+
+
+def test_connection_refused_is_retryable():
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await client.complete(s, "http://127.0.0.1:9/x", {}, b"{}", False)
+    f = asyncio.run(go())
+    assert (f.action, f.kind) == ("retry", "connection")
+
+
+def test_body_of_the_wrong_shape_is_a_retry_not_a_crash():
+    body = json.loads(json.dumps(OK))
+    body["choices"][0]["message"] = "not an object"
+    f = _post(json.dumps(body).encode())
+    assert (f.action, f.kind) == ("retry", "bad_response")

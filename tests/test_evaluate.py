@@ -1,0 +1,307 @@
+"""Stage 06: speculative decoding is lossless, acceptance is counted right, the stage writes its report."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith import evaluate as ev
+from draftsmith import hidden
+from draftsmith.drafter import load_exported
+from draftsmith.drafter.export import export
+from draftsmith.drafter.model import DrafterConfig, target_config, target_tensors
+from draftsmith.drafter.train import TrainConfig, build_drafter, train
+from draftsmith.drafter.vocab import DraftVocab
+from draftsmith.target import chat_examples
+
+LAYER_IDS = [1, 3, 4]   # the default for 8 layers, output convention
+
+
+def quiet(*a, **k):
+    pass
+
+
+def write_tokens(path: Path, tok, convs) -> Path:
+    """Stage-03-style rows: prompt with loss 0, response (reasoning, answer, end-of-turn) with loss 1."""
+    rows = []
+    for k, conv in enumerate(convs):
+        prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
+        full = tok.apply_chat_template(conv, tokenize=True, return_dict=False)
+        rows.append({"sample_id": f"{path.stem}{k}", "input_ids": full,
+                     "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Decoding a tiny model is fastest on one thread, as stage 06 runs it."""
+    with ev.cpu_threads(1, "cpu"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def target_model(tiny_target):
+    return hidden.load_target(tiny_target, "cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(target_tokenizer):
+    """Two chat prompts as the target sees them."""
+    return [target_tokenizer.apply_chat_template(c[:-1], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False) for c in chat_examples(seed=5)[:2]]
+
+
+@pytest.fixture(scope="module")
+def greedy(target_model, prompts):
+    """The target's own greedy outputs (transformers' generate), 24 new tokens."""
+    return [generate(target_model, p, 24) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, tiny_target, target_tokenizer):
+    """A run folder as stages 03-05 leave it: tokens of two datasets, hidden states, and a drafter
+    trained for a few steps with exports at 50% and 100%."""
+    run = tmp_path_factory.mktemp("outputs") / "smoke"
+    tokens = run / "tokens"
+    tokens.mkdir(parents=True)
+    convs = chat_examples(seed=3)
+    files = [write_tokens(tokens / "code.jsonl", target_tokenizer, convs[:16]),
+             write_tokens(tokens / "chat.jsonl", target_tokenizer, convs[16:32])]
+    hidden.extract(tiny_target, files, run / "hidden", dtype="bf16", log=quiet)
+    train(TrainConfig(hidden_dir=str(run / "hidden"), target_path=str(tiny_target), out_dir=str(run / "drafter"),
+                      draft_vocab_size=512, ttt_steps=3, epochs=1.0, batch_size=4, micro_batch_size=4,
+                      max_len=160, lr=3e-3, holdout_fraction=0.2, export_fractions=[0.5, 1.0],
+                      export_dtype="float32"), log=quiet)
+    return run
+
+
+def random_export(tiny_target, out: Path, seed: int = 0) -> Path:
+    """A drafter that was never trained, exported: drafts garbage, must not change the output."""
+    cfg = DrafterConfig.from_target(target_config(tiny_target), 512)
+    counts = torch.zeros(cfg.vocab_size, dtype=torch.int64)
+    counts[torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:600]] = 1
+    d = build_drafter(cfg, target_tensors(tiny_target)["embed"], DraftVocab.build(counts, 512), seed)
+    return export(out, d.state_dict(), cfg, LAYER_IDS, "sglang", "float32")
+
+
+class Oracle:
+    """Proposes from a known output: per round, from a script of ('right', n) / ('wrong', at) /
+    ('none',): n correct tokens, or k tokens that are right except at position `at`, or nothing."""
+
+    def __init__(self, reference: list[int], script: list[tuple]):
+        self.reference, self.script = reference, script
+
+    def reset(self, prompt):
+        self.done = None         # output tokens committed so far
+        self.round = 0
+
+    def advance(self, tokens, aux=None):
+        # the first advance (after the prefill) carries the prompt and the first output token
+        self.done = 1 if self.done is None else self.done + len(tokens)
+
+    def propose(self, k):
+        what = self.script[self.round % len(self.script)]
+        self.round += 1
+        nxt = self.reference[self.done:self.done + k]
+        if what[0] == "none":
+            return []
+        if what[0] == "right":
+            return nxt[:what[1]]
+        return [t if i != what[1] else t + 1 for i, t in enumerate(nxt)]
+
+
+# -- accounting ---------------------------------------------------------------------------------
+
+def test_acceptance_counts_sglang_and_vllm_lengths_and_per_position_rates_by_hand():
+    rounds = [{"start": [1, 5, 7, 8, 12, 14], "drafted": [3, 3, 0, 3, 2, 0], "accepted": [3, 1, 0, 3, 1, 0],
+               "produced": [4, 2, 1, 4, 2, 1], "top_prob": [1.0, 0.5, 0.5, 1.0, 1.0, 1.0]}]
+    a = ev.acceptance(rounds, 3)
+    assert a["rounds"] == 6 and a["tokens"] == 14
+    assert a["acceptance_length"] == pytest.approx(14 / 6)          # tokens per verification
+    assert a["acceptance_length_vllm"] == pytest.approx(1 + 8 / 4)  # rounds without drafts not counted
+    assert a["draft_acceptance_rate"] == pytest.approx(8 / 11)
+    assert a["position_acceptance"] == pytest.approx([1.0, 0.5, 2 / 3])
+    assert a["position_acceptance_conditional"] == pytest.approx([1.0, 0.5, 1.0])
+    assert a["position1_ceiling"] == pytest.approx(5 / 6)
+    before, after = ev.split_rounds(rounds[0], 8)
+    assert before["produced"] == [4, 2, 1] and after["produced"] == [4, 2, 1] and after["top_prob"] == [1.0] * 3
+    none = ev.acceptance([{"start": [1, 2], "drafted": [0, 0], "accepted": [0, 0], "produced": [1, 1],
+                           "top_prob": [1.0, 1.0]}], 3)
+    assert none["acceptance_length"] == 1.0 and none["acceptance_length_vllm"] == 1.0
+
+
+def test_a_scripted_drafter_against_the_known_greedy_output_gives_the_hand_computed_acceptance(
+        target_model, prompts, greedy):
+    # rounds: 3 right -> 4 tokens; right then wrong -> 2; no drafts -> 1; again; the 5th round is capped
+    # at 2 drafts by max_new_tokens 15, the 6th at 0 (the case above, measured through the target)
+    target = ev.Target(target_model)
+    script = [("right", 3), ("wrong", 1), ("none",)]
+    d = ev.decode(target, Oracle(greedy[0], script), prompts[0], 3, 15)
+    assert d.output == greedy[0][:15]
+    assert d.rounds() == {"start": [1, 5, 7, 8, 12, 14], "drafted": [3, 3, 0, 3, 2, 0],
+                          "accepted": [3, 1, 0, 3, 1, 0], "produced": [4, 2, 1, 4, 2, 1], "top_prob": [1.0] * 6}
+    a = ev.acceptance([d.rounds()], 3)
+    assert a["acceptance_length"] == pytest.approx(14 / 6) and a["acceptance_length_vllm"] == pytest.approx(3.0)
+
+
+def test_repeat_start_is_the_first_output_token_closing_an_already_seen_ngram():
+    assert ev.repeat_start([1, 2, 3], [4, 5, 6, 7], n=2) == 4           # nothing repeats
+    assert ev.repeat_start([1, 2, 3], [4, 1, 2, 9], n=2) == 2           # (1, 2) seen in the prompt
+    assert ev.repeat_start([9], [5, 5, 5, 5], n=3) == 3                 # (5, 5, 5) again at index 3
+
+
+def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
+    pl = ev.PromptLookup(max_ngram=3, min_ngram=1)
+    pl.reset([7, 1, 2, 3, 8, 1, 2, 3, 9, 4])
+    pl.advance([1, 2, 3])
+    assert pl.propose(2) == [9, 4]                  # latest (1, 2, 3) was followed by 9, 4
+    pl.reset([5, 6, 5, 6])
+    assert pl.propose(5) == [5, 6, 5, 6, 5]         # a loop is continued past the end of the context
+    pl.reset([1, 2, 3])
+    assert pl.propose(3) == []                      # nothing to copy from
+    with pytest.raises(ValueError, match="min_ngram"):
+        ev.PromptLookup(max_ngram=1, min_ngram=2)
+
+
+# -- lossless ---------------------------------------------------------------------------------------
+
+def generate(model, prompt: list[int], n: int) -> list[int]:
+    g = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, temperature=None, top_p=None,
+                       top_k=None)
+    return g[0, len(prompt):].tolist()
+
+
+def test_speculative_decoding_outputs_the_targets_greedy_tokens_with_any_drafter(
+        target_model, prompts, greedy, trained_run, tiny_target, tmp_path):
+    """Trained and untrained exported drafters, prompt lookup, scripted always-right / always-wrong /
+    mixed drafts: the output is the target's greedy output (transformers' generate). The tiny target
+    loops at once ("the the the"), which a wrongly cut cache could still reproduce, so the same is
+    checked on a target of the same shape with random weights, whose greedy output does not loop."""
+    exports = ev.drafter_exports(trained_run / "drafter")
+    assert [e["fraction"] for e in exports] == [0.5, 1.0]
+    trained = ev.Eagle3Proposer(load_exported(exports[-1]["dir"], tiny_target))
+    untrained = ev.Eagle3Proposer(load_exported(random_export(tiny_target, tmp_path / "bad"), tiny_target))
+    mixed = [("right", 2), ("wrong", 1), ("none",), ("wrong", 0), ("right", 3)]
+
+    torch.manual_seed(0)
+    noisy = type(target_model)(target_model.config).eval()
+    with torch.no_grad():
+        for w in noisy.parameters():
+            if w.dim() == 2:
+                w.normal_(0, 0.3)    # large random weights: word salad that does not repeat
+    noisy_refs = [generate(noisy, p, 24) for p in prompts[:2]]
+    assert len(set(noisy_refs[0])) > 12                  # no loop to hide behind
+    cases = [(target_model, greedy, {"none": None, "prompt lookup": ev.PromptLookup(), "trained drafter": trained,
+                                     "untrained drafter": untrained}),
+             (noisy, noisy_refs, {"untrained drafter": untrained, "prompt lookup": ev.PromptLookup()})]
+    for model, refs, proposers in cases:
+        target = ev.Target(model, LAYER_IDS)
+        for i, (p, ref) in enumerate(zip(prompts, refs)):
+            scripted = {"always right": Oracle(ref, [("right", 9)]), "always wrong": Oracle(ref, [("wrong", 0)]),
+                        "mixed": Oracle(ref, mixed)}
+            for name, prop in {**proposers, **scripted}.items():
+                d = ev.decode(target, prop, p, 3, 24)
+                assert d.output == ref, f"{name}, prompt {i}: output differs from greedy decoding"
+                assert sum(d.produced) == len(ref) - 1
+            right = ev.decode(target, scripted["always right"], p, 3, 24)
+            assert ev.acceptance([right.rounds()], 3)["acceptance_length"] == pytest.approx(23 / 6)  # 4 x 5 + 3
+        target.close()
+
+
+def test_chain_drafts_are_what_training_time_test_predicts_on_the_final_sequence(
+        target_model, prompts, tiny_target, tmp_path):
+    """The drafter at inference reads the same target features, at the same positions, as in
+    training: the logits behind every round's first draft equal TTT step 0's (features from stage
+    04's extractor over the whole final sequence) at the last committed position."""
+    drafter = load_exported(random_export(tiny_target, tmp_path / "rnd", seed=1), tiny_target)
+    seen = []
+
+    class Recorder(ev.Eagle3Proposer):
+        def reset(self, prompt):
+            super().reset(prompt)
+            self.n = 0
+
+        def advance(self, tokens, aux):
+            super().advance(tokens, aux)
+            self.n += len(tokens)
+
+        def propose(self, k):
+            # n: drafter positions committed (= committed tokens - 1); logits: what draft 1 is read from
+            seen.append((self.n, self.logits.clone()))
+            return super().propose(k)
+
+    p = prompts[1]
+    d = ev.decode(ev.Target(target_model, LAYER_IDS), Recorder(drafter), p, 3, 20)
+    full = list(p) + d.output
+    sample = hidden.Sample("x", "s", torch.tensor(full, dtype=torch.int32),
+                           torch.zeros(len(full), dtype=torch.uint8), "")
+    cap = hidden.Capture(target_model, LAYER_IDS)
+    aux, _ = cap([sample])
+    cap.close()
+    with torch.no_grad():
+        step0 = drafter.logits(next(drafter.ttt(aux[None], torch.tensor([full]), 1)))[0]
+    assert len(seen) == sum(n > 0 for n in d.drafted) > 5
+    for n, logits in seen:
+        assert torch.allclose(logits, step0[n - 1], atol=1e-5, rtol=1e-4), \
+            f"round at {n}: max |chain - TTT| = {float((logits - step0[n - 1]).abs().max())}"
+
+
+def test_sampled_verification_keeps_the_target_distribution():
+    """At T > 0 a draft is accepted with probability p(draft) and a rejection resamples from p
+    without it: the emitted token is distributed as p whatever the draft."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
+    gen = torch.Generator().manual_seed(0)
+    for draft in (0, 3):
+        counts = torch.zeros(4)
+        n = 6000
+        for _ in range(n):
+            a, nxt = ev.verify(logits, [draft], 1.0, gen)
+            counts[draft if a else nxt] += 1
+        assert torch.allclose(counts / n, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.025)   # > 3 sigma
+
+
+# -- the stage -------------------------------------------------------------------------------------
+
+def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(trained_run, tiny_target):
+    """`draftsmith run 06` on a run folder that stages 04-05 filled: every export and both baselines
+    measured on held-out prompts at T = 0 and 1, report.json, figures, report.html; a re-run
+    measures nothing again."""
+    from draftsmith import cli
+    from draftsmith.paths import REPO_ROOT, Run
+
+    assert cli.main(["run", "06", "-f", str(REPO_ROOT / "params" / "smoke.yaml"), "-p", "outputs_dir",
+                     str(trained_run.parent), "-p", "run_name", trained_run.name,
+                     "-p", "train_holdout_fraction", "0.2"]) == 0
+    report = json.loads((trained_run / "eval" / "report.json").read_text())
+    assert report["k"] == 3 and report["aux_layer_ids"] == LAYER_IDS
+    assert set(report["prompts"]) == {"code", "chat"}
+    held = ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 0.2, 99)
+    assert {(p.dataset, p.sample_id) for p in held} >= {tuple(x) for x in report["prompt_ids"]}
+    greedy = report["temperatures"]["0"]["methods"]
+    assert list(greedy) == ["none", "prompt lookup", "eagle3 50%", "eagle3"]
+    assert greedy["none"]["acceptance_length"] == 1.0
+    assert all(m["lossless"] for m in greedy.values())
+    assert set(greedy["eagle3"]["per_dataset"]) == {"code", "chat"}
+    assert report["temperatures"]["1"]["methods"]["eagle3"]["lossless"] is None   # not comparable token-wise
+    assert "--speculative-algorithm EAGLE3" in report["serving"]["sglang_server"]
+    figures = {p.name for p in (trained_run / "eval" / "figures").glob("*.png")}
+    assert figures == {"acceptance_by_dataset.png", "acceptance_vs_training.png", "per_position.png", "speedup.png"}
+    html = (trained_run / "report.html").read_text()
+    assert "06 · Acceptance length" in html and html.count("data:image/png") >= 4
+
+    rounds = (trained_run / "eval" / "rounds.jsonl").read_text()
+    ev.evaluate_run(Run(trained_run.parent, trained_run.name), str(tiny_target), holdout_fraction=0.2,
+                    prompts_per_dataset=1, max_new_tokens=16, k=3, temperatures=[0.0, 1.0], log=quiet)
+    assert (trained_run / "eval" / "rounds.jsonl").read_text() == rounds
+    again = json.loads((trained_run / "eval" / "report.json").read_text())
+    assert again["temperatures"] == report["temperatures"]
+
+
+def test_heldout_prompts_must_use_the_split_stage_05_trained_with(trained_run):
+    prompts = ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 0.2, 1)
+    assert sorted(p.dataset for p in prompts) == ["chat", "code"]      # one per dataset, as asked
+    assert all(p.ids[-2:] == (128804, 128821) for p in prompts)        # ... <｜Assistant｜><think>
+    with pytest.raises(ValueError, match="held out 7 samples, but train_holdout_fraction = 0.5"):
+        ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 0.5, 1)

@@ -1,0 +1,270 @@
+"""Stage 04: hidden-state extraction (`draftsmith.hidden`) on the tiny target."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from draftsmith import hidden, layers
+from draftsmith.shards import INDEX, HiddenShards
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These CPU forwards are small; on a shared 2-core box, extra OpenMP threads only spin."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def write_tokens(path: Path, tokenizer, n: int, seed: int, dataset: str, excluded: int = 0) -> list[dict]:
+    """A stage-03-shaped tokens file: chat-templated prompts of varied length + response ids ending
+    in `</think>`..EOS. The last `excluded` rows are marked excluded."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": " ".join(rng.choice(["why", "list", "sort", "a", "file"])
+                                                  for _ in range(rng.randint(1, 60)))}],
+            add_generation_prompt=True, tokenize=True, return_dict=False)
+        resp = [rng.randrange(3, 128000) for _ in range(rng.randint(2, 120))] + [128822, 1]
+        rows.append({"sample_id": f"{dataset}-{i}", "dataset": dataset, "provider": "p",
+                     "input_ids": prompt + resp, "loss_mask": [0] * len(prompt) + [1] * len(resp),
+                     "output_ids": resp, "excluded": i >= n - excluded})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [r for r in rows if not r["excluded"]]
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory, target_tokenizer):
+    d = tmp_path_factory.mktemp("tokens")
+    rows = write_tokens(d / "chat.jsonl", target_tokenizer, 24, 0, "chat", excluded=2)
+    rows += write_tokens(d / "code.jsonl", target_tokenizer, 10, 1, "code")
+    return [d / "chat.jsonl", d / "code.jsonl"], rows
+
+
+def extract(tiny_target, files, out, **kw):
+    kw = {"max_tokens_per_batch": 1024, "shard_mb": 0.05, "log": lambda m: None, **kw}
+    return hidden.extract(tiny_target, files, out, **kw)
+
+
+def keys_of(hs: HiddenShards) -> list[tuple[str, str]]:
+    return [(r.dataset, r.sample_id) for r in hs.samples]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target):
+    return hidden.load_target(tiny_target, "cpu")
+
+
+@pytest.mark.parametrize("ids, convention", [(None, "output"), ([3, 5, 6], "input")])
+def test_captured_tensors_equal_output_hidden_states_at_documented_and_engine_indices(
+        tiny_target, tokens, model, tmp_path, ids, convention):
+    files, rows = tokens
+    summary = extract(tiny_target, files, tmp_path, layer_ids=ids, convention=convention)
+    hs = HiddenShards(tmp_path)
+    want = layers.default_layer_ids(8) if ids is None else [2, 4, 5]
+    assert hs.index["layer_ids"] == summary["layer_ids"] == want and hs.index["layer_convention"] == "output"
+    assert sorted(keys_of(hs)) == sorted((r["dataset"], r["sample_id"]) for r in rows)  # excluded ones skipped
+    # batches really mixed lengths, so padding was there to leak
+    lengths = [len(r["input_ids"]) for r in rows]
+    assert any(len({lengths[i] for i in b}) > 1 for b in hidden.plan_batches(lengths, 1024))
+
+    by_key = {(r["dataset"], r["sample_id"]): r for r in rows}
+    H = hs.hidden_size
+    for i in range(0, len(hs), 3):
+        s, row = hs.sample(i), by_key[keys_of(hs)[i]]
+        assert s["input_ids"].tolist() == row["input_ids"] and s["loss_mask"].tolist() == row["loss_mask"]
+        with torch.inference_mode():  # the sample alone, unpadded: the model's own view
+            out = model.model(input_ids=torch.tensor([row["input_ids"]]), output_hidden_states=True)
+        ref = [h[0] for h in out.hidden_states]
+        assert len(ref) == 8 + 1
+        chunks = [s["aux"][:, j * H:(j + 1) * H] for j in range(3)]
+        readings = {"documented": hs.index["hf_hidden_state_indices"]}
+        for engine in layers.ENGINES:
+            readings[engine] = layers.engine_capture_indices(layers.engine_layer_ids(hs.index["layer_ids"], engine),
+                                                             engine)
+        for name, idx in readings.items():
+            for j, k in enumerate(idx):
+                torch.testing.assert_close(chunks[j], ref[k], rtol=2 ** -7, atol=1e-4, msg=f"{name} layer {j}")
+                assert hidden._rel_err(chunks[j], ref[k + 1]) > 0.05  # the neighbour is clearly different
+        # last = after the final norm: what the lm_head reads
+        torch.testing.assert_close(s["last"], ref[-1], rtol=2 ** -7, atol=1e-4)
+    with torch.inference_mode():  # and lm_head(last) is the target's own logits
+        row = by_key[keys_of(hs)[0]]
+        logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0]
+        torch.testing.assert_close(model.lm_head(hs.sample(0)["last"]), logits, rtol=0, atol=0.02)
+
+
+def test_fp8_storage_reads_back_close_in_about_half_the_bytes(tiny_target, tokens, tmp_path):
+    files, _ = tokens
+    a = extract(tiny_target, files, tmp_path / "bf16")
+    b = extract(tiny_target, files, tmp_path / "fp8", dtype="fp8")
+    x, y = HiddenShards(tmp_path / "bf16"), HiddenShards(tmp_path / "fp8")
+    assert y.dtype == "fp8" and keys_of(x) == keys_of(y)
+    for i in range(len(x)):
+        for name in ("aux", "last"):
+            assert hidden._rel_err(y.sample(i)[name], x.sample(i)[name]) < 0.05
+    assert b["bytes"] < 0.62 * a["bytes"]
+
+
+def test_two_rank_torchrun_gives_the_same_samples_as_one_process(tiny_target, tokens, tmp_path):
+    files, _ = tokens
+    one = extract(tiny_target, files, tmp_path / "one")
+    two = hidden.launch(2, tiny_target, files, tmp_path / "two", max_tokens_per_batch=1024, shard_mb=0.05,
+                        log=lambda m: None)
+    assert two["ranks"] == 2 and two["shards_written"] == one["shards_written"] >= 2
+    a, b = HiddenShards(tmp_path / "one"), HiddenShards(tmp_path / "two")
+    assert len(set(keys_of(b))) == len(keys_of(b)) and sorted(keys_of(a)) == sorted(keys_of(b))
+    pos = {k: i for i, k in enumerate(keys_of(b))}
+    for i, k in enumerate(keys_of(a)):
+        torch.testing.assert_close(a.sample(i)["aux"], b.sample(pos[k])["aux"], rtol=2 ** -7, atol=1e-4)
+
+
+def shard_files(d: Path) -> list[Path]:
+    return sorted(d.glob("shard-*.safetensors"))
+
+
+def test_kill_mid_run_then_rerun_has_every_sample_once_and_no_torn_shard(tiny_target, target_tokenizer, tmp_path):
+    files = [tmp_path / "many.jsonl"]
+    rows = write_tokens(files[0], target_tokenizer, 160, 7, "many")
+    out = tmp_path / "hidden"
+    cmd = [sys.executable, "-m", "draftsmith.hidden", "--target", str(tiny_target), "--tokens", str(files[0]),
+           "--out", str(out), "--max-tokens-per-batch", "512", "--shard-mb", "0.02"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 60
+    while len(shard_files(out)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"finished before the kill: {proc.stderr.read().decode()[-500:]}"
+    assert not (out / INDEX).exists()
+    survivors = {}
+    for p in shard_files(out):  # every shard on disk is whole
+        with safe_open(str(p), framework="pt") as f:
+            n = len(json.loads(f.metadata()["samples"]))
+            assert f.get_tensor("offsets")[-1] == f.get_tensor("aux").shape[0] and len(f.get_tensor("offsets")) == n + 1
+        survivors[p.name] = p.stat().st_mtime_ns
+    (out / "shard-00999.safetensors.tmp").write_bytes(b"torn")  # what a kill during a write leaves
+
+    summary = extract(tiny_target, files, out, max_tokens_per_batch=512, shard_mb=0.02)
+    hs = HiddenShards(out)
+    assert sorted(keys_of(hs)) == sorted(("many", r["sample_id"]) for r in rows)  # none missing, none twice
+    assert summary["shards_kept"] == len(survivors) >= 2 and summary["shards_written"] > 0
+    assert all((out / n).stat().st_mtime_ns == t for n, t in survivors.items())  # whole shards skipped
+    assert not list(out.glob("*.tmp"))
+    for i in range(len(hs)):
+        assert len(hs.sample(i)["aux"]) == len(hs.sample(i)["input_ids"])
+
+
+def test_changed_or_newly_excluded_sample_reextracts_only_its_shard(tiny_target, target_tokenizer, tmp_path):
+    f = tmp_path / "chat.jsonl"
+    write_tokens(f, target_tokenizer, 12, 3, "chat")
+    out = tmp_path / "hidden"
+    extract(tiny_target, [f], out)
+    before = {p.name: p.stat().st_mtime_ns for p in shard_files(out)}
+    lines = [json.loads(x) for x in f.read_text().splitlines()]
+    lines[0]["excluded"] = True
+    lines[5]["input_ids"][-3] = 777
+    f.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    summary = extract(tiny_target, [f], out)
+    hs = HiddenShards(out)
+    assert sorted(keys_of(hs)) == sorted(("chat", r["sample_id"]) for r in lines[1:])
+    i = keys_of(hs).index(("chat", "chat-5"))
+    assert hs.sample(i)["input_ids"].tolist() == lines[5]["input_ids"]
+    kept = [n for n, t in before.items() if (out / n).exists() and (out / n).stat().st_mtime_ns == t]
+    assert summary["shards_kept"] == len(kept) >= len(before) - 2 and summary["shards_written"] >= 1
+
+
+def test_shards_made_with_other_settings_are_an_error_naming_the_difference(tiny_target, tokens, tmp_path):
+    files, _ = tokens
+    extract(tiny_target, files[1:], tmp_path)
+    with pytest.raises(ValueError, match=r"dtype 'bf16' -> 'fp8'.*another run_name"):
+        extract(tiny_target, files[1:], tmp_path, dtype="fp8")
+    with pytest.raises(ValueError, match=r"layer_ids \[1, 3, 4\] -> \[2, 3, 4\]"):
+        extract(tiny_target, files[1:], tmp_path, layer_ids=[2, 3, 4])
+
+
+def test_a_second_extraction_into_the_same_folder_is_refused(tiny_target, tokens, tmp_path):
+    import fcntl
+
+    files, _ = tokens
+    with open(tmp_path / hidden.LOCK, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(RuntimeError, match="another extraction is writing into this folder"):
+            extract(tiny_target, files, tmp_path)
+
+
+def test_disk_check_refuses_before_writing_anything(tiny_target, tokens, tmp_path, monkeypatch):
+    files, rows = tokens
+    free = 1000 * 265  # room for 1000 tokens at 8*32+9 bytes each
+    monkeypatch.setattr(hidden.shutil, "disk_usage", lambda p: type("U", (), {"free": free})())
+    with pytest.raises(OSError, match=rf"{tmp_path}: hidden states need about .* GiB .* 265 bytes, dtype bf16"):
+        extract(tiny_target, files, tmp_path)
+    assert not shard_files(tmp_path)
+
+
+def test_bad_token_lines_are_errors_naming_file_and_line(tmp_path):
+    ok = {"sample_id": "a", "dataset": "d", "input_ids": [0, 5, 1], "loss_mask": [0, 1, 1]}
+    cases = {
+        "{not json": "not valid JSON",
+        json.dumps({**ok, "loss_mask": [0, 1]}): "'loss_mask' must be",
+        json.dumps({**ok, "input_ids": []}): "'input_ids' must be",
+        json.dumps({**ok, "sample_id": ""}): "'sample_id'",
+        json.dumps({**ok, "input_ids": [0, 5, 10**6]}): "outside the target's vocabulary",
+        json.dumps(ok): "sample 'a' of dataset 'd' already appeared at .*:1",
+    }
+    for bad, msg in cases.items():
+        f = tmp_path / "d.jsonl"
+        f.write_text(json.dumps(ok) + "\n" + json.dumps({**ok, "sample_id": "x", "excluded": True, "input_ids": []})
+                     + "\n" + bad + "\n")
+        with pytest.raises(ValueError, match=rf"{f}:3: .*{msg}"):
+            hidden.read_tokens([f], vocab_size=1000)
+    f.write_text(json.dumps(ok) + "\n\n" + json.dumps({**ok, "sample_id": "x", "excluded": True}) + "\n")
+    assert [s.sample_id for s in hidden.read_tokens([f], 1000)] == ["a"]
+    with pytest.raises(FileNotFoundError, match="run stage 03"):
+        hidden.token_files(tmp_path, [{"name": "missing"}])
+
+
+def test_batches_are_longest_first_under_the_token_limit_and_shards_cover_each_once():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 300) for _ in range(500)] + [900]
+    batches = hidden.plan_batches(lengths, 1000)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(len(lengths)))
+    assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)
+    assert all(len(b) * lengths[b[0]] <= 1000 for b in batches)
+    assert all(sum(lengths[i] for i in b) >= 0.9 * len(b) * lengths[b[0]] for b in batches)  # <= 10% padding
+    planned = hidden.plan_shards(batches, lengths, 5000)
+    assert [b for s in planned for b in s] == batches
+    assert all(sum(lengths[i] for b in s for i in b) <= 5000 or len(s) == 1 for s in planned)
+
+
+def test_notebook_04_extracts_checks_and_plots(tiny_target, tokens, tmp_path):
+    from draftsmith import cli
+
+    files, rows = tokens
+    run_dir = tmp_path / "nb"
+    (run_dir / "tokens").mkdir(parents=True)
+    for f in files:
+        (run_dir / "tokens" / f.name).write_bytes(f.read_bytes())
+    rc = cli.main(["run", "04", "-p", "run_name", "nb", "-p", "outputs_dir", str(tmp_path), "-p", "target_model_path",
+                   str(tiny_target), "-p", "hidden_dtype", "fp8", "-p", "shard_mb", "0.05",
+                   "-p", "datasets", json.dumps([{"name": f.stem, "path": str(f), "output_token_budget": 100}
+                                                 for f in files])])
+    assert rc == 0
+    assert (run_dir / "hidden" / "figures" / "norms.png").stat().st_size > 10_000
+    hs = HiddenShards(run_dir / "hidden")
+    assert hs.dtype == "fp8" and len(hs) == len(rows)
+    assert "top1_agreement" in (run_dir / "notebooks" / "04_hidden_states.ipynb").read_text()

@@ -1,0 +1,143 @@
+"""Stage 01: quantization policy, routing object, cost plan, balance, probe; and the stage end to end."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from draftsmith import providers as pv
+from draftsmith.emulator import running
+
+MODEL = "moonshotai/kimi-k2.5"
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _table(rows):
+    cols = ["provider", "tag", "quantization", "price_in", "price_out", "status", "uptime", "latency_p50_s",
+            "throughput_p50"]
+    return pd.DataFrame([dict(zip(cols, r)) for r in rows])
+
+
+def test_policy_excludes_below_native_unknown_and_down_with_reasons():
+    t = _table([
+        ("A", "a/int4", "int4", 0.5, 2.0, 0, 99, 1, 40),
+        ("B", "b/fp4", "fp4", 0.4, 1.9, 0, 99, 1, 40),
+        ("C", "c/nvfp4", "nvfp4", 0.4, 1.9, 0, 99, 1, 40),
+        ("D", "d/mxfp4", "mxfp4", 0.4, 1.9, 0, 99, 1, 40),
+        ("E", "e/fp8", "fp8", 0.6, 2.5, 0, 99, 1, 40),
+        ("F", "f/unknown", "unknown", 0.5, 2.0, 0, 99, 1, 40),
+        ("G", "g/int4", "int4", 0.5, 2.0, -2, 10, 1, 40),
+    ])
+    p = pv.apply_policy(t, "int4").set_index("tag")
+    assert p.loc["a/int4", "allowed"] and p.loc["e/fp8", "allowed"]  # fp8 holds int4 weights exactly
+    for tag in ("b/fp4", "c/nvfp4", "d/mxfp4"):
+        assert not p.loc[tag, "allowed"] and "below the native int4" in p.loc[tag, "reason"]
+    assert not p.loc["f/unknown", "allowed"] and "unknown" in p.loc["f/unknown", "reason"]
+    assert not p.loc["g/int4", "allowed"] and "down" in p.loc["g/int4", "reason"]
+    assert pv.apply_policy(t, "int4", allow_unknown=True).set_index("tag").loc["f/unknown", "allowed"]
+    # a bf16 model: fp8 and int4 are below it
+    p16 = pv.apply_policy(t, "bf16").set_index("tag")
+    assert not p16.loc["e/fp8", "allowed"] and not p16.loc["a/int4", "allowed"]
+    with pytest.raises(ValueError, match="native_precision"):
+        pv.apply_policy(t, "int3")
+    r = pv.routing_object(pv.apply_policy(t, "int4"), "int4", False)
+    assert r == {"only": ["a/int4", "e/fp8"], "quantizations": ["fp8", "int4"], "allow_fallbacks": True,
+                 "require_parameters": True}
+    assert {x["tag"] for x in pv.exclusions(pv.apply_policy(t, "int4"))} == {"b/fp4", "c/nvfp4", "d/mxfp4", "f/unknown", "g/int4"}
+
+
+def test_cost_plan_arithmetic():
+    allowed = _table([("A", "a/int4", "int4", 1.0, 2.0, 0, 99, 1, 40),
+                      ("B", "b/int4", "int4", 2.0, 4.0, 0, 99, 1, 40)])
+    tokens = [pv.DatasetTokens("d1", prompts=100, prompt_tokens=5000, output_token_budget=2000, skipped=0),
+              pv.DatasetTokens("d2", prompts=10, prompt_tokens=1000, output_token_budget=100000, skipped=0)]
+    plan = pv.cost_plan(tokens, allowed, expected_output=100, usable_usd=None, max_tokens=500).set_index("dataset")
+    d1 = plan.loc["d1"]
+    assert d1["samples_needed"] == 20 and d1["input_tokens"] == 1000 and d1["output_tokens"] == 2000
+    assert d1["cost_cheapest"] == pytest.approx((1000 * 1 + 2000 * 2) / 1e6)
+    assert d1["cost_most_expensive"] == pytest.approx((1000 * 2 + 2000 * 4) / 1e6)
+    w = pv.mix_weights(allowed)  # 1/price^2: 1/9 vs 1/36 -> 0.8 / 0.2
+    assert list(w) == pytest.approx([0.8, 0.2])
+    assert d1["cost_mix"] == pytest.approx((1000 * 1.2 + 2000 * 2.4) / 1e6)
+    d2 = plan.loc["d2"]  # only 10 prompts: the budget cannot be reached
+    assert d2["samples_needed"] == 10 and d2["output_tokens"] == 1000
+    assert (plan["output_tokens_that_fit"] == plan["output_tokens"]).all()
+    half = plan["cost_mix"].sum() / 2
+    small = pv.cost_plan(tokens, allowed, 100, half, 500).set_index("dataset")
+    assert small["fits_fraction"].iloc[0] == pytest.approx(0.5)
+    assert small.loc["d1", "output_tokens_that_fit"] == 1000
+
+
+def test_balance_from_key_then_credits_then_unknown(tmp_path):
+    with running({"fault_scale": 0, "credits": 4.0}, state_dir=tmp_path / "a") as emu:
+        api = pv.Api(emu.base_url, emu.key)
+        assert pv.balance(api) == (4.0, "/key limit_remaining")
+    with running({"fault_scale": 0, "credits": 4.0, "key_capped": False}, state_dir=tmp_path / "b") as emu:
+        usd, src = pv.balance(pv.Api(emu.base_url, emu.key))
+        assert usd == 4.0 and src.startswith("/credits")
+    with running({"fault_scale": 0, "key_capped": False, "credits_need_management_key": True},
+                 state_dir=tmp_path / "c") as emu:
+        usd, src = pv.balance(pv.Api(emu.base_url, emu.key))
+        assert usd is None and "403" in src
+
+
+def test_probe_flags_the_provider_that_answers_differently(tmp_path, target_tokenizer):
+    # synthetic backend: fast; its perturbed provider answers with other text, like noisy weights would
+    with running({"fault_scale": 0.5, "seed": 1}, state_dir=tmp_path) as emu:
+        api = pv.Api(emu.base_url, emu.key)
+        _, table = pv.fetch_endpoints(api, MODEL)
+        policy = pv.apply_policy(table, "int4")
+        candidates = policy[policy["allowed"]]
+        prompts = [[{"role": "user", "content": f"probe {i}"}] for i in range(3)]
+        per_prompt = pv.probe(api, MODEL, candidates, prompts, target_tokenizer, 24, 0, "moonshotai")
+        s = pv.probe_summary(per_prompt, 0.5).set_index("tag")
+    assert s.loc["moonshotai/int4", "agreement"] == 1.0
+    assert s["outlier"].sum() == 1 and s.loc["chutes/int4", "outlier"]
+    # stripped whitespace, other billing, truncated reasoning and rare splits are not a different model
+    assert not s.drop(index="chutes/int4")["outlier"].any()
+    assert set(per_prompt["tag"]) == set(candidates["tag"])
+
+
+def test_api_retries_faults_and_stops_on_permanent_errors(tmp_path):
+    prov = [{"slug": "a", "name": "A", "quantization": "int4", "prompt_price": 1, "completion_price": 2,
+             "faults": {"rate_limit": 0.3, "error_200": 0.2, "empty_200": 0.2}}]
+    with running({"providers": prov, "seed": 2}, state_dir=tmp_path) as emu:
+        api = pv.Api(emu.base_url, emu.key, attempts=20)
+        for i in range(10):
+            reply = api.chat({"model": MODEL, "messages": [{"role": "user", "content": f"x{i}"}], "max_tokens": 5})
+            assert reply.finish_reason in ("stop", "length")
+        assert sum(1 for x in emu.ledger_lines() if x["error"] or x["status"] != 200) > 0
+        with pytest.raises(pv.ApiError) as e:
+            api.chat({"model": "no/such", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5})
+        assert e.value.status == 400
+
+
+def test_stage_01_end_to_end_excludes_fp4_and_flags_the_perturbed_provider(tmp_path, api_key_file):
+    """`draftsmith run 01` on the smoke params: the emulator serves the tiny target (model backend),
+    the policy drops nvfp4/fp4/down/unknown, the probe catches the provider with noisy weights."""
+    key_path, key = api_key_file
+    r = subprocess.run([sys.executable, "-m", "draftsmith.cli", "run", "01", "-f", str(REPO / "params/smoke.yaml"),
+                        "-p", "outputs_dir", str(tmp_path), "-p", "api_key_file", str(key_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "smoke" / "providers"
+    routing = json.loads((out / "routing.json").read_text())
+    reasons = {x["tag"]: x["reason"] for x in routing["excluded"]}
+    assert "below the native int4" in reasons["fireworks/nvfp4"] and "below the native int4" in reasons["deepinfra/fp4"]
+    assert "down" in reasons["baseten/fp4"]
+    assert "unknown" in reasons["atlas-cloud/unknown"] and "unknown" in reasons["gmicloud/unknown"]
+    assert "fidelity probe" in reasons["chutes/int4"]
+    assert "moonshotai/int4" in routing["provider"]["only"] and "chutes/int4" not in routing["provider"]["only"]
+    assert not {"fp4", "nvfp4", "mxfp4"} & set(routing["provider"]["quantizations"])
+    plan = pd.read_csv(out / "cost_plan.csv")
+    assert set(plan["dataset"]) == {"code", "chat"} and (plan["cost_cheapest"] <= plan["cost_mix"]).all()
+    assert (plan["cost_mix"] <= plan["cost_most_expensive"]).all()
+    for f in ("endpoints.csv", "probe.csv", "summary.json", "figures/price_vs_throughput.png",
+              "figures/cost_vs_balance.png"):
+        assert (out / f).is_file(), f
+    # the key never reaches anything saved
+    for path in (tmp_path / "smoke").rglob("*"):
+        if path.is_file() and path.suffix in (".ipynb", ".json", ".csv", ".log", ".yaml", ".html", ".jsonl"):
+            assert key not in path.read_text(errors="ignore"), path

@@ -1,0 +1,95 @@
+"""store.py: whole lines only, completed ids remembered, nothing written twice, manifest sessions."""
+
+import json
+
+import pytest
+
+from draftsmith.store import DatasetStore, Manifest, repair_tail
+
+
+def line(sid, tokens=10, cost=0.001, provider="P", finish="stop"):
+    return json.dumps({"sample_id": sid, "dataset": "d", "content": "x", "finish_reason": finish, "provider": provider,
+                       "usage": {"prompt_tokens": 5, "completion_tokens": tokens, "reasoning_tokens": 0, "cost": cost},
+                       "started_at": 100.0, "completed_at": 102.5})
+
+
+def test_torn_last_line_is_cut_and_ids_reloaded(tmp_path):
+    d = tmp_path / "ds"
+    s = DatasetStore(d)
+    s.write("a", line("a"))
+    s.write("b", line("b", tokens=20, provider="Q", finish="length"))
+    s.close()
+    with open(d / "raw_responses.jsonl", "a") as f:
+        f.write(line("c")[:25])                       # a kill in the middle of a write
+    s = DatasetStore(d)
+    assert s.done == {"a", "b"} and any("torn" in n for n in s.notes)
+    assert (d / "raw_responses.jsonl").read_text().endswith("\n")
+    assert s.totals.samples == 2 and s.totals.completion_tokens == 30 and s.totals.length_finishes == 1
+    assert set(s.providers) == {"P", "Q"} and s.lengths == [(2.5, 10), (2.5, 20)]
+    s.write("c", line("c"))
+    s.close()
+    ids = [json.loads(x)["sample_id"] for x in (d / "raw_responses.jsonl").read_text().splitlines()]
+    assert ids == ["a", "b", "c"]
+
+
+def test_whole_line_missing_only_its_newline_is_kept(tmp_path):
+    p = tmp_path / "raw_responses.jsonl"
+    p.write_text(line("a") + "\n" + line("b"))
+    assert "completed" in repair_tail(p)
+    assert [json.loads(x)["sample_id"] for x in p.read_text().splitlines()] == ["a", "b"]
+    assert repair_tail(p) is None
+
+
+def test_torn_only_line_leaves_an_empty_file(tmp_path):
+    p = tmp_path / "raw_responses.jsonl"
+    p.write_text('{"sample_id": "a", "cont')
+    repair_tail(p)
+    assert p.read_text() == ""
+
+
+def test_a_sample_is_never_written_twice(tmp_path):
+    s = DatasetStore(tmp_path)
+    s.write("a", line("a"))
+    with pytest.raises(RuntimeError, match="already"):
+        s.write("a", line("a"))
+    s.close()
+
+
+def test_damaged_middle_line_is_reported_with_file_and_line(tmp_path):
+    p = tmp_path / "raw_responses.jsonl"
+    p.write_text(line("a") + "\n{oops\n" + line("b") + "\n")
+    with pytest.raises(ValueError, match=r"raw_responses.jsonl:2: not valid JSON"):
+        DatasetStore(tmp_path)
+
+
+def test_repeated_id_in_file_is_noted_and_counted_once(tmp_path):
+    (tmp_path / "raw_responses.jsonl").write_text(line("a") + "\n" + line("a") + "\n")
+    s = DatasetStore(tmp_path)
+    assert s.done == {"a"} and s.totals.samples == 1 and any("repeats" in n for n in s.notes)
+    s.close()
+
+
+def test_permanent_failures_are_skipped_exhausted_ones_retried(tmp_path):
+    s = DatasetStore(tmp_path)
+    s.write_error({"sample_id": "x", "action": "permanent", "kind": "bad_request"})
+    s.write_error({"sample_id": "y", "action": "exhausted", "kind": "http_429"})
+    s.close()
+    s = DatasetStore(tmp_path)
+    assert s.permanent == {"x"}
+    s.close()
+
+
+def test_manifest_marks_a_killed_session_and_counts_its_reservations(tmp_path):
+    path = tmp_path / "manifest.json"
+    m = Manifest.open(path)
+    m.sessions.append({"status": "running", "reserved_usd": 0.25, "failed_attempts_cost": 0.01,
+                       "errors_by_kind": {"http_429": 3}})
+    m.write({"x": 1}, {}, {}, 1.0)
+    m = Manifest.open(path)
+    assert m.sessions[0]["status"] == "killed"
+    assert m.spent_outside_responses == pytest.approx(0.26)
+    m.sessions.append({"status": "finished", "errors_by_kind": {"http_429": 1, "timeout": 2}})
+    m.write({"x": 1}, {}, {}, 2.0)
+    data = json.loads(path.read_text())
+    assert data["errors_by_kind"] == {"http_429": 4, "timeout": 2} and len(data["sessions"]) == 2
+    assert not (tmp_path / "manifest.json.tmp").exists()
