@@ -40,3 +40,32 @@ def api_key_file(tmp_path) -> tuple[Path, str]:
 
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny-model CPU work runs fastest on one thread (stages 04-06 do the same); extra OpenMP
+    threads only spin on a shared 2-core box. Restores the setting afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def write_token_rows(path: Path, tok, convs: list[list[dict]], prefix: str = "s") -> Path:
+    """A stage-03-shaped tokens file from conversations ending in an assistant turn (with
+    `reasoning_content`): input_ids = the templated conversation, loss 0 on the prompt and 1 on
+    the response (reasoning, `</think>`, answer, end-of-turn)."""
+    import json
+
+    rows = []
+    for k, conv in enumerate(convs):
+        prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
+        full = tok.apply_chat_template(conv, tokenize=True, return_dict=False)
+        assert full[:len(prompt)] == prompt
+        rows.append({"sample_id": f"{prefix}{k}", "input_ids": full,
+                     "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -33,7 +33,7 @@ def smoke_run(tmp_path_factory):
 
 def test_chain_writes_every_stage_output(smoke_run):
     run, _, _ = smoke_run
-    for path in ["providers/routing.json", "generate/code/raw_responses.jsonl", "generate/chat/manifest.json",
+    for path in ["providers/routing.json", "generate/code/raw_responses.jsonl", "generate/chat/errors.jsonl", "generate/manifest.json",
                  "tokens/code.jsonl", "tokens/report.json", "hidden/index.json", "drafter",
                  "eval/report.json"]:
         assert (run / path).exists(), path

@@ -15,36 +15,23 @@ from draftsmith.drafter.model import DrafterConfig, Eagle3Drafter
 from draftsmith.drafter.train import TrainConfig, TTTObjective
 from draftsmith.drafter.vocab import DraftVocab, token_counts
 
+from conftest import write_token_rows
+
 
 WORDS = ("the function returns a list of values from the given file path and raises an error when the "
          "object is not found so the caller can retry with another name or default").split()
 
 
 def write_tokens(path: Path, tok, n: int, seed: int = 1) -> Path:
-    """Stage-03-style rows: a chat-templated conversation with reasoning, loss on the response
-    (reasoning, `</think>`, answer, end-of-turn)."""
+    """n random chat samples with reasoning, as stage 03 writes them."""
     rng = random.Random(seed)
-    rows = []
-    for k in range(n):
-        conv = [{"role": "user", "content": f"What does helper_{rng.randint(0, 99)} do?"},
-                {"role": "assistant", "reasoning_content": " ".join(rng.choices(WORDS, k=rng.randint(4, 12))),
-                 "content": " ".join(rng.choices(WORDS, k=rng.randint(20, 50)))}]
-        prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
-        full = tok.apply_chat_template(conv, tokenize=True, return_dict=False)
-        assert full[:len(prompt)] == prompt
-        rows.append({"sample_id": f"s{k}", "input_ids": full,
-                     "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    convs = [[{"role": "user", "content": f"What does helper_{rng.randint(0, 99)} do?"},
+              {"role": "assistant", "reasoning_content": " ".join(rng.choices(WORDS, k=rng.randint(4, 12))),
+               "content": " ".join(rng.choices(WORDS, k=rng.randint(20, 50)))}] for _ in range(n)]
+    return write_token_rows(path, tok, convs)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small run fastest on one thread, and a shared machine does not thrash."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from draftsmith.drafter.train import TrainConfig, build_drafter, train
 from draftsmith.drafter.vocab import DraftVocab
 from draftsmith.target import chat_examples
 
+from conftest import write_token_rows
+
 LAYER_IDS = [1, 3, 4]   # the default for 8 layers, output convention
 
 
@@ -22,23 +24,7 @@ def quiet(*a, **k):
     pass
 
 
-def write_tokens(path: Path, tok, convs) -> Path:
-    """Stage-03-style rows: prompt with loss 0, response (reasoning, answer, end-of-turn) with loss 1."""
-    rows = []
-    for k, conv in enumerate(convs):
-        prompt = tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
-        full = tok.apply_chat_template(conv, tokenize=True, return_dict=False)
-        rows.append({"sample_id": f"{path.stem}{k}", "input_ids": full,
-                     "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decoding a tiny model is fastest on one thread, as stage 06 runs it."""
-    with ev.cpu_threads(1, "cpu"):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +53,8 @@ def trained_run(tmp_path_factory, tiny_target, target_tokenizer):
     tokens = run / "tokens"
     tokens.mkdir(parents=True)
     convs = chat_examples(seed=3)
-    files = [write_tokens(tokens / "code.jsonl", target_tokenizer, convs[:16]),
-             write_tokens(tokens / "chat.jsonl", target_tokenizer, convs[16:32])]
+    files = [write_token_rows(tokens / "code.jsonl", target_tokenizer, convs[:16], "code"),
+             write_token_rows(tokens / "chat.jsonl", target_tokenizer, convs[16:32], "chat")]
     hidden.extract(tiny_target, files, run / "hidden", dtype="bf16", log=quiet)
     train(TrainConfig(hidden_dir=str(run / "hidden"), target_path=str(tiny_target), out_dir=str(run / "drafter"),
                       draft_vocab_size=512, ttt_steps=3, epochs=1.0, batch_size=4, micro_batch_size=4,

@@ -17,13 +17,7 @@ from draftsmith import hidden, layers
 from draftsmith.shards import INDEX, HiddenShards
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These CPU forwards are small; on a shared 2-core box, extra OpenMP threads only spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_tokens(path: Path, tokenizer, n: int, seed: int, dataset: str, excluded: int = 0) -> list[dict]:

@@ -57,6 +57,7 @@ class Options:
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 60.0
     target_model_path: str | None = None  # its tokenizer measures prompts that may be too long
+    trust_remote_code: bool = False       # loading that tokenizer may run its own code (Kimi-K2.5)
 
     def __post_init__(self):
         for name in ("concurrency", "max_attempts"):
@@ -409,7 +410,8 @@ class Engine:
                     self.reason, self.message = "fatal", str(e)
                     return
                 self.spend.set_prices(cat.prompt_price, cat.completion_price)
-                self.check = ContextCheck(cat.context_length, self.max_tokens, self.opts.target_model_path)
+                self.check = ContextCheck(cat.context_length, self.max_tokens, self.opts.target_model_path,
+                                          self.opts.trust_remote_code)
                 reader = BalanceReader(session, self.base)
                 self.spend.set_balance(await reader.read())
                 background = [loop.create_task(self._poll_balance(reader)), loop.create_task(self._tick())]

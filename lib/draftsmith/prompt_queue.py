@@ -19,9 +19,11 @@ class ContextCheck:
     byte count bounds its tokens, so only the rare prompt long enough to matter is tokenized, with
     the target's tokenizer; without one, the prompt is sent and the API's 400 says it."""
 
-    def __init__(self, context_length: int | None, max_tokens: int, target_model_path: str | None):
+    def __init__(self, context_length: int | None, max_tokens: int, target_model_path: str | None,
+                 trust_remote_code: bool = False):
         self.limit = context_length - max_tokens if context_length else None
         self.path = target_model_path
+        self.trust_remote_code = trust_remote_code
         self._tok = None
 
     def too_long(self, messages: list[dict], bound: int) -> str | None:
@@ -37,10 +39,9 @@ class ContextCheck:
     def _count(self, messages: list[dict]) -> int | None:
         if self._tok is None and self.path:
             try:
-                from transformers import AutoTokenizer
+                from .target import load_tokenizer
 
-                from .target import resolve_target
-                self._tok = AutoTokenizer.from_pretrained(str(resolve_target(self.path)), trust_remote_code=True)
+                self._tok = load_tokenizer(self.path, self.trust_remote_code, log=lambda *a: None)
             except Exception as e:  # noqa: BLE001 - any failure means: let the API decide
                 print(f"note: no tokenizer from target_model_path ({type(e).__name__}: {e}); "
                       f"over-long prompts are left to the API to refuse")

@@ -320,9 +320,13 @@ def plot_price_throughput(policy: pd.DataFrame, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for q, g in policy.groupby("quantization"):
-        ax.scatter(g["throughput_p50"], g["price_out"], label=q, s=60,
-                   marker="o" if g["allowed"].all() else "x")
+    for i, (q, g) in enumerate(policy.groupby("quantization")):
+        color = f"C{i}"
+        for allowed, marker in ((True, "o"), (False, "x")):
+            part = g[g["allowed"] == allowed]
+            if len(part):
+                ax.scatter(part["throughput_p50"], part["price_out"], s=60, color=color, marker=marker,
+                           label=q if allowed or not g["allowed"].any() else None)
         for _, r in g.iterrows():
             ax.annotate(r["tag"], (r["throughput_p50"], r["price_out"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")

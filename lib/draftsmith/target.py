@@ -153,10 +153,11 @@ def make_tokenizer():
 _PLAIN_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def load_tokenizer(target_model_path: str | os.PathLike, trust_remote_code: bool = True, log=print):
+def load_tokenizer(target_model_path: str | os.PathLike, trust_remote_code: bool = False, log=print):
     """The tokenizer of the target (built-in name or checkpoint folder). A checkpoint with a plain
     tokenizer.json (the built-in targets) loads without importing torch, seconds faster than
-    AutoTokenizer; any other goes through AutoTokenizer."""
+    AutoTokenizer; any other goes through AutoTokenizer (`trust_remote_code` is opt-in: Kimi-K2.5's
+    tiktoken tokenizer needs it)."""
     path = resolve_target(target_model_path, log=log)
     config = path / "tokenizer_config.json"
     if (path / "tokenizer.json").is_file() and config.is_file() and \

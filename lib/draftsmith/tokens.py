@@ -182,9 +182,9 @@ class Reconstructor:
 
     @classmethod
     def from_pretrained(cls, path, chat_template_file=None, trust_remote_code: bool = False) -> "Reconstructor":
-        from transformers import AutoTokenizer
+        from .target import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        tok = load_tokenizer(path, trust_remote_code, log=lambda *a: None)
         return cls(tok, load_chat_template(chat_template_file), source=str(path))
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
