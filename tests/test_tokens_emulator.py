@@ -93,8 +93,18 @@ def check_causes(report, ledger):
             assert s["relative_error"] == 0 and s["exact_match_rate"] == 1, (name, s)
         else:
             assert s["flagged"] and s["cause"] in want.split("|"), (name, want, s)
-    siliconflow = report["providers"]["SiliconFlow"]["causes"]
-    assert siliconflow.get("truncated_reasoning") and siliconflow.get("dropped_reasoning")
+    # SiliconFlow drops or truncates reasoning at random: each kind the ledger shows it applied
+    # visibly (a truncation cuts at 100 characters, so only reasoning longer than that) is diagnosed.
+    applied = Counter(q for led in ledger.values() if led["provider_name"] == "SiliconFlow"
+                      for q in led["quirks"] if q == "reasoning_dropped" or
+                      (q == "reasoning_truncated" and led["true_reasoning_tokens"] > 60))
+    causes = report["providers"]["SiliconFlow"]["causes"]
+    assert applied, "no reasoning quirk was drawn for SiliconFlow; raise the sample count"
+    assert set(causes) <= {"dropped_reasoning", "truncated_reasoning"}, causes
+    if applied["reasoning_dropped"]:
+        assert causes.get("dropped_reasoning"), (applied, causes)
+    if applied["reasoning_truncated"]:
+        assert causes.get("truncated_reasoning"), (applied, causes)
 
 
 def test_synthetic_backend_ids_exact_and_every_quirk_flagged_with_its_cause(tmp_path):
