@@ -12,6 +12,7 @@ import pytest
 from draftsmith.datasets import stable_id
 from draftsmith.emulator import read_ledger, running, top_up
 from draftsmith.emulator.catalogue import default_catalogue
+from draftsmith.emulator.quirks import TRUNCATE_CHARS
 
 MODEL = "moonshotai/kimi-k2.5"
 QUIET = {"fault_scale": 0, "generation_delay_s": 0.0}
@@ -478,17 +479,17 @@ def test_quirky_providers_change_text_or_billing_but_not_the_ids_served(emu, cli
     j = _one_from(client, "novita", max_tokens=200, text="Contrast heteroscedasticity with antidisestablishmentarianism.")
     line = ledger(j)
     assert j["usage"]["completion_tokens"] > len(line["output_ids"]) and j["usage"]["prompt_tokens"] > line["true_prompt_tokens"]
-    # stripped whitespace: the served content opens with a blank line, the returned one does not
-    for i in range(4):
+    # stripped whitespace: where the served content opens with a blank line, the returned one does not
+    for i in range(16):
         j = _one_from(client, "parasail", max_tokens=300, text=f"strip {i}")
         line = ledger(j)
         full = tok.decode(line["output_ids"])
-        if "</think>" in full:
-            served = full.split("</think>", 1)[1].replace("<｜end▁of▁sentence｜>", "")
-            assert served.startswith("\n\n") and j["choices"][0]["message"]["content"] == served.strip()
+        served = full.split("</think>", 1)[1].replace("<｜end▁of▁sentence｜>", "") if "</think>" in full else ""
+        if served.startswith("\n\n"):
+            assert j["choices"][0]["message"]["content"] == served.strip()
             break
     else:
-        pytest.fail("no parasail response reached its content")
+        pytest.fail("no parasail response served content opening with a blank line")
     # non-canonical splits (1% of tokens): the text re-tokenizes to fewer ids than were served and billed
     for i in range(6):
         j = _one_from(client, "together", max_tokens=400, text=f"long answer please {i}")
@@ -508,7 +509,7 @@ def test_quirky_providers_change_text_or_billing_but_not_the_ids_served(emu, cli
         assert j["usage"]["completion_tokens_details"]["reasoning_tokens"] == line["true_reasoning_tokens"]
         modes["dropped" if got is None else "truncated" if got != served_reasoning else "full"] += 1
         if got and got != served_reasoning:
-            assert served_reasoning.startswith(got) and len(got) == 100
+            assert served_reasoning.startswith(got) and len(got) == TRUNCATE_CHARS
     assert modes["dropped"] and modes["truncated"] and modes["full"]
 
 

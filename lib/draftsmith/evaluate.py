@@ -770,8 +770,9 @@ def plot_by_dataset(report: dict, path: Path):
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xticks(x, groups)
         ax.set_ylabel("tokens per verification")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom so the legend sits above the bars
         ax.set_title(f"acceptance length, {_label(t)}, k = {report['k']}", fontsize=10)
-    panels[0][0].legend(fontsize=7, ncols=2)
+    panels[0][0].legend(fontsize=7, ncols=len(panels[0][1]["methods"]), loc="upper center")
     return _save(fig, path)
 
 

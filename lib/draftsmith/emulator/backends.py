@@ -27,7 +27,6 @@ class Job:
     reasoning_max_tokens: int | None = None  # force `</think>` after this many reasoning tokens
     perturbed: float = 0.0  # relative noise on the weights of the model serving it (0 = the target)
     noncanonical_rate: float = 0.0  # per token: emit a non-canonical split of it instead
-    content_prefix: list[int] | None = None  # ids forced right after `</think>` (e.g. "\n\n")
     cancelled: bool = False  # set by the server when the client went away
 
 

@@ -52,7 +52,6 @@ class _Seq:
     n_reasoning: int = 0
     anchor: int = 0  # index in `out` where the re-encoding check starts
     anchor_text: str = ""  # decoded text of out[anchor:]
-    forced: list[int] = field(default_factory=list)  # content ids to emit before sampling again
     gen: torch.Generator | None = None
 
 
@@ -154,8 +153,6 @@ class Engine:
                                                   else int.from_bytes(os.urandom(8), "little") >> 1)
             s.pending = list(s.job.prompt_ids)
             s.in_reasoning = not s.job.prompt_ids or s.job.prompt_ids[-1] != self.vocab.end_think
-            if not s.in_reasoning:
-                s.forced = list(s.job.content_prefix or [])
             self.active.append(s)
         for s in [s for s in self.active if s.job.cancelled]:
             self._finish(s)
@@ -213,8 +210,6 @@ class Engine:
             job = s.job
             if s.in_reasoning and job.reasoning_max_tokens is not None and s.n_reasoning >= job.reasoning_max_tokens:
                 t = v.end_think
-            elif not s.in_reasoning and s.forced:
-                t = s.forced.pop(0)
             elif job.temperature <= 0:
                 t = self._greedy(s, probs[r])  # exp is monotonic: the ranking of the logits
             elif job.top_p < 1.0:
@@ -281,7 +276,6 @@ class Engine:
         if t == v.end_think:
             s.in_reasoning = False
             s.anchor, s.anchor_text = len(s.out), ""
-            s.forced = list(s.job.content_prefix or [])
             return ""
         if t == v.eos:
             return ""

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from ..target import tokenizer_json_path
 
-TRUNCATE_CHARS = 100  # a truncated reasoning stops after this many characters
+TRUNCATE_CHARS = 40  # a truncated reasoning stops after this many characters
 
 
 @lru_cache(maxsize=4)

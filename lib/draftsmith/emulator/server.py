@@ -457,10 +457,7 @@ class Emulator:
             key += f"|seed={seed}" if seed is not None else f"|draw={nth}|{secrets.token_hex(4)}"
         return Job(prompt_ids=prompt_ids, max_tokens=req["max_tokens"], temperature=temperature,
                    top_p=top_p, seed=seed, key=key, reasoning_max_tokens=req["reasoning_max_tokens"],
-                   perturbed=ep.quirks.perturbed_model, noncanonical_rate=ep.quirks.noncanonical_rate,
-                   # a provider that strips whitespace serves a model that opens answers with a blank line,
-                   # so the stripping shows
-                   content_prefix=self.vocab.blank_line if ep.quirks.strip_whitespace else None)
+                   perturbed=ep.quirks.perturbed_model, noncanonical_rate=ep.quirks.noncanonical_rate)
 
     async def _tokens(self, job: Job):
         """(ids, texts) lists as the backend produces them: all at once (synthetic) or one by one."""

@@ -73,9 +73,7 @@ class SyntheticBackend:
         if think and len(ids) < m:
             ids.append(v.end_think)
             texts.append("")
-        prefix = job.content_prefix if job.content_prefix is not None else \
-            (v.blank_line if rng.random() < 0.5 else [])  # answers often open with a blank line
-        prefix = prefix[: m - len(ids)]
+        prefix = (v.blank_line if rng.random() < 0.5 else [])[: m - len(ids)]  # answers often open with a blank line
         ids += prefix
         texts += [self._tok.decode([i]) for i in prefix]
         if len(ids) < m:
