@@ -26,6 +26,17 @@ def body(**kw):
     return {"model": MODEL, "messages": msgs(kw.pop("text", "What does os.path.join do?")), "max_tokens": 60, **kw}
 
 
+def post_at_once(emu, n: int, **kw) -> list[tuple[int, dict, dict]]:
+    """n identical chat requests sent together: (status, headers, JSON body) of each."""
+    async def main():
+        async with aiohttp.ClientSession(headers=emu.key.header()) as s:
+            async def one():
+                async with s.post(emu.base_url + "/chat/completions", json=body(**kw)) as r:
+                    return r.status, dict(r.headers), await r.json(content_type=None)
+            return await asyncio.gather(*[one() for _ in range(n)])
+    return asyncio.run(main())
+
+
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     with running(QUIET, state_dir=tmp_path_factory.mktemp("emu")) as e:
@@ -242,15 +253,8 @@ def test_capacity_overflow_is_upstream_429_with_retry_after(tmp_path):
         {"slug": "a", "name": "A", "quantization": "int4", "prompt_price": 0.5, "completion_price": 2,
          "capacity": 2, "retry_after_s": 3, "latency_s": {"median": 0.5, "sigma": 0.01}}]}
 
-    async def main(url, headers):
-        async with aiohttp.ClientSession(headers=headers) as s:
-            async def one():
-                async with s.post(url + "/chat/completions", json=body(max_tokens=3)) as r:
-                    return r.status, dict(r.headers), await r.json(content_type=None)
-            return await asyncio.gather(*[one() for _ in range(5)])
-
     with running(cfg, state_dir=tmp_path) as emu:
-        results = asyncio.run(main(emu.base_url, emu.key.header()))
+        results = post_at_once(emu, 5, max_tokens=3)
     statuses = Counter(s for s, _, _ in results)
     assert statuses == {200: 2, 429: 3}
     for status, headers, j in results:
@@ -306,15 +310,8 @@ def test_in_flight_budget_402_is_distinguishable_and_retryable(tmp_path):
           "latency_s": {"median": 0.5, "sigma": 0.01}, "tokens_per_s": {"median": 10000, "sigma": 0.01}}
     cfg = {**QUIET, "credits": 0.05, "providers": [ep], "time_scale": 1.0, "in_flight_budget": 0.5}
 
-    async def main(url, headers):
-        async with aiohttp.ClientSession(headers=headers) as s:
-            async def one():
-                async with s.post(url + "/chat/completions", json=body(max_tokens=1000)) as r:
-                    return r.status, dict(r.headers), await r.json(content_type=None)
-            return await asyncio.gather(*[one() for _ in range(4)])
-
     with running(cfg, state_dir=tmp_path) as emu:
-        results = asyncio.run(main(emu.base_url, emu.key.header()))
+        results = post_at_once(emu, 4, max_tokens=1000)
         # each request reserves ~$0.01 of a $0.025 budget: two fit, two are refused
         assert Counter(s for s, _, _ in results) == {200: 2, 402: 2}
         for s, h, j in results:

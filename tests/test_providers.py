@@ -100,6 +100,25 @@ def test_probe_flags_the_provider_that_answers_differently(tmp_path, target_toke
     assert set(per_prompt["tag"]) == set(candidates["tag"])
 
 
+def test_probe_does_not_flag_a_provider_that_only_cuts_or_drops_its_reasoning(tmp_path, target_tokenizer):
+    base = {"quantization": "int4", "prompt_price": 1, "completion_price": 2}
+    prov = [{"slug": "moonshotai", "name": "Moonshot AI", **base},
+            {"slug": "cut", "name": "Cut", **base, "quirks": {"reasoning_truncate_rate": 1.0}},
+            {"slug": "drop", "name": "Drop", **base, "quirks": {"reasoning_drop_rate": 1.0}},
+            {"slug": "noisy", "name": "Noisy", **base, "quirks": {"perturbed_model": 0.5}}]
+    with running({"providers": prov, "fault_scale": 0, "synthetic_tokens": 120}, state_dir=tmp_path) as emu:
+        api = pv.Api(emu.base_url, emu.key)
+        _, table = pv.fetch_endpoints(api, MODEL)
+        prompts = [[{"role": "user", "content": f"probe {i}"}] for i in range(3)]
+        per_prompt = pv.probe(api, MODEL, table, prompts, target_tokenizer, 96, 0, "moonshotai")
+        quirks = {x["provider"]: set(x["quirks"]) for x in emu.ledger_lines()}
+    assert quirks["cut"] == {"reasoning_truncated"} and quirks["drop"] == {"reasoning_dropped"}
+    s = pv.probe_summary(per_prompt, 0.5).set_index("tag")
+    assert s.loc["cut/int4", "agreement"] == s.loc["drop/int4", "agreement"] == 1.0
+    assert s.loc["cut/int4", "length_ratio"] < 1 and s.loc["drop/int4", "length_ratio"] < 1  # they did return less
+    assert list(s.index[s["outlier"]]) == ["noisy/int4"]
+
+
 def test_api_retries_faults_and_stops_on_permanent_errors(tmp_path):
     prov = [{"slug": "a", "name": "A", "quantization": "int4", "prompt_price": 1, "completion_price": 2,
              "faults": {"rate_limit": 0.3, "error_200": 0.2, "empty_200": 0.2}}]

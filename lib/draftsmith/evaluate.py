@@ -27,7 +27,6 @@ keyed by the settings, so an interrupted stage resumes where it stopped.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -452,21 +451,6 @@ def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, 
     return ms, layer_ids
 
 
-@contextlib.contextmanager
-def cpu_threads(n: int | None, device):
-    """Run with n intra-op CPU threads (None: leave as is). Decoding one sequence of a small model
-    multiplies tiny matrices, where one thread is faster than several (bench/bench_evaluate.py)."""
-    if n is None or torch.device(device).type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _prompt_seed(seed: int, p: Prompt) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{p.dataset}/{p.sample_id}".encode()).digest()[:6], "big")
 
@@ -581,7 +565,7 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
                  prompts_per_dataset: int,
                  max_new_tokens: int, k: int, temperatures: list[float], lookup_max_ngram: int = 3,
                  lookup_min_ngram: int = 1, draft_cost_ratio: float = 0.05, seed: int = 0,
-                 device: str = "auto", cpu_threads_n: int | None = 1, serve_tp: int = 8, log=print) -> dict:
+                 device: str = "auto", serve_tp: int = 8, log=print) -> dict:
     """Stage 06 end to end: held-out prompts of stage 05's split (`holdout_fraction` = the one it
     trained with), every method at every temperature, `<run>/eval/report.json` (returned)."""
     from .hidden import load_target, target_identity
@@ -609,12 +593,11 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
     results = Results(eval_dir / "rounds.jsonl")
     by_t = {}
     try:
-        with cpu_threads(cpu_threads_n, target.device):
-            for t in temperatures:
-                rows = run_methods(target, methods, prompts, k=k, max_new_tokens=max_new_tokens,
-                                   temperature=float(t), seed=seed, results=results, target_fingerprint=fingerprint)
-                summary = summarize(rows, methods, k, draft_cost_ratio)
-                by_t[f"{float(t):g}"] = {"temperature": float(t), "methods": summary, "verdict": verdict(summary)}
+        for t in temperatures:
+            rows = run_methods(target, methods, prompts, k=k, max_new_tokens=max_new_tokens,
+                               temperature=float(t), seed=seed, results=results, target_fingerprint=fingerprint)
+            summary = summarize(rows, methods, k, draft_cost_ratio)
+            by_t[f"{float(t):g}"] = {"temperature": float(t), "methods": summary, "verdict": verdict(summary)}
     finally:
         target.close()
     final = next(m for m in methods if m.kind == "eagle3" and m.info["final"])

@@ -13,6 +13,9 @@ of the token budget the balance buys.
 - `probe` sends the same prompts at temperature 0 with a fixed seed to each endpoint pinned with
   `order` + `allow_fallbacks: false`, and scores token-level prefix agreement with the first-party
   endpoint: a provider serving a model quantized below what it declares answers differently.
+  Reasoning and answer are compared apart, each over the shorter of the two: a provider that
+  truncates or drops the reasoning it returns (a display quirk stage 03 diagnoses) still serves
+  the same model, and must not be excluded for it.
 """
 
 from __future__ import annotations
@@ -282,8 +285,8 @@ def probe(api: Api, model: str, endpoints: pd.DataFrame, prompts: list[list[dict
     answers = _run_all(api, bodies, "probe")
     toks = {}
     for (tag, body), (_, reply) in zip(bodies, answers):
-        text = (reply.reasoning or "").strip() + "\n" + (reply.content or "").strip()
-        toks[(tag, json.dumps(body["messages"]))] = tokenizer.encode(text, add_special_tokens=False)
+        toks[(tag, json.dumps(body["messages"]))] = [
+            tokenizer.encode((text or "").strip(), add_special_tokens=False) for text in (reply.reasoning, reply.content)]
     ref_tags = [t for t in endpoints["tag"] if t.split("/")[0] == reference_slug]
     if not ref_tags:
         raise ValueError(f"probe: no endpoint of the first-party provider {reference_slug!r} among "
@@ -293,10 +296,14 @@ def probe(api: Api, model: str, endpoints: pd.DataFrame, prompts: list[list[dict
     for tag in endpoints["tag"]:
         for i, m in enumerate(prompts):
             k = json.dumps(m)
-            a, b = toks[(ref, k)], toks[(tag, k)]
-            common = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            rows.append({"tag": tag, "prompt": i, "tokens": len(b), "reference_tokens": len(a),
-                         "prefix_agreement": common / max(1, min(len(a), len(b)))})
+            common = compared = 0
+            for a, b in zip(toks[(ref, k)], toks[(tag, k)]):  # reasoning, then answer
+                n = min(len(a), len(b))
+                common += next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), n)
+                compared += n
+            rows.append({"tag": tag, "prompt": i, "tokens": sum(map(len, toks[(tag, k)])),
+                         "reference_tokens": sum(map(len, toks[(ref, k)])),
+                         "prefix_agreement": common / max(1, compared)})
     return pd.DataFrame(rows)
 
 

@@ -58,8 +58,9 @@ class Quirks(Strict):
     counts the billed prompt and completion tokens with a weaker tokenizer (the target's
     tokenizer.json with its later BPE merges dropped), so usage disagrees with the ids served.
     `strip_whitespace`: leading/trailing whitespace stripped from the returned content.
-    `reasoning_truncate_rate` / `reasoning_drop_rate`: the returned reasoning is cut to half /
-    emptied on that fraction of responses (reasoning_tokens still billed in full).
+    `reasoning_truncate_rate` / `reasoning_drop_rate`: the returned reasoning is cut to its first
+    `quirks.TRUNCATE_CHARS` characters / null on that fraction of responses (reasoning_tokens and
+    completion_tokens still billed in full).
     `perturbed_model`: serves the target with Gaussian noise of this relative size added to its
     weights (as an undeclared quantization would); 0 = the real weights."""
 
