@@ -29,6 +29,7 @@ Command line (what `launch` runs under torchrun):
 from __future__ import annotations
 
 import argparse
+import collections
 import fcntl
 import hashlib
 import json
@@ -563,10 +564,12 @@ def launch(nproc: int, target, token_files, out_dir, *, layer_ids=None, conventi
     log("$ " + " ".join(cmd))
     (Path(out_dir) / SUMMARY).unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = collections.deque(maxlen=40)
     for line in proc.stdout:
         log(line.rstrip())
+        tail.append(line)
     if proc.wait() != 0:
-        raise RuntimeError(f"torchrun exited with status {proc.returncode} (see the output above)")
+        raise RuntimeError(f"torchrun exited with status {proc.returncode}; its last lines:\n{''.join(tail)}")
     return json.loads((Path(out_dir) / SUMMARY).read_text())
 
 
