@@ -554,11 +554,13 @@ def _cli_args(target, token_files, out_dir, layer_ids, convention, dtype, max_to
 
 
 def launch(nproc: int, target, token_files, out_dir, *, layer_ids=None, convention="output", dtype="bf16",
-           max_tokens_per_batch=16384, shard_mb=1024.0, device="auto", log=print) -> dict:
+           max_tokens_per_batch=16384, shard_mb=1024.0, device="auto", max_restarts: int = 1, log=print) -> dict:
     """Run `extract` as `nproc` torchrun ranks on this machine (one per GPU, or gloo on CPU), streaming
-    their output; returns rank 0's summary."""
+    their output; returns rank 0's summary. A rank that dies (a dropped gloo/NCCL connection, an OOM)
+    makes torchrun restart the group up to `max_restarts` times; the restart keeps every whole shard
+    already written, so it only redoes the unfinished ones."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "draftsmith.hidden",
+           f"--max-restarts={max_restarts}", "-m", "draftsmith.hidden",
            *_cli_args(target, token_files, out_dir, layer_ids, convention, dtype, max_tokens_per_batch,
                       shard_mb, device)]
     log("$ " + " ".join(cmd))
