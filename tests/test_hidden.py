@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -124,6 +125,38 @@ def test_two_rank_torchrun_gives_the_same_samples_as_one_process(tiny_target, to
     pos = {k: i for i, k in enumerate(keys_of(b))}
     for i, k in enumerate(keys_of(a)):
         torch.testing.assert_close(a.sample(i)["aux"], b.sample(pos[k])["aux"], rtol=2 ** -7, atol=1e-4)
+
+
+def test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun(tiny_target, tokens, tmp_path):
+    """kill -9 of one worker: torchrun fails, `launch` starts it again, the second run keeps the whole
+    shards and redoes the rest: every sample once, as one process writes them."""
+    import psutil
+
+    files, _ = tokens
+    extract(tiny_target, files, tmp_path / "one")
+    out, lines, killed = tmp_path / "two", [], []
+
+    def kill_rank_1_at_the_first_shard():
+        while not killed and not any(out.glob("shard-*.safetensors")):
+            time.sleep(0.005)
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if "draftsmith.hidden" in p.cmdline() and p.environ().get("RANK") == "1" and not killed:
+                    p.kill()
+                    killed.append(p.pid)
+            except psutil.Error:
+                pass
+
+    killer = threading.Thread(target=kill_rank_1_at_the_first_shard, daemon=True)
+    killer.start()
+    two = hidden.launch(2, tiny_target, files, out, max_tokens_per_batch=256, shard_mb=0.01, log=lines.append)
+    killed.append(None)  # stops the killer if it never found its rank
+    killer.join()
+    assert killed[0] is not None, "rank 1 was never killed: the test proved nothing"
+    assert any("starting it again (2/2)" in x for x in lines)
+    a, b = HiddenShards(tmp_path / "one"), HiddenShards(out)
+    assert two["ranks"] == 2 and len(set(keys_of(b))) == len(keys_of(b)) and sorted(keys_of(a)) == sorted(keys_of(b))
+    assert not list(out.glob("*.tmp"))
 
 
 def shard_files(d: Path) -> list[Path]:

@@ -29,13 +29,11 @@ Command line (what `launch` runs under torchrun):
 from __future__ import annotations
 
 import argparse
-import collections
 import fcntl
 import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +44,7 @@ import torch
 
 from . import layers, shards
 from .progress import Progress
+from .torchrun import torchrun
 
 SHARD_GLOB = "shard-*.safetensors"
 SUMMARY = "summary.json"
@@ -554,24 +553,13 @@ def _cli_args(target, token_files, out_dir, layer_ids, convention, dtype, max_to
 
 
 def launch(nproc: int, target, token_files, out_dir, *, layer_ids=None, convention="output", dtype="bf16",
-           max_tokens_per_batch=16384, shard_mb=1024.0, device="auto", max_restarts: int = 1, log=print) -> dict:
-    """Run `extract` as `nproc` torchrun ranks on this machine (one per GPU, or gloo on CPU), streaming
-    their output; returns rank 0's summary. A rank that dies (a dropped gloo/NCCL connection, an OOM)
-    makes torchrun restart the group up to `max_restarts` times; the restart keeps every whole shard
-    already written, so it only redoes the unfinished ones."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "draftsmith.hidden",
-           *_cli_args(target, token_files, out_dir, layer_ids, convention, dtype, max_tokens_per_batch,
-                      shard_mb, device)]
-    log("$ " + " ".join(cmd))
+           max_tokens_per_batch=16384, shard_mb=1024.0, device="auto", attempts: int = 2, log=print) -> dict:
+    """Run `extract` as `nproc` torchrun ranks on this machine (one per GPU, or gloo on CPU); returns
+    rank 0's summary. A failed torchrun is started again (`attempts` in all); whole shards are kept."""
     (Path(out_dir) / SUMMARY).unlink(missing_ok=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tail = collections.deque(maxlen=40)
-    for line in proc.stdout:
-        log(line.rstrip())
-        tail.append(line)
-    if proc.wait() != 0:
-        raise RuntimeError(f"torchrun exited with status {proc.returncode}; its last lines:\n{''.join(tail)}")
+    torchrun(nproc, "draftsmith.hidden", _cli_args(target, token_files, out_dir, layer_ids, convention, dtype,
+                                                   max_tokens_per_batch, shard_mb, device),
+             attempts=attempts, log=log)
     return json.loads((Path(out_dir) / SUMMARY).read_text())
 
 

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -40,6 +39,7 @@ from torch import nn
 from .. import layers
 from ..progress import Progress
 from ..shards import HiddenShards
+from ..torchrun import torchrun
 from . import data
 from .export import export
 from .model import DrafterConfig, Eagle3Drafter, target_config, target_tensors
@@ -587,14 +587,7 @@ def launch(cfg: TrainConfig, nproc: int = 1, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "train_config.json"
     cfg_path.write_text(json.dumps(asdict(cfg), indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "draftsmith.drafter.train", str(cfg_path)]
-    log("$ " + " ".join(cmd))
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
-        for line in p.stdout:
-            log(line.rstrip())
-    if p.returncode:
-        raise RuntimeError(f"torchrun training failed (exit {p.returncode}); rerun resumes from the last checkpoint")
+    torchrun(nproc, "draftsmith.drafter.train", [str(cfg_path)], log=log)
     return json.loads((out / "summary.json").read_text())
 
 
