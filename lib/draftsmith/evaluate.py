@@ -39,6 +39,7 @@ import torch
 from . import layers
 from .paths import Run
 from .progress import Progress
+from .store import read_jsonl
 
 LOOP_NGRAM = 4   # a token whose preceding 4-gram already occurred starts "repeating" text
 ROUNDS_FORMAT = 2   # of a rounds.jsonl line; lines of another format are measured again
@@ -835,21 +836,14 @@ def write_bench_prompts(generate_dir: str | os.PathLike, prompts: list[Prompt], 
     wanted = {(p.dataset, p.sample_id) for p in prompts}
     rows = []
     for ds in sorted({p.dataset for p in prompts}):
-        f = Path(generate_dir) / ds / "raw_responses.jsonl"
-        if not f.is_file():
-            continue
-        with open(f, encoding="utf-8") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                r = json.loads(line)
-                if (ds, r.get("sample_id")) not in wanted:
-                    continue
-                users = [m["content"] for m in r.get("messages", []) if m.get("role") == "user"]
-                if users:
-                    rows.append({"id": f"{ds}/{r['sample_id']}", "conversations": [
-                        {"from": "human", "value": users[-1]},
-                        {"from": "gpt", "value": r.get("content") or ""}]})
+        for _, r in read_jsonl(Path(generate_dir) / ds / "raw_responses.jsonl"):
+            if (ds, r.get("sample_id")) not in wanted:
+                continue
+            users = [m["content"] for m in r.get("messages", []) if m.get("role") == "user"]
+            if users:
+                rows.append({"id": f"{ds}/{r['sample_id']}", "conversations": [
+                    {"from": "human", "value": users[-1]},
+                    {"from": "gpt", "value": r.get("content") or ""}]})
     path.write_text(json.dumps(rows, indent=1, ensure_ascii=False), encoding="utf-8")
     return len(rows)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .store import read_jsonl
+
 COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens", "completion_tokens",
            "reasoning_tokens", "cost", "attempts", "latency_s", "started_at", "completed_at"]
 
@@ -17,16 +19,12 @@ def load_responses(folder: Path) -> pd.DataFrame:
     """One row per saved sample (text left out), from every `<dataset>/raw_responses.jsonl`."""
     rows = []
     for path in sorted(Path(folder).glob("*/raw_responses.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    break                   # a torn tail: the next run cuts it off
-                r = json.loads(line)
-                u = r.get("usage") or {}
-                rows.append((r["dataset"], r["sample_id"], r.get("provider") or "unknown", r.get("finish_reason"),
-                             u.get("prompt_tokens"), u.get("completion_tokens"), u.get("reasoning_tokens"),
-                             u.get("cost"), r.get("attempts"), r.get("latency_s"), r.get("started_at"),
-                             r.get("completed_at")))
+        for _, r in read_jsonl(path):
+            u = r.get("usage") or {}
+            rows.append((r["dataset"], r["sample_id"], r.get("provider") or "unknown", r.get("finish_reason"),
+                         u.get("prompt_tokens"), u.get("completion_tokens"), u.get("reasoning_tokens"),
+                         u.get("cost"), r.get("attempts"), r.get("latency_s"), r.get("started_at"),
+                         r.get("completed_at")))
     df = pd.DataFrame(rows, columns=COLUMNS)
     if len(df):
         df["completed"] = pd.to_datetime(df["completed_at"], unit="s")
@@ -36,8 +34,7 @@ def load_responses(folder: Path) -> pd.DataFrame:
 def load_errors(folder: Path) -> pd.DataFrame:
     rows = []
     for path in sorted(Path(folder).glob("*/errors.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            rows.extend(json.loads(line) for line in f if line.endswith("\n"))
+        rows.extend(e for _, e in read_jsonl(path))
     return pd.DataFrame(rows, columns=["dataset", "sample_id", "action", "kind", "status", "message", "attempts"])
 
 

@@ -77,11 +77,15 @@ def repair_tail(path: Path) -> str | None:
 
 
 def read_jsonl(path: Path):
-    """(line number, object) for every line; a bad line other than a torn last one is an error."""
+    """(line number, object) for every line of a file stage 02 writes. A last line without its
+    newline is torn (a run still writing, or killed) and left out; any other bad line is an error."""
+    path = Path(path)
     if not path.exists():
         return
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                return
             if not line.strip():
                 continue
             try:
