@@ -7,6 +7,7 @@ import pytest
 
 from draftsmith import apikey, datasets, progress, target
 from draftsmith.datasets import DatasetReader, DatasetSpec
+from draftsmith.paths import REPO_ROOT as REPO
 
 
 def write_jsonl(path, rows):
@@ -43,9 +44,20 @@ def test_dataset_reader_reports_malformed_rows_with_file_and_line_and_skips_them
     assert [g.sample_id for g in r] == ["ok"]
     lines = {pr.line: pr.reason for pr in r.problems}
     assert sorted(lines) == [2, 3, 4, 5, 6]
-    assert "messages[0].role" in lines[3] and "no user turn" in lines[4] and "repeats" in lines[5]
+    assert "messages[0].role" in lines[3] and "no user turn" in lines[4] and "same id as line 1" in lines[5]
     assert str(r.problems[0]).startswith(f"{p}:2:")
     assert "5 rows skipped" in r.summary()
+
+
+def test_non_utf8_rows_and_repeated_prompts_are_skipped_and_named_by_the_users_lines(tmp_path):
+    p = tmp_path / "d.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "caf\u00e9"}]}, ensure_ascii=False)
+    p.write_bytes(good.encode() + b"\n" + b'{"id": "z", "messages": [{"role": "user", "content": "caf\xe9"}]}\n'
+                  + good.encode() + b"\n" + b'{"id": "k", "messages": [{"role": "user", "content": "caf\xc3\xa9"}]}\n')
+    r = DatasetReader(DatasetSpec("d", str(p)))
+    assert [g.line for g in r] == [1, 4]  # distinct ids keep an equal prompt
+    assert [str(x) for x in r.problems] == [f"{p}:2: not UTF-8 text: byte 0xe9 at column 58",
+                                            f"{p}:3: duplicate: same prompt as line 1, skipped"]
 
 
 def test_rows_without_id_get_a_stable_content_hash(tmp_path):
@@ -53,6 +65,12 @@ def test_rows_without_id_get_a_stable_content_hash(tmp_path):
     a = list(DatasetReader(DatasetSpec("d", str(write_jsonl(tmp_path / "a.jsonl", [row])))))
     b = list(DatasetReader(DatasetSpec("d", str(write_jsonl(tmp_path / "b.jsonl", [row])))))
     assert a[0].sample_id == b[0].sample_id == datasets.stable_id(row["messages"])
+
+
+def test_relative_dataset_paths_are_taken_from_the_repository_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Jupyter starts a kernel in the notebook's folder, not the repo root
+    spec, = datasets.parse_datasets([{"name": "code", "path": "data/demo/code.jsonl"}])
+    assert spec.path == str(REPO / "data/demo/code.jsonl") and next(iter(DatasetReader(spec))).line == 1
 
 
 def test_dataset_spec_errors_name_the_field():

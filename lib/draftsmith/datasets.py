@@ -1,9 +1,14 @@
 """Prompt datasets: JSONL in the OpenAI `messages` form or ShareGPT `conversations` form.
 
-Rows are streamed (memory does not grow with the dataset). The prompt of a row is every message
-up to and including its last user turn. Rows without an id get a stable one from a hash of their
-content. Malformed rows and repeated ids are reported with file and line and skipped, never
-silently: they are collected in `DatasetReader.problems` and counted by reason.
+Rows are streamed (memory grows only with the set of ids seen). The prompt of a row is every
+message up to and including its last user turn. A relative dataset path is taken from the
+repository root, as every default path is, so a notebook opened by hand finds the demo data.
+
+Duplicates, one rule: a sample is known by its id, the row's `id` or, when it has none, a hash of
+its prompt. A row whose id an earlier row already had is skipped and reported with both line
+numbers ("same id as line 3" / "same prompt as line 3"). Rows with distinct ids are all kept, even
+with equal prompts. Malformed rows (bad JSON, bad fields, bytes that are not UTF-8) are reported
+with file and line and skipped, never silently: they are collected in `DatasetReader.problems`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+from .paths import resolve
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
@@ -59,7 +66,7 @@ class DatasetSpec:
         budget = entry.get("output_token_budget")
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
             raise ValueError(f"{where}: output_token_budget of {entry['name']!r} must be a positive int, got {budget!r}")
-        return cls(entry["name"], entry["path"], budget)
+        return cls(entry["name"], str(resolve(entry["path"])), budget)
 
 
 def parse_datasets(datasets: list[dict]) -> list[DatasetSpec]:
@@ -124,6 +131,13 @@ def prompt_of(messages: list[dict]) -> list[dict]:
     return prompt
 
 
+def _decode(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text: byte 0x{raw[e.start]:02x} at column {e.start + 1}") from None
+
+
 @dataclass
 class DatasetReader:
     """Streams the prompts of one dataset file. Iterate it; afterwards `problems` lists what was
@@ -139,28 +153,30 @@ class DatasetReader:
         path = Path(self.spec.path)
         if not path.is_file():
             raise FileNotFoundError(f"dataset {self.spec.name!r}: file not found: {path}")
-        seen: set[str] = set()
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
+        seen: dict[str, int] = {}
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
                 try:
+                    line = _decode(raw)
+                    if not line.strip():
+                        continue
                     row = json.loads(line)
                     if not isinstance(row, dict):
                         raise ValueError("row is not a JSON object")
                     messages = prompt_of(row_messages(row))
                     rid = row.get("id")
+                    what = "id"
                     if rid is None:
-                        rid = stable_id(messages)
+                        rid, what = stable_id(messages), "prompt"
                     elif not isinstance(rid, (str, int)) or isinstance(rid, bool) or str(rid) == "":
                         raise ValueError(f"field 'id' must be a non-empty string or int, got {rid!r}")
                     rid = str(rid)
                     if rid in seen:
-                        raise ValueError(f"id {rid!r} repeats an earlier row")
+                        raise ValueError(f"duplicate: same {what} as line {seen[rid]}, skipped")
                 except (ValueError, json.JSONDecodeError) as e:
                     self.problems.append(Problem(str(path), lineno, str(e)))
                     continue
-                seen.add(rid)
+                seen[rid] = lineno
                 self.count += 1
                 yield Prompt(rid, self.spec.name, messages, lineno)
 
