@@ -288,7 +288,7 @@ def test_notebook_04_extracts_checks_and_plots(tiny_target, tokens, tmp_path):
     (run_dir / "tokens").mkdir(parents=True)
     for f in files:
         (run_dir / "tokens" / f.name).write_bytes(f.read_bytes())
-    rc = cli.main(["run", "04", "-p", "run_name", "nb", "-p", "outputs_dir", str(tmp_path), "-p", "target_model_path",
+    rc = cli.main(["run", "04", "--defaults", "-p", "run_name", "nb", "-p", "outputs_dir", str(tmp_path), "-p", "target_model_path",
                    str(tiny_target), "-p", "hidden_dtype", "fp8", "-p", "shard_mb", "0.05",
                    "-p", "datasets", json.dumps([{"name": f.stem, "path": str(f), "output_token_budget": 100}
                                                  for f in files])])

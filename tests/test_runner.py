@@ -120,3 +120,95 @@ def test_stage_selection_by_number_name_and_list(toy_stages):
     assert [s.title for s in runner.select(toy_stages, "first,02")] == ["01_first", "02_second"]
     with pytest.raises(runner.ParamError, match="unknown stage 'third'"):
         runner.select(toy_stages, "third")
+
+
+def test_a_run_without_a_params_file_is_refused_unless_defaults_is_given(capsys, monkeypatch, toy_stages):
+    monkeypatch.setattr(runner, "discover", lambda: toy_stages)
+    assert cli.main(["run", "02"]) == 2
+    assert "give a params file with -f" in capsys.readouterr().err
+    assert cli.main(["run", "02", "--defaults", "-f", str(PARAMS[0])]) == 2
+
+
+def test_bad_values_are_all_named_before_any_stage_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({
+        "run_name": "v", "outputs_dir": str(tmp_path / "out"), "api_base": "https://openrouter.ai/api/v1",
+        "concurrency": 0, "spend_limit_usd": 0, "max_tokens": 0, "target_model_path": "tiny-test",
+        "datasets": [{"name": "a", "path": str(tmp_path / "empty.jsonl")},
+                     {"name": "b", "path": str(tmp_path / "bad.jsonl")},
+                     {"name": "c", "path": str(tmp_path / "missing.jsonl")}]}))
+    assert cli.main(["run", "all", "-f", str(f)]) == 2
+    err = capsys.readouterr().err
+    for text in ["concurrency must be at least 1", "spend_limit_usd must be more than 0 (dollars this run may spend), "
+                 "got 0", "max_tokens must be at least 1", "datasets[0] 'a': no usable prompt", "(the file is empty)",
+                 f"datasets[1] 'b': no usable prompt in {tmp_path / 'bad.jsonl'}; skipped: {tmp_path / 'bad.jsonl'}:1:",
+                 "datasets[2] 'c': file not found", f"{f}: api_base is 'https://openrouter.ai/api/v1': no API key"]:
+        assert text in err, text
+    assert err.count(f"{f}: ") >= 7 and "Traceback" not in err
+    assert not (tmp_path / "out" / "v" / "notebooks").exists()  # nothing started, nothing paid
+    # a stage that declares none of them is not held up by them
+    assert cli.main(["run", "05", "-f", str(f), "--check"]) == 0
+
+
+def test_check_names_skipped_rows_by_file_and_line(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    row = b'{"messages": [{"role": "user", "content": "hello"}]}\n'
+    data.write_bytes(row + b'{"messages": [{"role": "user", "content": "h\xe9"}]}\n' + row)
+    assert cli.main(["run", "02", "-f", str(PARAMS[0]), "--check", "-p", "outputs_dir", str(tmp_path),
+                     "-p", "datasets", json.dumps([{"name": "d", "path": str(data)}])]) == 0
+    out = capsys.readouterr().out
+    assert f"d: 1 prompts, 2 rows skipped: {data}:2: not UTF-8 text" in out
+    assert f"{data}:3: duplicate: same prompt as line 1" in out
+
+
+def test_an_unwritable_outputs_folder_is_one_line_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert cli.main(["run", "05", "-f", str(PARAMS[0]), "-p", "outputs_dir", str(tmp_path / "file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "-p outputs_dir: outputs_dir" in err and "cannot be written: Not a directory" in err
+    assert "Traceback" not in err
+
+
+def test_a_failing_stage_points_to_its_traceback_in_the_log_with_the_same_cell_number(
+        toy_stages, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runner, "discover", lambda: toy_stages)
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"run_name": "r3", "outputs_dir": str(tmp_path), "flag": True}))
+    assert cli.main(["run", "all", "-f", str(f)]) == 1
+    err = capsys.readouterr().err
+    failure = err[err.index("draftsmith: stage"):]
+    assert "stage 02_second failed in cell 4: AssertionError: flag was set" in failure and "Traceback" not in err
+    log = tmp_path / "r3" / "logs" / "02_second.log"
+    assert f"traceback: {log}" in failure
+    text = log.read_text()
+    assert "Executing cell 4" in text and "Executing cell injected parameters" in text
+    assert "== 02_second failed in cell 4:" in text and "assert not flag, 'flag was set'" in text
+    source = nbformat.read(toy_stages[1].path, as_version=4)
+    assert "assert not flag" in source.cells[4 - 1].source  # cell 4 as the notebook shows it
+
+
+def test_ctrl_c_stops_the_run_with_one_line_and_exit_130(toy_stages, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    make_notebook(toy_stages[0].path, 'run_name = "x"\noutputs_dir = "outputs"\n',
+                  ["import time\nprint('sleeping', flush=True)\ntime.sleep(60)"])
+    script = ("import sys\nfrom pathlib import Path\nfrom draftsmith import cli, runner\n"
+              f"stages = runner.discover(Path({str(toy_stages[0].path.parent)!r}))\n"
+              "runner.discover = lambda: stages\n"
+              f"sys.exit(cli.main(['run', '01', '--defaults', '-p', 'outputs_dir', {str(tmp_path)!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = tmp_path / "x" / "logs" / "01_first.log"
+    deadline = time.time() + 60
+    while not (log.exists() and "sleeping" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted in 01_first" in err and "re-run the same command" in err

@@ -1,4 +1,9 @@
-"""`draftsmith run STAGE|all -f params/X.yaml [-p KEY VALUE ...]` and `draftsmith run --list`."""
+"""`draftsmith run STAGE|all -f params/X.yaml [-p KEY VALUE ...]`, `draftsmith run --list`.
+
+Every user error ends in one line naming the file, line or field and a non-zero exit, never a
+Python traceback: 2 for parameters (nothing was run), 1 for a failed stage (its traceback is in
+the log the message names), 130 for Ctrl-C.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +14,18 @@ from . import runner
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
+    ap = argparse.ArgumentParser(prog="draftsmith", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="execute stage notebooks through papermill")
     r.add_argument("stage", nargs="?", help="stage number or name (01, providers, 01_providers), "
                    "a comma list, or 'all'")
-    r.add_argument("-f", "--file", help="params YAML file")
+    r.add_argument("-f", "--file", help="params YAML file (required, unless --defaults)")
+    r.add_argument("--defaults", action="store_true",
+                   help="run on the notebooks' own defaults (the demo) without a params file")
     r.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                    help="override one parameter (VALUE is read as YAML)")
+    r.add_argument("--check", action="store_true",
+                   help="check the parameters and read the prompt files, run nothing")
     r.add_argument("--list", action="store_true", help="list the stages and their parameters")
     args = ap.parse_args(argv)
 
@@ -30,14 +39,35 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.stage:
             ap.error("give a stage (or 'all'), or --list")
+        if bool(args.file) == args.defaults:
+            raise runner.ParamError("give a params file with -f params/X.yaml, or --defaults to run the "
+                                    "notebooks' own defaults (the demo) on purpose" if not args.file else
+                                    "give -f or --defaults, not both")
         chosen = runner.select(stages, args.stage)
-        values = runner.effective_params(stages, args.file, [tuple(p) for p in args.param])
+        values = runner.prepare(stages, chosen, args.file, [tuple(p) for p in args.param])
+        if args.check:
+            from .preflight import dataset_summaries
+
+            if any("api_base" in s.params for s in chosen):
+                for line in dataset_summaries(values):
+                    print(line)
+            print(f"parameters of {', '.join(s.title for s in chosen)}: ok")
+            return 0
         run = runner.run_stages(chosen, values)
     except runner.ParamError as e:
         print(f"draftsmith: parameter error: {e}", file=sys.stderr)
         return 2
+    except runner.Interrupted as e:
+        print(f"draftsmith: {e}", file=sys.stderr)
+        return 130
     except runner.StageFailed as e:
         print(f"draftsmith: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:  # outputs folder turned unwritable, disk full, ...
+        print(f"draftsmith: cannot write {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 1
     print(f"draftsmith: outputs in {run.root}", file=sys.stderr)
     return 0

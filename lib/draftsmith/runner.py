@@ -5,7 +5,10 @@ parameters it takes as `name = literal  # help`. The runner merges the params fi
 overrides over those defaults, rejects a key that no notebook declares or a value of the wrong type
 (naming the file and key), turns relative paths into absolute ones (relative to where `draftsmith`
 is run), and passes each notebook only what it declares. Executed notebooks go to
-`<outputs_dir>/<run_name>/notebooks/`, their output streams to `.../logs/NN_name.log`.
+`<outputs_dir>/<run_name>/notebooks/`, their output streams to `.../logs/NN_name.log`. Before
+anything runs, `prepare` also checks the values (see `preflight`). Cell numbers in messages and
+logs count the cells of the notebook as a person sees it (papermill's injected cell not counted);
+a failed cell's traceback goes to the log.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +38,10 @@ class ParamError(ValueError):
 
 class StageFailed(RuntimeError):
     pass
+
+
+class Interrupted(StageFailed):
+    """Ctrl-C (or SIGINT) during a stage."""
 
 
 @dataclass
@@ -140,9 +148,12 @@ def check_type(name: str, value, p: Param, source: str) -> None:
                          f"got {type(value).__name__} {value!r}")
 
 
-def load_params(file: str | None, overrides: list[tuple[str, str]], known: dict[str, Param]) -> dict:
-    """Params file + `-p` overrides, checked against what the notebooks declare."""
+def load_params(file: str | None, overrides: list[tuple[str, str]], known: dict[str, Param],
+                sources: dict[str, str] | None = None) -> dict:
+    """Params file + `-p` overrides, checked against what the notebooks declare. `sources`, when
+    given, is filled with where each value came from (the file, or `-p KEY`)."""
     values: dict = {}
+    sources = {} if sources is None else sources
     if file:
         path = Path(file)
         if not path.is_file():
@@ -156,14 +167,14 @@ def load_params(file: str | None, overrides: list[tuple[str, str]], known: dict[
         for k, v in loaded.items():
             _check_known(k, known, file)
             check_type(k, v, known[k], file)
-            values[k] = v
+            values[k], sources[k] = v, file
     for k, raw in overrides:
         _check_known(k, known, "-p")
         v = yaml.safe_load(raw) if raw != "" else ""
         if isinstance(known[k].default, str) and not isinstance(v, str):
             v = raw
         check_type(k, v, known[k], f"-p {k}")
-        values[k] = v
+        values[k], sources[k] = v, f"-p {k}"
     if "datasets" in values and values["datasets"] is not None:
         from .datasets import parse_datasets
 
@@ -241,23 +252,37 @@ def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None
     for stage in stages:
         params = {k: v for k, v in values.items() if k in stage.params}
         out_nb, log_path = nb_dir / stage.path.name, log_dir / f"{stage.title}.log"
-        handlers = [logging.FileHandler(log_path, mode="w", encoding="utf-8")]
+        log_path.write_text("")  # every writer below appends: papermill, the kernel, the failure
+        handlers = [logging.FileHandler(log_path, mode="a", encoding="utf-8")]
         if echo:
             handlers.append(logging.StreamHandler(sys.stderr))
+        injected = parameters_cell(nbformat.read(stage.path, as_version=4)) + 1
         for h in handlers:
             h.setFormatter(logging.Formatter("%(message)s"))
+            h.addFilter(_CellNumbers(injected))
             logger.addHandler(h)
         t0 = time.time()
         print(f"== {stage.title}: running, log {log_path}", file=sys.stderr, flush=True)
         try:
             pm.execute_notebook(str(stage.path), str(out_nb), parameters=params, kernel_name="python3",
-                                log_output=True, progress_bar=False, cwd=str(run.root))
+                                log_output=True, progress_bar=False, cwd=str(run.root),
+                                kernel_manager_class=_kernel_manager(log_path))
         except PapermillExecutionError as e:
+            cell = e.cell_index + (e.cell_index < injected)  # 1-based, as the notebook shows its cells
+            _append(log_path, f"== {stage.title} failed in cell {cell}:\n" + _plain("\n".join(e.traceback)))
+            if e.ename == "KeyboardInterrupt":
+                raise Interrupted(f"interrupted in {stage.title}, cell {cell}; what was written is kept, "
+                                  f"re-run the same command to resume\n  log: {log_path}") from None
             raise StageFailed(
-                f"stage {stage.title} failed in cell {e.cell_index} (execution count {e.exec_count}): "
-                f"{e.ename}: {_first_line(e.evalue)}\n  executed notebook: {out_nb}\n  log: {log_path}") from None
+                f"stage {stage.title} failed in cell {cell}: {e.ename}: {_first_line(e.evalue)}\n"
+                f"  traceback: {log_path}\n  executed notebook: {out_nb}") from None
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted in {stage.title}; what was written is kept, re-run the same "
+                              f"command to resume\n  log: {log_path}") from None
         except Exception as e:  # kernel died, notebook unreadable, ...
-            raise StageFailed(f"stage {stage.title} could not run: {type(e).__name__}: {e}\n  log: {log_path}") from None
+            _append(log_path, f"== {stage.title} could not run:\n" + traceback.format_exc())
+            raise StageFailed(f"stage {stage.title} could not run: {type(e).__name__}: {_first_line(e)}\n"
+                              f"  log: {log_path}") from None
         finally:
             for h in handlers:
                 logger.removeHandler(h)
@@ -265,17 +290,79 @@ def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None
         print(f"== {stage.title}: done in {time.time() - t0:.0f}s -> {out_nb}", file=sys.stderr, flush=True)
 
 
-def _first_line(s: str) -> str:
-    s = re.sub(r"\x1b\[[0-9;]*m", "", str(s))
+def _kernel_manager(log_path: Path):
+    """A kernel manager whose kernel writes its own stdout/stderr (its startup warnings, a message
+    handler's traceback when the run is stopped) to the stage's log rather than the terminal."""
+    from jupyter_client import AsyncKernelManager
+
+    class KernelWritingToLog(AsyncKernelManager):
+        async def start_kernel(self, **kw):
+            with open(log_path, "ab") as f:
+                kw.setdefault("stdout", f)
+                kw.setdefault("stderr", f)
+                return await super().start_kernel(**kw)
+
+    return KernelWritingToLog
+
+
+class _CellNumbers(logging.Filter):
+    """papermill counts its injected parameters cell; renumber its "Executing Cell N" lines to the
+    notebook's own cells, so the log and the error message name the same cell."""
+
+    def __init__(self, injected: int):
+        super().__init__()
+        self.injected = injected
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = re.match(r"(Executing|Ending) Cell (\d+)-*$", str(record.msg))
+        if m:
+            n = int(m.group(2))  # 1-based in the executed copy; the injected cell is number injected+1
+            label = "injected parameters" if n == self.injected + 1 else str(n - (n > self.injected + 1))
+            record.msg, record.args = f"{m.group(1)} cell {label}", ()
+        return True
+
+
+def _append(log_path: Path, text: str) -> None:
+    with open(log_path, "a", encoding="utf-8") as f:
+        f.write(text.rstrip() + "\n")
+
+
+def _plain(s: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", str(s))
+
+
+def _first_line(s) -> str:
+    s = _plain(s)
     return s.strip().splitlines()[0] if s.strip() else s
 
 
 def effective_params(stages_all: list[Stage], file: str | None, overrides: list[tuple[str, str]],
-                     base: Path | None = None) -> dict:
-    """Defaults of every notebook, overlaid by the params file and the overrides, paths absolute."""
+                     base: Path | None = None, sources: dict[str, str] | None = None) -> dict:
+    """Defaults of every notebook, overlaid by the params file and the overrides, paths absolute.
+    `sources`, when given, maps each key to where its value came from."""
     known = declared(stages_all)
     values = {name: p.default for name, p in known.items()}
-    values.update(load_params(file, overrides, known))
+    given: dict[str, str] = {}
+    values.update(load_params(file, overrides, known, given))
+    if sources is not None:
+        sources.update({name: f"default of {p.notebook}" for name, p in known.items()}, **given)
     if not values.get("run_name"):
         raise ParamError(f"{file or '-p'}: run_name is required")
     return absolutize(values, base or Path.cwd())
+
+
+def prepare(stages_all: list[Stage], chosen: list[Stage], file: str | None,
+            overrides: list[tuple[str, str]], base: Path | None = None) -> dict:
+    """`effective_params`, then every value check of the chosen stages and a writable run folder:
+    one ParamError listing every problem, before anything starts or pays."""
+    from . import preflight
+
+    sources: dict[str, str] = {}
+    values = effective_params(stages_all, file, overrides, base, sources)
+    problems = preflight.check(chosen, values, sources)
+    if not problems:
+        problem = preflight.check_outputs(values, sources.get("outputs_dir", "outputs_dir"))
+        problems = [problem] if problem else []
+    if problems:
+        raise ParamError("\n  ".join([f"{len(problems)} problem(s), nothing was run:"] + problems))
+    return values
