@@ -158,3 +158,25 @@ def test_target_build_is_deterministic_for_a_seed(tmp_path, monkeypatch):
     assert target.resolve_target("tiny-test") != a  # the cache is separate from explicit roots
     with pytest.raises(FileNotFoundError, match="no config.json"):
         target.resolve_target(tmp_path / "nowhere")
+
+
+def test_waiting_for_another_process_building_the_target_is_never_silent(tmp_path):
+    """A second builder (another notebook, another engineer's run) waits on the build lock and says
+    so every interval, then reuses what the first one built."""
+    import fcntl
+    import threading
+    import time
+
+    out = tmp_path / target.variant_key("tiny-test")
+    lines: list[str] = []
+    with open(tmp_path / f".{out.name}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the other process, mid-build
+        waiter = threading.Thread(target=lambda: lines.append(
+            target.build_tiny_target("tiny-test", root=tmp_path, log=lines.append)))
+        waiter.start()
+        time.sleep(1.5)
+        out.mkdir()
+        (out / "config.json").write_text("{}")  # the other process finishes
+    waiter.join(10)
+    assert lines[0].startswith("waiting for another process building target 'tiny-test' (0s so far; lock ")
+    assert lines[-1] == out and any(str(x).startswith("done waiting") for x in lines)

@@ -3,7 +3,8 @@
 Interactively (a terminal, or Jupyter opened by a person) this is a tqdm bar. Under papermill a
 bar either freezes or floods the log, so there it prints one plain line every `interval` seconds
 and one at the end. `draftsmith run` sets DRAFTSMITH_PROGRESS=log for the notebooks it executes;
-DRAFTSMITH_PROGRESS=bar|log|off overrides the choice anywhere.
+DRAFTSMITH_PROGRESS=bar|log|off overrides the choice anywhere. `wait_for_lock` is the same idea for
+a wait on another process (e.g. one building the shared tiny target): it says what it waits for.
 """
 
 from __future__ import annotations
@@ -24,6 +25,26 @@ def _fmt(x: float) -> str:
     if isinstance(x, float) and not x.is_integer():
         return f"{x:,.2f}" if abs(x) < 100 else f"{x:,.0f}"
     return f"{int(x):,}"
+
+
+def wait_for_lock(f, what: str, log=print, interval: float = 10.0) -> None:
+    """Take an exclusive flock on open file `f`; while another process holds it, print what we are
+    waiting for at once and every `interval` seconds, so a wait is never silent."""
+    import fcntl
+
+    t0, last = time.monotonic(), None
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            now = time.monotonic()
+            if last is None or now - last >= interval:
+                log(f"waiting for {what} ({now - t0:.0f}s so far; lock {f.name})")
+                last = now
+            time.sleep(min(0.5, interval))
+    if last is not None:
+        log(f"done waiting for {what} after {time.monotonic() - t0:.0f}s")
 
 
 class Progress:
