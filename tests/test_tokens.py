@@ -205,20 +205,23 @@ def test_structural_checks(rec):
 
 
 def test_kimi_k25_template_renders_exactly_as_documented(rec):
-    render = (lambda msgs, gen: rec.tokenizer.apply_chat_template(
-        msgs, chat_template=KIMI_K25_CHAT_TEMPLATE, tokenize=False, add_generation_prompt=gen))
-    sys_ = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    def render(msgs, gen, **kw):
+        return rec.tokenizer.apply_chat_template(msgs, chat_template=KIMI_K25_CHAT_TEMPLATE, tokenize=False,
+                                                 add_generation_prompt=gen, **kw)
+    # no default system prompt (K2-Thinking had one; K2.5 inserts none)
     assert render([{"role": "user", "content": "Hi"}], True) == \
-        sys_ + "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
+        "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
+    assert render([{"role": "user", "content": "Hi"}], True, thinking=False) == \
+        "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
     conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
             {"role": "assistant", "content": "A1", "reasoning_content": "dropped"},
             {"role": "user", "content": "U2"},
-            {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]
+            {"role": "assistant", "content": "A2", "reasoning_content": "also dropped"}]
     assert render(conv, False) == (
         "<|im_system|>system<|im_middle|>S<|im_end|><|im_user|>user<|im_middle|>U1<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think></think>A1<|im_end|>"
         "<|im_user|>user<|im_middle|>U2<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|><think>R2</think>A2<|im_end|>")
+        "<|im_assistant|>assistant<|im_middle|><think></think>A2<|im_end|>")
     layout = response_layout(render)
     assert (layout.think_end, layout.end_of_turn) == ("</think>", "<|im_end|>")
     assert layout.think_markers == ("<think>", "</think>")

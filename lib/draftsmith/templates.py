@@ -17,28 +17,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-# Kimi-K2.5 as documented in reference/OPENROUTER.md: no newlines between turns, a default system
-# prompt when none is given, earlier assistant turns keep an empty <think></think>, and the
-# generation prompt opens the reasoning block. The real checkpoint ships its own (longer: tools,
-# media) chat_template.jinja, which renders these conversations the same way; this one is for a
+# Kimi-K2.5: no newlines between turns and no default system prompt (K2-Thinking inserted one; K2.5
+# does not). Every assistant turn already in the conversation renders its reasoning as an empty
+# <think></think>, the last one included; the generation prompt opens the reasoning block, or closes
+# it at once when the caller passes thinking=False. The real checkpoint ships its own (longer: tools,
+# media) chat_template.jinja, which renders these conversations the same way; this copy is for a
 # tokenizer folder without a template and for tests.
-KIMI_K25_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 KIMI_K25_CHAT_TEMPLATE = (
-    "{% set ns = namespace(start=0) %}"
-    "<|im_system|>system<|im_middle|>"
-    "{% if messages and messages[0]['role'] == 'system' %}"
-    "{{ messages[0]['content'] }}{% set ns.start = 1 %}"
-    "{% else %}" + KIMI_K25_DEFAULT_SYSTEM + "{% endif %}<|im_end|>"
-    "{% for message in messages[ns.start:] %}"
-    "{% if message['role'] == 'user' %}<|im_user|>user<|im_middle|>{{ message['content'] }}<|im_end|>"
-    "{% elif message['role'] == 'assistant' %}<|im_assistant|>assistant<|im_middle|>"
-    "{% if loop.last and message.get('reasoning_content') is not none %}"
-    "<think>{{ message['reasoning_content'] }}</think>"
-    "{% else %}<think></think>{% endif %}"
-    "{{ message['content'] }}<|im_end|>"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|im_system|>system<|im_middle|>{{ message['content'] }}<|im_end|>"
+    "{% elif message['role'] == 'user' %}<|im_user|>user<|im_middle|>{{ message['content'] }}<|im_end|>"
+    "{% elif message['role'] == 'assistant' %}"
+    "<|im_assistant|>assistant<|im_middle|><think></think>{{ message['content'] }}<|im_end|>"
     "{% else %}{{ raise_exception('unsupported role: ' + message['role']) }}{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|><think>{% endif %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
+    "{% if thinking is defined and not thinking %}<think></think>{% else %}<think>{% endif %}{% endif %}"
 )
 
 BUILTIN = {"kimi-k2.5": KIMI_K25_CHAT_TEMPLATE}
