@@ -103,10 +103,14 @@ def test_stream_sends_comment_chunks_usage_chunk_and_done(emu, client):
     comments, data = sse_events(r.text)
     assert data[-1] == "[DONE]"
     usage_chunk = data[-2]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
+    assert usage_chunk["usage"]["completion_tokens"] > 0
     chunks = data[:-2]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == usage_chunk["id"] for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    # the usage chunk's one choice repeats the finish reason, with nothing more to add
+    [last] = usage_chunk["choices"]
+    assert last["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"] and last["delta"]["content"] == ""
+    assert r.headers["X-Generation-Id"] == usage_chunk["id"]
     reasoning = "".join(c["choices"][0]["delta"].get("reasoning") or "" for c in chunks)
     content = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
     line = [x for x in emu.ledger_lines() if x["generation_id"] == usage_chunk["id"]][0]
@@ -394,26 +398,39 @@ def test_faults_inside_streams(tmp_path):
         if kind in ("error_200", "mid_stream"):
             assert data[-1] != "[DONE]" and "error" in data[-1]
             assert data[-1]["choices"][0]["finish_reason"] == "error"
+            assert data[-1]["error"]["metadata"]["error_type"] == "provider_unavailable"
             if kind == "mid_stream":
                 assert any(c["choices"][0]["delta"].get("reasoning") or c["choices"][0]["delta"]["content"]
                            for c in data)
         elif kind == "empty_200":
             assert data[-1] == "[DONE]" and data[-2]["usage"]["cost"] == 0
-            assert all(not c["choices"] for c in data[:-1])
+            assert all(not c["choices"] for c in data[:-2]) and data[-2]["choices"][0]["finish_reason"] is None
         else:
             assert data[-1] == "[DONE]" and data[-2]["usage"]["cost"] > 0
     assert set(seen) == {"ok", "error_200", "mid_stream", "empty_200"}
 
 
-def test_hung_connection_stays_silent_then_closes(tmp_path):
+def test_hung_connection_sends_headers_then_silence_and_is_billed(tmp_path):
+    """The provider generated the response: it is billed, and the generation id sent with the
+    headers finds its cost on /generation although the body never came."""
     prov = [{**ONE[0], "faults": {"hang": 1.0}}]
-    with running({"providers": prov, "hang_s": 1.0}, state_dir=tmp_path) as emu:
+    with running({"providers": prov, "hang_s": 1.0, "generation_delay_s": 0}, state_dir=tmp_path) as emu:
         c = httpx.Client(base_url=emu.base_url, headers=emu.key.header())
-        with pytest.raises(httpx.ReadTimeout):
-            c.post("/chat/completions", json=body(), timeout=0.4)
+        for stream in (False, True):
+            with c.stream("POST", "/chat/completions", json=body(stream=stream), timeout=0.4) as r:
+                assert r.status_code == 200
+                gen_id = r.headers["X-Generation-Id"]
+                with pytest.raises(httpx.ReadTimeout):
+                    for chunk in r.iter_bytes():
+                        assert not chunk.strip(b": OPENROUTER PROCESSING\n")  # no data, at most the comment
+            line = emu.ledger_lines()[-1]
+            assert line["generation_id"] == gen_id and line["error"] == "hang" and line["billed"]
+            assert line["cost"] == pytest.approx((line["prompt_tokens"] * 0.5 + line["completion_tokens"] * 2) / 1e6)
+            assert line["cost"] > 0 and not line["cancelled"]
+            g = c.get("/generation", params={"id": gen_id}).json()["data"]
+            assert g["total_cost"] == pytest.approx(line["cost"]) and g["native_tokens_completion"] > 0
         with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
-            c.post("/chat/completions", json=body(), timeout=5)
-        assert emu.ledger_lines()[-1]["error"] == "hang" and emu.ledger_lines()[-1]["cost"] == 0
+            c.post("/chat/completions", json=body(), timeout=5)  # closed after hang_s, body unfinished
 
 
 def test_slow_json_response_is_padded_with_whitespace(tmp_path):

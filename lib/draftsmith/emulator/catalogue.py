@@ -33,7 +33,11 @@ class Faults(Strict):
     After the response started (no fallback possible): `error_200` (HTTP 200 whose body or
     stream carries an `error`), `mid_stream` (some tokens, then an error and finish_reason
     `error`), `empty_200` (200 with no content and no finish reason, as on a cold start), `hang`
-    (the connection stays open and silent for `hang_s`, then closes)."""
+    (the provider generates and bills the response, but the client only gets the headers, with
+    `X-Generation-Id`; the connection stays silent for `hang_s`, then closes),
+    `cut_after_billing` (non-streaming: generated and billed in full, headers sent, then the
+    connection closes before the body completes; streaming: the stream is cut mid-way, billed in
+    full unless the endpoint `supports_cancellation`, then for the tokens produced so far)."""
 
     rate_limit: float = 0.0
     bad_gateway: float = 0.0
@@ -44,6 +48,7 @@ class Faults(Strict):
     mid_stream: float = 0.0
     empty_200: float = 0.0
     hang: float = 0.0
+    cut_after_billing: float = 0.0
 
     def scaled(self, factor: float) -> "Faults":
         return Faults(**{k: min(1.0, v * factor) for k, v in self.model_dump().items()})
@@ -72,6 +77,20 @@ class Quirks(Strict):
     perturbed_model: float = 0.0
 
 
+class PriceOverride(Strict):
+    """A conditional price, as OpenRouter lists them under `pricing.overrides`: it applies when
+    every condition it gives holds (prompt longer than `min_prompt_tokens`; UTC weekday in
+    `utc_days`; UTC clock, as HHMM, in [utc_start, utc_end), wrapping past midnight); among those
+    that apply, later entries win per price; prices it omits are the endpoint's. USD per million."""
+
+    min_prompt_tokens: int | None = Field(None, ge=0)
+    utc_days: list[Literal["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]] | None = None
+    utc_start: int | None = Field(None, ge=0, le=2400)
+    utc_end: int | None = Field(None, ge=0, le=2400)
+    prompt_price: float | None = Field(None, ge=0)
+    completion_price: float | None = Field(None, ge=0)
+
+
 class Dist(Strict):
     """A lognormal distribution given by its median and the sigma of its log."""
 
@@ -80,7 +99,10 @@ class Dist(Strict):
 
 
 class Endpoint(Strict):
-    """One simulated provider endpoint. Prices are USD per million tokens."""
+    """One simulated provider endpoint. Prices are USD per million tokens, except `request_price`
+    (USD per request). `discount` multiplies the token prices by (1 - discount);
+    `internal_reasoning_price`, if set, prices the reasoning tokens instead of the completion price;
+    `price_overrides` are conditional prices (long prompts, times of day)."""
 
     slug: str = Field(description="provider slug, e.g. deepinfra")
     name: str = Field(description="provider display name, e.g. DeepInfra")
@@ -93,6 +115,12 @@ class Endpoint(Strict):
     max_completion_tokens: int = 65536
     supported_parameters: list[str] = Field(default_factory=lambda: list(SUPPORTED_PARAMETERS))
     data_collection: Literal["allow", "deny"] = "deny"
+    zdr: bool = True  # zero data retention (`provider.zdr: true` routes only to these)
+    supports_cancellation: bool = True  # a stream closed by the client stops generation and billing
+    request_price: float = Field(0.0, ge=0)
+    internal_reasoning_price: float | None = Field(None, ge=0)
+    discount: float = Field(0.0, ge=0, le=1)
+    price_overrides: list[PriceOverride] = Field(default_factory=list)
     latency_s: Dist = Dist(median=1.0)  # time to first token
     tokens_per_s: Dist = Dist(median=40.0)  # per stream
     capacity: int = 400  # concurrent requests; beyond it the provider answers 429

@@ -37,6 +37,11 @@ class EmulatorConfig(Strict):
     credits: float = Field(10.0, ge=0)  # initial credits in USD, used only when the state dir is new
     key_capped: bool = True  # /key shows limit = credits (False: limit null; use /credits)
     credits_need_management_key: bool = False  # /credits answers 403 to the plain key
+    key_budget_usd: float | None = Field(None, ge=0)  # the key's own limit: /key limit and budgets; once
+    #                                                  spent, chat requests get 403 (None: no key budget)
+    key_forbidden: bool = False  # every chat request gets 403: the key lacks permission
+    byok: bool = False  # the user's own provider keys: usage.cost is OpenRouter's fee, upstream cost apart
+    byok_fee_rate: float = Field(0.05, ge=0)  # the fee, as a fraction of the upstream cost
     in_flight_budget: float | None = Field(1.0, ge=0)  # worst-case cost in flight <= this x balance; None = off
     generation_delay_s: float = Field(1.0, ge=0)  # real seconds /generation answers 404 after completion
     padding_interval_s: float = Field(2.0, gt=0)  # real seconds between keep-alive padding / SSE comments

@@ -94,6 +94,8 @@ class Ledger:
         self._refresh_credits()
         self.total_usage = 0.0
         self.usage_daily = 0.0
+        self.byok_usage = 0.0  # upstream cost paid with the user's own provider keys
+        self.byok_usage_daily = 0.0
         self.count = 0
         # id -> (byte offset of its ledger line, visible from this monotonic time): /generation reads
         # the line back, so memory stays an int per request however long the run
@@ -114,9 +116,12 @@ class Ledger:
     def _account(self, rec: dict, day0: float) -> None:
         self.count += 1
         cost = rec.get("cost") or 0.0
+        byok = (rec.get("upstream_inference_cost") or 0.0) if rec.get("is_byok") else 0.0
         self.total_usage += cost
+        self.byok_usage += byok
         if rec.get("time", 0) >= day0:
             self.usage_daily += cost
+            self.byok_usage_daily += byok
 
     @property
     def balance(self) -> float:

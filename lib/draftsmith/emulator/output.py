@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from .catalogue import Endpoint
+from .prices import bill, prices
 from .quirks import TRUNCATE_CHARS, Billing, StripStream
 
 
@@ -24,8 +25,10 @@ def _find(ids: list[int], x: int, start: int, stop: int) -> int:
 
 
 class Output:
-    def __init__(self, vocab, req: dict, ep: Endpoint, gen_id: str, model: str, quirk_draw: float):
+    def __init__(self, vocab, req: dict, ep: Endpoint, gen_id: str, model: str, quirk_draw: float,
+                 byok_fee_rate: float | None = None):
         self.vocab, self.req, self.ep, self.gen_id, self.model = vocab, req, ep, gen_id, model
+        self.byok_fee_rate = byok_fee_rate  # None: OpenRouter's credits pay the provider
         self.created = int(time.time())
         self.ids: list[int] = []
         self.n_reasoning = 0
@@ -129,18 +132,21 @@ class Output:
         return r, c
 
     def usage(self, billing: Billing, prompt_ids: list[int], billed: bool) -> dict:
-        """OpenRouter's usage object; faults are not billed (cost 0)."""
-        ep = self.ep
+        """OpenRouter's usage object at the endpoint's prices in force (faults are not billed: cost 0).
+        With BYOK the provider bills the user directly: `cost` is OpenRouter's fee and the upstream
+        cost is in `cost_details.upstream_inference_cost`."""
         prompt = billing.count(prompt_ids, len(prompt_ids))
         completion = billing.count(self.ids, len(self.ids))
         reasoning = billing.count(self.ids[: self.n_reasoning], self.n_reasoning)
-        p_cost = prompt * ep.prompt_price / 1e6 if billed else 0.0
-        c_cost = completion * ep.completion_price / 1e6 if billed else 0.0
+        p_cost, c_cost, fee = bill(prices(self.ep, prompt), prompt, completion, reasoning) if billed else (0.0, 0.0, 0.0)
+        upstream = p_cost + c_cost + fee
+        byok = self.byok_fee_rate is not None
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "cost": p_cost + c_cost, "is_byok": False,
+                "cost": upstream * self.byok_fee_rate if byok else upstream, "is_byok": byok,
                 "prompt_tokens_details": {"cached_tokens": 0},
                 "completion_tokens_details": {"reasoning_tokens": reasoning},
-                "cost_details": {"upstream_inference_cost": None, "upstream_inference_prompt_cost": p_cost,
+                "cost_details": {"upstream_inference_cost": upstream if byok else None,
+                                 "upstream_inference_prompt_cost": p_cost,
                                  "upstream_inference_completions_cost": c_cost}}
 
     def _head(self, obj: str) -> dict:
@@ -174,5 +180,8 @@ class Output:
             c["error"] = error
         return c
 
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._head("chat.completion.chunk") | {"choices": [], "usage": usage}
+    def usage_chunk(self, usage: dict, finish: str | None) -> dict:
+        """The last chunk: the usage, and a choice with an empty delta repeating `finish`."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": finish,
+                  "native_finish_reason": finish, "logprobs": None}
+        return self._head("chat.completion.chunk") | {"choices": [choice], "usage": usage}

@@ -11,6 +11,7 @@ Unknown keys in the `provider` object are a 400, as the real schema rejects them
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Literal
 
@@ -18,12 +19,28 @@ from pydantic import ValidationError
 
 from .catalogue import QUANTIZATIONS, Endpoint, Strict
 
+Z = {"p50": 0.0, "p75": 0.6745, "p90": 1.2816, "p99": 2.3263}  # standard normal quantiles
 _COVERS = {"fp4": {"fp4", "mxfp4", "nvfp4"}, "fp8": {"fp8", "mxfp8"}}
 
 
 class MaxPrice(Strict):
     prompt: float | None = None
     completion: float | None = None
+    request: float | None = None  # USD per request
+    image: float | None = None
+    audio: float | None = None
+
+
+class SortBy(Strict):
+    by: Literal["price", "throughput", "latency", "exacto"] | None = None
+    partition: Literal["model", "none"] | None = None
+
+
+class Percentiles(Strict):
+    p50: float | None = None
+    p75: float | None = None
+    p90: float | None = None
+    p99: float | None = None
 
 
 class ProviderPrefs(Strict):
@@ -34,8 +51,17 @@ class ProviderPrefs(Strict):
     only: list[str] | None = None
     ignore: list[str] | None = None
     quantizations: list[Literal[QUANTIZATIONS]] | None = None  # type: ignore[valid-type]
-    sort: Literal["price", "throughput", "latency"] | None = None
+    sort: Literal["price", "throughput", "latency", "exacto"] | SortBy | None = None
     max_price: MaxPrice | None = None
+    zdr: bool | None = None
+    enforce_distillable_text: bool | None = None
+    preferred_min_throughput: float | Percentiles | None = None  # tokens/s
+    preferred_max_latency: float | Percentiles | None = None  # seconds
+    options: dict | None = None  # provider-specific options, keyed by provider slug
+
+    @property
+    def sort_by(self) -> str | None:
+        return self.sort.by if isinstance(self.sort, SortBy) else self.sort
 
 
 class RoutingError(Exception):
@@ -45,6 +71,9 @@ class RoutingError(Exception):
 
 
 NO_PROVIDERS = "No allowed providers are available for the selected model."
+NO_PARAMETERS = ("No endpoints found that can handle the requested parameters. To learn more about provider "
+                 "routing, visit: https://openrouter.ai/docs/guides/routing/provider-selection")
+ALL_DOWN = "No available model provider that meets your routing requirements. Please try again later."
 
 
 def parse_prefs(obj) -> ProviderPrefs:
@@ -84,18 +113,26 @@ def route(prefs: ProviderPrefs, endpoints: list[Endpoint], used_params: set[str]
         mp = prefs.max_price
         eps = [e for e in eps if (mp.prompt is None or e.prompt_price <= mp.prompt)
                and (mp.completion is None or e.completion_price <= mp.completion)]
+    if mp := prefs.max_price:
+        eps = [e for e in eps if mp.request is None or e.request_price <= mp.request]
     if prefs.data_collection == "deny":
         eps = [e for e in eps if e.data_collection == "deny"]
+    if prefs.zdr:
+        eps = [e for e in eps if e.zdr]
+    if not eps:
+        raise RoutingError(404, NO_PROVIDERS, {"error_type": "not_found"})
     if prefs.require_parameters:
         eps = [e for e in eps if used_params <= set(e.supported_parameters)]
-    if not eps:
-        raise RoutingError(404, NO_PROVIDERS)
+        if not eps:
+            raise RoutingError(404, NO_PARAMETERS, {"error_type": "not_found",
+                                                    "requested_parameters": sorted(used_params)})
     fits = [e for e in eps if prompt_tokens + max_tokens <= e.context_length and max_tokens <= e.max_completion_tokens]
     if not fits:
         longest = max(e.context_length for e in eps)
         raise RoutingError(400, f"This endpoint's maximum context length is {longest} tokens. However, you "
                                 f"requested about {prompt_tokens + max_tokens} tokens ({prompt_tokens} of text "
-                                f"input, {max_tokens} in the output). Please reduce the length of either one.")
+                                f"input, {max_tokens} in the output). Please reduce the length of either one.",
+                          {"error_type": "context_length_exceeded"})
     eps = fits
 
     if prefs.order:
@@ -104,25 +141,44 @@ def route(prefs: ProviderPrefs, endpoints: list[Endpoint], used_params: set[str]
             first += [e for e in eps if names(e, s) and e not in first]
         if not prefs.allow_fallbacks:
             if not first:
-                raise RoutingError(404, NO_PROVIDERS)
+                raise RoutingError(404, NO_PROVIDERS, {"error_type": "not_found"})
             return first
         return first + _default_order([e for e in eps if e not in first], prefs, rng)
     explicit = prefs.only is not None  # endpoints the user named are tried even during an outage
     ordered = _default_order(eps, prefs, rng, keep_down=explicit)
     if not ordered:
-        raise RoutingError(404, NO_PROVIDERS)
+        raise RoutingError(503, ALL_DOWN, {"error_type": "provider_unavailable"})
     return ordered if prefs.allow_fallbacks else ordered[:1]
+
+
+def _meets(e: Endpoint, prefs: ProviderPrefs) -> bool:
+    """Whether `e` meets the preferred throughput and latency (median and spread of its speeds)."""
+    for want, dist, floor in ((prefs.preferred_min_throughput, e.tokens_per_s, True),
+                              (prefs.preferred_max_latency, e.latency_s, False)):
+        if want is None:
+            continue
+        cuts = {"p50": want} if isinstance(want, (int, float)) else {k: v for k, v in want.model_dump().items()
+                                                                       if v is not None}
+        for p, cut in cuts.items():
+            # throughput: its p-th percentile counts from the slow end; latency from the fast end
+            value = dist.median * math.exp((-1 if floor else 1) * dist.sigma * Z[p])
+            if (value < cut) if floor else (value > cut):
+                return False
+    return True
 
 
 def _default_order(eps: list[Endpoint], prefs: ProviderPrefs, rng: random.Random, keep_down=False) -> list[Endpoint]:
     up = [e for e in eps if not e.is_down]
     down = [e for e in eps if e.is_down] if keep_down else []
-    if prefs.sort == "price":
-        return sorted(up, key=_price) + down
-    if prefs.sort == "throughput":
-        return sorted(up, key=lambda e: -e.tokens_per_s.median) + down
-    if prefs.sort == "latency":
-        return sorted(up, key=lambda e: e.latency_s.median) + down
-    # weighted shuffle without replacement (Efraimidis-Spirakis), weight 1/price^2
-    keyed = sorted(up, key=lambda e: -(rng.random() ** (_price(e) ** 2)))
+    by = prefs.sort_by
+    if by == "price":
+        keyed = sorted(up, key=_price)
+    elif by == "throughput":
+        keyed = sorted(up, key=lambda e: -e.tokens_per_s.median)
+    elif by == "latency":
+        keyed = sorted(up, key=lambda e: e.latency_s.median)
+    else:  # weighted shuffle without replacement (Efraimidis-Spirakis), weight 1/price^2
+        keyed = sorted(up, key=lambda e: -(rng.random() ** (_price(e) ** 2)))
+    if prefs.preferred_min_throughput is not None or prefs.preferred_max_latency is not None:
+        keyed = [e for e in keyed if _meets(e, prefs)] + [e for e in keyed if not _meets(e, prefs)]
     return keyed + down

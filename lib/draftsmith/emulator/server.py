@@ -2,11 +2,14 @@
 
 Endpoints (under /api/v1): POST chat/completions (JSON or SSE), GET key, credits, generation?id=,
 models, models/{author}/{slug}/endpoints; POST admin/topup and GET admin/state (emulator only,
-admin key). A chat request goes: validate -> prompt ids (chat template) -> routing -> credit check
-(402) -> reserve its worst-case cost -> try endpoints in order (capacity 429s and injected
-pre-first-token faults fall back silently) -> generate (paced by the endpoint's latency and
-tokens/s, scaled by `time_scale`) -> apply quirks -> bill -> ledger line. The wire format is the
-one OpenRouter documents (field names, error envelope, padding, SSE comments, usage chunk).
+admin key). A chat request goes: validate -> prompt ids (chat template) -> key checks (403: no
+permission, key budget spent) -> routing (404/503) -> credit checks (402, whose metadata names the
+`limit_source` and, for the in-flight budget, the `reason`) -> reserve its worst-case cost -> try
+endpoints in order (capacity 429s and injected pre-first-token faults fall back silently) ->
+generate (paced by the endpoint's latency and tokens/s, scaled by `time_scale`) -> apply quirks ->
+bill -> ledger line. The wire format is the one OpenRouter documents (field names, error envelope,
+`X-Generation-Id` header, padding, SSE comments, usage chunk); every response validates against
+the official SDK's models (tests/test_openrouter_conformance.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .config import EmulatorConfig
 from .faults import BEFORE_FIRST_TOKEN, UPSTREAM_MESSAGES, draw, uniform
 from .ledger import Ledger
 from .output import Output
+from .prices import prices, worst_case
 from .quirks import Billing
 from .routing import RoutingError, parse_prefs, route
 from .synthetic import SyntheticBackend
@@ -42,6 +46,16 @@ MAX_CHUNK_TOKENS = 16  # a stream chunk carries at most this many tokens
 _Z = {"p50": 0.0, "p75": 0.6745, "p90": 1.2816, "p99": 2.3263}
 _SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "stop", "reasoning", "include_reasoning")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_SUMMARIES = ("auto", "concise", "detailed")
+# error_type of the upstream failures (OpenRouter's typed error codes)
+_ERROR_TYPES = {429: "rate_limit_exceeded", 502: "provider_unavailable", 503: "provider_overloaded",
+                524: "timeout", 529: "provider_overloaded"}
+_REMEDY = {
+    "openrouter_credits": "Add credits at https://openrouter.ai/settings/credits, or lower max_tokens.",
+    "openrouter_key_limit": "Raise this API key's credit limit, or lower max_tokens.",
+    "openrouter_in_flight_budget": "Retry after your in-flight requests settle (see the Retry-After header). "
+                                   "Adding credits raises your in-flight budget, up to a capped ceiling.",
+}
 
 
 def error_body(code: int, message: str, metadata: dict | None = None) -> dict:
@@ -55,6 +69,19 @@ def error_response(code: int, message: str, metadata: dict | None = None, header
     return web.json_response(error_body(code, message, metadata), status=code, headers=headers)
 
 
+def _payment_required(message: str, limit_source: str, reason: str | None = None, retry_after: int | None = None):
+    """A 402 as OpenRouter documents it: `limit_source`, a `remedy_hint`, and for the in-flight
+    budget the `reason` (`in_flight_budget_exhausted` comes with Retry-After)."""
+    meta = {"error_type": "payment_required", "limit_source": limit_source, "remedy_hint": _REMEDY[limit_source]}
+    headers = None
+    if reason is not None:
+        meta |= {"reason": reason, "code": reason}  # `code`: the name the emulator used before
+    if retry_after is not None:
+        meta["retry_after_seconds"] = retry_after
+        headers = {"Retry-After": str(retry_after)}
+    return error_response(402, message, meta, headers)
+
+
 class BadRequest(Exception):
     pass
 
@@ -66,6 +93,26 @@ def _gen_id() -> str:
 
 def _per_token(usd_per_million: float) -> str:
     return f"{usd_per_million / 1e6:.10f}".rstrip("0").rstrip(".") or "0"
+
+
+def _pricing(e: Endpoint) -> dict:
+    """An endpoint's `pricing` as OpenRouter lists it: USD per token as strings (request: per request)."""
+    out = {"prompt": _per_token(e.prompt_price), "completion": _per_token(e.completion_price),
+           "request": f"{e.request_price:.10f}".rstrip("0").rstrip(".") or "0", "image": "0",
+           "discount": e.discount}
+    if e.internal_reasoning_price is not None:
+        out["internal_reasoning"] = _per_token(e.internal_reasoning_price)
+    if e.price_overrides:
+        out["overrides"] = []
+        for o in e.price_overrides:
+            entry = {k: getattr(o, k) for k in ("min_prompt_tokens", "utc_days", "utc_start", "utc_end")
+                     if getattr(o, k) is not None}
+            if o.prompt_price is not None:
+                entry["prompt"] = _per_token(o.prompt_price)
+            if o.completion_price is not None:
+                entry["completion"] = _per_token(o.completion_price)
+            out["overrides"].append(entry)
+    return out
 
 
 @lru_cache(maxsize=4)
@@ -157,17 +204,35 @@ class Emulator:
 
     # ---- account ---------------------------------------------------------------------------------
 
+    def _key_budget(self) -> dict | None:
+        """The key's own limit as a `/key` budget entry: `key_budget_usd`, else (with `key_capped`)
+        the credits; None when the key is uncapped."""
+        led = self.ledger
+        _ = led.balance  # picks up top-ups written by another process
+        limit = self.cfg.key_budget_usd
+        if limit is None and self.cfg.key_capped:
+            limit = led.total_credits
+        if limit is None:
+            return None
+        return {"budget_id": None, "guardrail_id": None, "include_byok": False, "limit_usd": limit,
+                "remaining_usd": max(0.0, limit - led.total_usage), "reset_interval": None, "resets_at": None,
+                "scope": "key_limit", "spend_usd": led.total_usage}
+
     async def key(self, request):
         led = self.ledger
-        limit = led.total_credits if self.cfg.key_capped else None
-        balance = led.balance
+        budget = self._key_budget()
         return web.json_response({"data": {
-            "label": self.cfg.label, "limit": limit,
-            "limit_remaining": balance if limit is not None else None, "limit_reset": None,
+            "label": self.cfg.label, "limit": budget["limit_usd"] if budget else None,
+            "limit_remaining": budget["remaining_usd"] if budget else None, "limit_reset": None,
+            "budgets": [budget] if budget else [], "effective_budget": budget,
             "include_byok_in_limit": False, "usage": led.total_usage, "usage_daily": led.usage_daily,
-            "usage_weekly": led.total_usage, "usage_monthly": led.total_usage, "byok_usage": 0,
-            "is_free_tier": False, "is_provisioning_key": False,
-            "rate_limit": {"requests": -1, "interval": "10s"}}})
+            "usage_weekly": led.total_usage, "usage_monthly": led.total_usage,
+            "byok_usage": led.byok_usage, "byok_usage_daily": led.byok_usage_daily,
+            "byok_usage_weekly": led.byok_usage, "byok_usage_monthly": led.byok_usage,
+            "is_free_tier": False, "is_management_key": False, "is_provisioning_key": False,
+            "allowed_data_regions": ["global"], "creator_user_id": None, "organization_id": None,
+            "workspace_id": None, "free_model_daily_requests": {"limit": 1000, "remaining": 1000, "used": 0},
+            "rate_limit": {"requests": -1, "interval": "10s", "note": "deprecated: always -1"}}})
 
     async def credits(self, request):
         if self.cfg.credits_need_management_key:
@@ -185,16 +250,22 @@ class Emulator:
             return error_response(404, f"Generation {gen_id} not found")
         return web.json_response({"data": {
             "id": rec["generation_id"], "total_cost": rec["cost"], "usage": rec["cost"],
+            "upstream_inference_cost": rec.get("upstream_inference_cost"), "is_byok": rec.get("is_byok", False),
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rec["time"])),
-            "model": rec["model"], "origin": "", "is_byok": False, "upstream_id": None, "cache_discount": None,
-            "app_id": None, "streamed": rec["stream"], "cancelled": rec["cancelled"],
+            "model": rec["model"], "origin": "", "upstream_id": None, "cache_discount": None,
+            "app_id": None, "streamed": rec["stream"], "cancelled": rec["cancelled"], "api_type": "completions",
             "provider_name": rec["provider_name"], "latency": rec.get("latency_ms"), "moderation_latency": None,
             "generation_time": rec.get("generation_ms"), "finish_reason": rec["finish_reason"],
             "native_finish_reason": rec.get("native_finish_reason"),
             "tokens_prompt": rec["prompt_tokens"], "tokens_completion": rec["completion_tokens"],
             "native_tokens_prompt": rec["prompt_tokens"], "native_tokens_completion": rec["completion_tokens"],
             "native_tokens_reasoning": rec["reasoning_tokens"], "native_tokens_cached": 0,
-            "num_media_prompt": None, "num_media_completion": None, "num_search_results": None}})
+            "native_tokens_completion_images": None, "num_media_prompt": None, "num_media_completion": None,
+            "num_search_results": None, "num_fetches": None, "num_input_audio_prompt": None,
+            "provider_responses": [{"status": a["status"], "endpoint_id": a["provider"]} for a in rec["attempts"]],
+            "data_region": "global", "external_user": None, "http_referer": None, "preset_id": None,
+            "router": None, "service_tier": None, "user_agent": None, "web_search_engine": None,
+            "workspace_id": None}})
 
     async def admin_topup(self, request):
         bad = self._admin_denied(request)
@@ -245,12 +316,13 @@ class Emulator:
                         "request": "0", "image": "0", "web_search": "0", "internal_reasoning": "0"},
             "top_provider": {"context_length": cheapest.context_length,
                              "max_completion_tokens": cheapest.max_completion_tokens, "is_moderated": False},
-            "per_request_limits": None,
+            "per_request_limits": None, "default_parameters": None, "supported_voices": None,
+            "links": {"details": f"{API}/models/{name}/endpoints"},
             "supported_parameters": sorted({p for e in self.endpoints for p in e.supported_parameters}),
         }
 
     async def models(self, request):
-        return web.json_response({"data": [self._model_record()]})
+        return web.json_response({"data": [self._model_record()], "links": {"next": None}, "total_count": 1})
 
     async def model_endpoints(self, request):
         mid = f"{request.match_info['author']}/{request.match_info['slug']}"
@@ -265,9 +337,10 @@ class Emulator:
         return {
             "name": f"{e.name} | {self.cfg.model}", "model_id": self.cfg.model, "model_name": self.cfg.model,
             "context_length": e.context_length,
-            "pricing": {"prompt": _per_token(e.prompt_price), "completion": _per_token(e.completion_price),
-                        "request": "0", "image": "0", "discount": 0},
+            "pricing": _pricing(e),
             "provider_name": e.name, "tag": e.tag, "quantization": e.quantization,
+            "service_tier": None, "native_tools": {}, "supports_diarization": False,
+            "supports_tool_choice": {"auto": False, "function": False, "none": False, "required": False},
             "max_completion_tokens": e.max_completion_tokens, "max_prompt_tokens": e.context_length,
             "supported_parameters": e.supported_parameters, "status": e.status,
             "uptime_last_30m": e.uptime_last_30m, "uptime_last_1d": e.uptime_last_30m, "uptime_last_5m": e.uptime_last_30m,
@@ -291,15 +364,23 @@ class Emulator:
             req = self._parse(body)
             prefs = parse_prefs(body.get("provider"))
             prompt_ids = self._prompt_ids(req["messages"], req["think"])
+        except BadRequest as e:
+            return error_response(400, str(e), {"error_type": "invalid_request"})
+        except RoutingError as e:
+            return error_response(e.status, e.message, e.metadata)
+        denied = self._key_denied()
+        if denied is not None:
+            self.stats["403"] += 1
+            return denied
+        try:
             used = {p for p in _SAMPLING_PARAMS if p in body}
             candidates = route(prefs, self.endpoints, used, len(prompt_ids), req["max_tokens"], self.rng)
-        except BadRequest as e:
-            return error_response(400, str(e))
         except RoutingError as e:
             return error_response(e.status, e.message, e.metadata)
 
-        worst = max(len(prompt_ids) * e.prompt_price + req["max_tokens"] * e.completion_price
-                    for e in candidates) / 1e6
+        worst = max(worst_case(e, len(prompt_ids), req["max_tokens"]) for e in candidates)
+        if self.cfg.byok:  # the provider bills the user; OpenRouter holds only its fee
+            worst *= self.cfg.byok_fee_rate
         refusal = self._credit_check(candidates, len(prompt_ids), req["max_tokens"], worst)
         if refusal is not None:
             self.stats["402"] += 1
@@ -348,10 +429,12 @@ class Emulator:
         if not isinstance(stream, bool):
             raise BadRequest("stream: expected a boolean")
         reasoning = body.get("reasoning") or {}
-        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "max_tokens", "exclude", "enabled"}:
-            raise BadRequest("reasoning: expected {effort, max_tokens, exclude, enabled}")
-        if "effort" in reasoning and reasoning["effort"] not in _EFFORTS:
+        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "max_tokens", "exclude", "enabled", "summary"}:
+            raise BadRequest("reasoning: expected {effort, max_tokens, exclude, enabled, summary}")
+        if reasoning.get("effort") is not None and reasoning["effort"] not in _EFFORTS:
             raise BadRequest(f"reasoning.effort: expected one of {list(_EFFORTS)}")
+        if reasoning.get("summary") is not None and reasoning["summary"] not in _SUMMARIES:
+            raise BadRequest(f"reasoning.summary: expected one of {list(_SUMMARIES)}")
         think = reasoning.get("enabled", True) is not False and reasoning.get("effort") != "none"
         exclude = bool(reasoning.get("exclude", False)) or body.get("include_reasoning") is False
         rmax = reasoning.get("max_tokens")
@@ -377,27 +460,55 @@ class Emulator:
                 self._prompts.popitem(last=False)
         return ids if think else ids + [self.vocab.end_think]
 
+    def _key_denied(self):
+        """403 before routing: the key lacks permission, or its own budget is spent."""
+        if self.cfg.key_forbidden:
+            return error_response(403, "This API key is not allowed to make this request.",
+                                  {"error_type": "permission_denied"})
+        limit, spent = self.cfg.key_budget_usd, self.ledger.total_usage
+        if limit is not None and spent >= limit:
+            return error_response(403, f"Key limit exceeded: this key has spent ${spent:.6f} of its ${limit:.6f} limit.",
+                                  {"error_type": "permission_denied", "limit_source": "openrouter_key_limit",
+                                   "scope": "key_limit", "limit_usd": limit, "spend_usd": spent,
+                                   "resets_at": None})
+        return None
+
     def _credit_check(self, candidates, prompt_tokens: int, max_tokens: int, worst: float):
+        """402 when this request's worst case does not fit: the key's limit (or its remainder), the
+        balance, or the in-flight budget (a share of the balance held by the requests running)."""
         balance = self.ledger.balance
+        limit = self.cfg.key_budget_usd
+        if limit is not None:
+            if worst > limit:
+                return _payment_required(f"Request weight (${worst:.6f} worst case) exceeds this key's whole "
+                                         f"limit (${limit:.6f}).", "openrouter_key_limit", "weight_exceeds_budget")
+            remaining = limit - self.ledger.total_usage
+            if worst > remaining:
+                return _payment_required(self._cannot_afford(candidates, prompt_tokens, max_tokens, remaining),
+                                         "openrouter_key_limit")
         if worst > balance:
-            price = max(candidates, key=lambda e: e.completion_price)
-            prompt_cost = prompt_tokens * price.prompt_price / 1e6
-            afford = max(0, math.floor((balance - prompt_cost) * 1e6 / price.completion_price))
-            return error_response(402, "This request requires more credits, or fewer max_tokens. You requested up "
-                                       f"to {max_tokens} tokens, but can only afford {afford}. To increase, visit "
-                                       "https://openrouter.ai/settings/credits and add more credits")
-        if self.cfg.in_flight_budget is not None:
+            return _payment_required(self._cannot_afford(candidates, prompt_tokens, max_tokens, balance),
+                                     "openrouter_credits")
+        if self.cfg.in_flight_budget is not None and not self.cfg.byok:
             budget = balance * self.cfg.in_flight_budget
             if worst > budget:
-                return error_response(402, f"Request weight (${worst:.6f} worst case) exceeds your in-flight "
-                                           f"spending budget (${budget:.6f}).",
-                                      {"code": "weight_exceeds_budget"})
+                return _payment_required(f"Request weight (${worst:.6f} worst case) exceeds your in-flight "
+                                         f"spending budget (${budget:.6f}).", "openrouter_credits",
+                                         "weight_exceeds_budget")
             if self.reserved + worst > budget:
-                return error_response(402, f"Too much spending in flight: ${self.reserved:.6f} reserved by "
-                                           f"{self.in_flight} requests, budget ${budget:.6f}. Retry when some finish.",
-                                      {"code": "in_flight_budget_exhausted", "retry_after_seconds": 1},
-                                      headers={"Retry-After": "1"})
+                return _payment_required(f"Too much spending in flight: ${self.reserved:.6f} reserved by "
+                                         f"{self.in_flight} requests, budget ${budget:.6f}. Retry when some finish.",
+                                         "openrouter_in_flight_budget", "in_flight_budget_exhausted", retry_after=1)
         return None
+
+    def _cannot_afford(self, candidates, prompt_tokens: int, max_tokens: int, usd: float) -> str:
+        dearest = max(candidates, key=lambda e: worst_case(e, prompt_tokens, max_tokens))
+        p = prices(dearest, prompt_tokens)
+        per_token = max(p.completion, p.reasoning) * (self.cfg.byok_fee_rate if self.cfg.byok else 1.0)
+        afford = max(0, math.floor((usd - prompt_tokens * p.prompt / 1e6) * 1e6 / per_token))
+        return ("This request requires more credits, or fewer max_tokens. You requested up "
+                f"to {max_tokens} tokens, but can only afford {afford}. To increase, visit "
+                "https://openrouter.ai/settings/credits and add more credits")
 
     # ---- serving ---------------------------------------------------------------------------------
 
@@ -426,7 +537,7 @@ class Emulator:
             ep, status, why = last
             self.stats[f"upstream_{status}"] += 1
             meta = {"raw": json.dumps({"error": {"message": UPSTREAM_MESSAGES[status], "type": why}}),
-                    "provider_name": ep.name}
+                    "provider_name": ep.name, "error_type": _ERROR_TYPES[status]}
             headers = None
             if status == 429 and ep.retry_after_s is not None:
                 meta["retry_after_seconds"] = ep.retry_after_s
@@ -468,7 +579,11 @@ class Emulator:
                 yield [i], [t]
 
     async def _generate(self, request, req, prompt_ids, ep, fault, gen_id, attempts, nth, t_start):
-        """Run the backend for `ep`, paced and written as OpenRouter would; bill and record it."""
+        """Run the backend for `ep`, paced and written as OpenRouter would; bill and record it.
+
+        A stream the client closes (or `cut_after_billing` cuts) stops being written; the endpoint
+        stops generating and billing there if it `supports_cancellation`, else it finishes and bills
+        the whole response. A non-streamed response is always generated and billed in full."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         rng = random.Random(f"{cfg.seed}|{gen_id}")
@@ -479,64 +594,96 @@ class Emulator:
         def due(n: int) -> float:  # when the n-th id (from 0) is produced, on the loop's clock
             return t0 + (ttft + n / tps) * scale
 
-        out = Output(self.vocab, req, ep, gen_id, cfg.model, uniform("quirk", cfg.seed, gen_id))
-        writer = SSEWriter(request, cfg.padding_interval_s) if stream else JSONWriter(request, cfg.padding_interval_s)
+        out = Output(self.vocab, req, ep, gen_id, cfg.model, uniform("quirk", cfg.seed, gen_id),
+                     byok_fee_rate=cfg.byok_fee_rate if cfg.byok else None)
+        headers = {"X-Generation-Id": gen_id}
+        writer = SSEWriter(request, cfg.padding_interval_s, headers) if stream else \
+            JSONWriter(request, cfg.padding_interval_s, headers)
         if fault == "hang":
-            return await self._hang(request, writer, req, ep, gen_id, attempts, prompt_ids, t_start)
+            return await self._hang(writer, req, ep, out, attempts, prompt_ids, nth, t_start, due)
         stop_after = {"mid_stream": max(1, int(rng.random() * min(req["max_tokens"], 64))),
                       "error_200": 0, "empty_200": 0}.get(fault)
+        cut_at = max(1, int(rng.random() * min(req["max_tokens"], 64))) \
+            if fault == "cut_after_billing" and stream else None
         job = self._job(req, prompt_ids, ep, nth)
         t_first = None
+        gone = False  # the stream's connection is closed: nothing more is written
+
+        async def send() -> bool:
+            nonlocal gone
+            try:
+                await writer.flush()
+            except ConnectionResetError:
+                gone = True
+            if not gone and cut_at is not None and len(out.ids) >= cut_at:
+                writer.close_connection()
+                gone = True
+            return not (gone and ep.supports_cancellation)
+
         try:
             await writer.open()
             tokens = self._tokens(job)
             try:
+                going = True
                 async for ids, texts in tokens:
                     pos = 0
-                    while pos < len(ids) and not out.stopped:
+                    while going and pos < len(ids) and not out.stopped:
                         end = len(ids)
                         if stop_after is not None:
                             end = min(end, pos + stop_after - len(out.ids))
                             if end <= pos:
                                 break
+                        if cut_at is not None and not gone:
+                            end = min(end, pos + max(1, cut_at - len(out.ids)))
                         if stream:  # a chunk: the ids due by now (paced), at most MAX_CHUNK_TOKENS of them
                             if scale > 0:
                                 n_due = int(((loop.time() - t0) / scale - ttft) * tps) + 1
                                 if n_due <= len(out.ids):
-                                    self._chunk(writer, out)
-                                    await writer.flush()
-                                    await asyncio.sleep(max(due(len(out.ids)) - loop.time(),
-                                                            writer._last + cfg.stream_interval_s * scale - loop.time()))
+                                    if not gone:
+                                        self._chunk(writer, out)
+                                        going = await send()
+                                    next_write = writer._last + cfg.stream_interval_s * scale if not gone else 0.0
+                                    await asyncio.sleep(max(due(len(out.ids)), next_write) - loop.time())
                                     continue
                                 end = min(end, pos + n_due - len(out.ids))
                             end = min(end, pos + MAX_CHUNK_TOKENS)
                         pos += out.extend(ids[pos:end], texts[pos:end])
                         t_first = t_first or loop.time()
-                        if stream:
+                        if stream and not gone:
                             self._chunk(writer, out)
-                    if stream:
-                        await writer.flush()
-                    if out.stopped or (stop_after is not None and len(out.ids) >= stop_after):
+                            if cut_at is not None and len(out.ids) >= cut_at:
+                                going = await send()
+                    if stream and not gone:
+                        going = await send()
+                    if not going or out.stopped or (stop_after is not None and len(out.ids) >= stop_after):
                         break
             finally:
                 job.cancelled = True
                 await tokens.aclose()
+            if stream and cut_at is not None and not gone:  # a response shorter than the cut: cut before its end
+                writer.close_connection()
+                gone = True
             # the response (or its failure) is complete when its last id is due
-            await asyncio.sleep(max(0.0, due(len(out.ids)) - loop.time()))
-            cancelled = False
-        except ConnectionResetError:
-            writer.stop_keepalive()
-            job.cancelled = cancelled = True
+            if not (gone and ep.supports_cancellation):
+                await asyncio.sleep(max(0.0, due(len(out.ids)) - loop.time()))
+        except ConnectionResetError:  # gone before the first byte
+            gone = True
+        writer.stop_keepalive()
+        cancelled = gone and ep.supports_cancellation
+        if cancelled:
             self.stats["cancelled"] += 1
-        billed = fault is None
-        finish = None if fault in ("empty_200",) else "error" if fault else out.finish_reason
+        billed = fault in (None, "cut_after_billing")
+        finish = None if fault in ("empty_200",) else "error" if fault not in (None, "cut_after_billing") \
+            else out.finish_reason
         # the ledger line exists before the client has the last byte (as /generation would)
         self._record(gen_id, ep, req, out, 200, attempts, finish=finish, billed=billed, error=fault,
                      t_start=t_start, prompt_ids=prompt_ids, cancelled=cancelled,
                      ttft_s=(t_first - t0) if t_first else None)
         self.stats["served" if fault is None else f"fault_{fault}"] += 1
-        if cancelled:
+        if gone:
             return writer.resp or web.Response(status=499)
+        if fault == "cut_after_billing":  # non-streaming: billed in full, lost on the wire
+            return await writer.cut(out.message(out.usage(self.billing(ep), prompt_ids, True), finish))
         try:
             return await self._finish(writer, out, fault, prompt_ids, ep)
         except ConnectionResetError:  # gone at the very end: billed in full, it was all generated
@@ -550,16 +697,18 @@ class Emulator:
     async def _finish(self, writer, out: Output, fault: str | None, prompt_ids, ep: Endpoint):
         billing = self.billing(ep)
         err = {"code": 502, "message": "Provider returned error",
-               "metadata": {"raw": "upstream connection lost", "provider_name": ep.name}}
+               "metadata": {"raw": "upstream connection lost", "provider_name": ep.name,
+                            "error_type": "provider_unavailable"}}
         if isinstance(writer, SSEWriter):
             if fault in ("error_200", "mid_stream"):
                 r, c = out.take_delta()
                 writer.event(out.chunk(r, c, finish="error", error=err))
                 await writer.end()
                 return writer.resp
+            finish = out.finish_reason if fault is None else None
             if fault is None:
-                writer.event(out.chunk("", "", finish=out.finish_reason))
-            writer.event(out.usage_chunk(out.usage(billing, prompt_ids, billed=fault is None)))
+                writer.event(out.chunk("", "", finish=finish))
+            writer.event(out.usage_chunk(out.usage(billing, prompt_ids, billed=fault is None), finish))
             await writer.done()
             return writer.resp
         if fault == "error_200":
@@ -572,21 +721,34 @@ class Emulator:
             return await writer.body(out.message(usage | {"cost": 0.0}, None))
         return await writer.body(out.message(usage, out.finish_reason))
 
-    async def _hang(self, request, writer, req, ep, gen_id, attempts, prompt_ids, t_start):
-        """Accept, say nothing (a stream gets its headers and first comment), close after hang_s."""
-        out = Output(self.vocab, req, ep, gen_id, self.cfg.model, 1.0)
+    async def _hang(self, writer, req, ep, out: Output, attempts, prompt_ids, nth, t_start, due):
+        """The provider generates and bills the response, but the client gets only the headers
+        (a stream also its first comment); silence for `hang_s`, then the connection closes."""
+        loop = asyncio.get_running_loop()
+        t_hang = loop.time()
         try:
             if isinstance(writer, SSEWriter):
                 await writer._write(PROCESSING)
-            await asyncio.sleep(self.cfg.hang_s)
+            else:
+                await writer.send_headers()
         except ConnectionResetError:
             pass
+        job = self._job(req, prompt_ids, ep, nth)
+        tokens = self._tokens(job)
+        try:
+            async for ids, texts in tokens:
+                out.extend(ids, texts)
+                if out.stopped:
+                    break
         finally:
-            self._record(gen_id, ep, req, out, 200, attempts, finish=None, billed=False, error="hang",
-                         t_start=t_start, prompt_ids=prompt_ids, cancelled=False, ttft_s=None)
-            self.stats["fault_hang"] += 1
-        if request.transport is not None:
-            request.transport.close()
+            job.cancelled = True
+            await tokens.aclose()
+        await asyncio.sleep(max(0.0, due(len(out.ids)) - loop.time()))
+        self._record(out.gen_id, ep, req, out, 200, attempts, finish=out.finish_reason, billed=True, error="hang",
+                     t_start=t_start, prompt_ids=prompt_ids, cancelled=False, ttft_s=None)
+        self.stats["fault_hang"] += 1
+        await asyncio.sleep(max(0.0, t_hang + self.cfg.hang_s - loop.time()))
+        writer.close_connection()
         return writer.resp or web.Response(status=200)
 
     def _record(self, gen_id, ep: Endpoint, req, out, status, attempts, *, finish, billed, error, t_start,
@@ -601,7 +763,9 @@ class Emulator:
         quirks = list(out.quirks) if out is not None else []
         if out is not None and ep.quirks.noncanonical_rate:
             quirks.append(f"noncanonical:{ep.quirks.noncanonical_rate}")
+        upstream = usage["cost_details"]["upstream_inference_cost"] if out is not None else None
         self.ledger.record({
+            "is_byok": self.cfg.byok, "upstream_inference_cost": upstream,
             "generation_id": gen_id, "time": time.time(), "status": status, "provider": ep.slug,
             "endpoint": ep.tag, "provider_name": ep.name, "model": self.cfg.model, "prompt_key": req["prompt_key"],
             "prompt_tokens": usage["prompt_tokens"] if out is not None else 0,

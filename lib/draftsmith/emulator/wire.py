@@ -4,7 +4,9 @@ Streams start with `: OPENROUTER PROCESSING` and repeat that comment while nothi
 for `interval` seconds; chunks are `data: {json}` lines, then a usage chunk with empty `choices`,
 then `data: [DONE]`. Events ready at the same moment go out in one write (fewer syscalls). Non-streaming responses that take longer than `interval` commit to HTTP 200
 and send whitespace every `interval` as keep-alive, so the JSON body (or an error body, still with
-status 200) follows leading whitespace. A client gone away shows up as ConnectionResetError.
+status 200) follows leading whitespace. Every response carries the `headers` it was given (the
+server passes `X-Generation-Id`). `cut` sends the headers and part of the body, then closes the
+connection (a response lost on the wire). A client gone away shows up as ConnectionResetError.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ def _dumps(obj) -> bytes:
 
 
 class _Writer:
-    def __init__(self, request: web.Request, interval: float):
-        self.request, self.interval = request, interval
+    def __init__(self, request: web.Request, interval: float, headers: dict | None = None):
+        self.request, self.interval, self.headers = request, interval, dict(headers or {})
         self.resp: web.StreamResponse | None = None
         self._lock = asyncio.Lock()
         self._last = asyncio.get_running_loop().time()
@@ -65,13 +67,26 @@ class _Writer:
             self._keepalive.cancel()
             self._keepalive = None
 
+    async def send_headers(self) -> None:
+        """Commit the status and headers now (nothing of the body yet)."""
+        async with self._lock:
+            if self.resp is None:
+                await self._prepare()
+
+    def close_connection(self) -> None:
+        """Drop the connection mid-response, as a network failure would."""
+        self.stop_keepalive()
+        self.gone = True
+        if self.request.transport is not None:
+            self.request.transport.close()
+
 
 class SSEWriter(_Writer):
     KEEPALIVE = PROCESSING
 
     async def _prepare(self) -> None:
         self.resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | self.headers)
         await self.resp.prepare(self.request)
 
     async def open(self) -> None:
@@ -105,7 +120,7 @@ class JSONWriter(_Writer):
     KEEPALIVE = b"\n"
 
     async def _prepare(self) -> None:
-        self.resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        self.resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"} | self.headers)
         await self.resp.prepare(self.request)
 
     async def open(self) -> None:
@@ -116,7 +131,20 @@ class JSONWriter(_Writer):
         self.stop_keepalive()
         async with self._lock:
             if self.resp is None:
-                return web.Response(body=_dumps(obj), status=status, content_type="application/json")
+                return web.Response(body=_dumps(obj), status=status, content_type="application/json",
+                                    headers=self.headers)
             await self._write_locked(_dumps(obj))
             await self.resp.write_eof()
             return self.resp
+
+    async def cut(self, obj) -> web.StreamResponse:
+        """The headers and the first half of the JSON body, then the connection closes."""
+        self.stop_keepalive()
+        data = _dumps(obj)
+        async with self._lock:
+            try:
+                await self._write_locked(data[: len(data) // 2])
+            except ConnectionResetError:
+                pass
+        self.close_connection()
+        return self.resp
