@@ -1,10 +1,11 @@
 # Two commands: `make demo` runs the whole chain on the embedded default, `make test` runs the tests.
+# `make lab` opens the notebooks in JupyterLab with the project's kernel (LAB_ARGS: e.g. --no-browser --port=8899).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean-demo
+.PHONY: demo test bench venv clean-demo lab
 
 venv: $(STAMP)
 
@@ -21,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $(LAB_ARGS)
 
 bench: $(STAMP)
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
