@@ -474,18 +474,13 @@ class Emulator:
         return None
 
     def _credit_check(self, candidates, prompt_tokens: int, max_tokens: int, worst: float):
-        """402 when this request's worst case does not fit: the key's limit (or its remainder), the
-        balance, or the in-flight budget (a share of the balance held by the requests running)."""
+        """402 when this request's worst case does not fit: the key's whole limit, the balance, or
+        the in-flight budget (a share of the balance held by the requests running)."""
         balance = self.ledger.balance
         limit = self.cfg.key_budget_usd
-        if limit is not None:
-            if worst > limit:
-                return _payment_required(f"Request weight (${worst:.6f} worst case) exceeds this key's whole "
-                                         f"limit (${limit:.6f}).", "openrouter_key_limit", "weight_exceeds_budget")
-            remaining = limit - self.ledger.total_usage
-            if worst > remaining:
-                return _payment_required(self._cannot_afford(candidates, prompt_tokens, max_tokens, remaining),
-                                         "openrouter_key_limit")
+        if limit is not None and worst > limit:  # (a key budget merely spent is a 403, see _key_denied)
+            return _payment_required(f"Request weight (${worst:.6f} worst case) exceeds this key's whole "
+                                     f"limit (${limit:.6f}).", "openrouter_key_limit", "weight_exceeds_budget")
         if worst > balance:
             return _payment_required(self._cannot_afford(candidates, prompt_tokens, max_tokens, balance),
                                      "openrouter_credits")
