@@ -57,25 +57,37 @@ def test_error_in_200_with_a_balance_code_stops():
 
 @pytest.mark.parametrize("status,error,action,kind", [
     (400, {"message": "This endpoint's maximum context length is 262144 tokens"}, "permanent", "bad_request"),
-    (403, {"message": "flagged", "metadata": {"reasons": ["x"]}}, "permanent", "moderation"),
+    # 403: a key/workspace/guardrail budget is spent or the key lacks permission: stop, never write samples off
+    (403, {"message": "Key limit exceeded", "metadata": {"reasons": ["x"]}}, "fatal", "forbidden"),
     (401, {"message": "No auth credentials found"}, "fatal", "unauthorized"),
     (404, {"message": "No allowed providers are available for the selected model."}, "fatal", "no_provider"),
     (402, {"message": "This request requires more credits, or fewer max_tokens. You requested up to 4096 "
                       "tokens, but can only afford 1200."}, "balance", "balance"),
     (402, {"message": "Too much spend in flight", "metadata": {"code": "in_flight_budget_exhausted"}},
-     "inflight", "in_flight_budget"),
-    (402, {"code": "weight_exceeds_budget", "message": "request weight exceeds budget"}, "inflight", "in_flight_budget"),
+     "throttle", "in_flight_budget"),
+    (402, {"message": "Too much spend in flight", "metadata": {"reason": "in_flight_budget_exhausted",
+                                                               "limit_source": "key"}}, "throttle", "in_flight_budget"),
+    # this one request is over the whole budget: retrying can never help
+    (402, {"message": "request weight exceeds budget", "metadata": {"reason": "weight_exceeds_budget",
+                                                                    "limit_source": "key"}},
+     "fatal", "weight_exceeds_budget"),
     (408, {"message": "timeout"}, "retry", "http_408"),
     (429, {"message": "Provider returned error", "metadata": {"raw": "rate limited", "provider_name": "Novita",
-                                                               "retry_after_seconds": 7}}, "retry", "http_429"),
+                                                               "retry_after_seconds": 7}}, "throttle", "http_429"),
+    (429, {"message": "Rate limit exceeded"}, "throttle", "http_429"),
     (500, {}, "retry", "http_500"), (502, {}, "retry", "http_502"), (503, {}, "retry", "http_503"),
+    (503, {"message": "Provider returned error", "metadata": {"provider_name": "Novita", "raw": "overloaded"}},
+     "retry", "http_503"),
+    # a 503 from the router itself: no endpoint meets the routing requirements
+    (503, {"message": "No endpoints found that can handle the requested parameters."}, "fatal", "no_provider"),
+    (503, {"message": "No allowed providers are available for the selected model."}, "fatal", "no_provider"),
     (524, {}, "retry", "http_524"), (529, {}, "retry", "http_529"),
     (422, {"message": "unprocessable"}, "permanent", "http_422"),
 ])
 def test_status_classification(status, error, action, kind):
     f = client.classify_error(status, error)
     assert (f.action, f.kind) == (action, kind)
-    if status == 429:
+    if status == 429 and error.get("metadata"):
         assert f.retry_after == 7 and f.provider == "Novita" and "rate limited" in f.message
 
 
@@ -170,9 +182,57 @@ def test_mid_stream_error_is_retryable():
     assert isinstance(f, client.Failure) and (f.action, f.kind) == ("retry", "stream_error")
 
 
-def test_stream_cut_before_done_is_retryable():
+def test_stream_cut_before_done_is_retryable_and_may_be_billed():
     f = _post(STREAM_CUT, stream=True)
     assert (f.action, f.kind) == ("retry", "stream_cut")
+    # a provider that cannot cancel bills a cut stream: the engine asks /generation about gen-2
+    assert f.maybe_billed and f.generation_id == "gen-2"
+
+
+def test_non_streamed_answer_cut_after_billing_carries_the_generation_id():
+    """OpenRouter bills a non-streamed request in full even if the answer never arrives; the
+    X-Generation-Id header names it, so its cost can be asked for."""
+    async def handler(request):
+        resp = web.StreamResponse(status=200, headers={"X-Generation-Id": "gen-cut", "Content-Length": "5000"})
+        await resp.prepare(request)
+        await resp.write(json.dumps(OK).encode()[:40])
+        request.transport.close()
+        return resp
+
+    async def go(s, url):
+        return await client.complete(s, url, {}, b"{}", False, aiohttp.ClientTimeout(total=None, sock_read=5))
+    f = _serve(handler, go)
+    assert isinstance(f, client.Failure) and f.action == "retry"
+    assert f.maybe_billed and f.generation_id == "gen-cut"
+
+
+def test_a_request_cancelled_in_flight_leaves_its_generation_id():
+    async def handler(request):
+        resp = web.StreamResponse(status=200, headers={"X-Generation-Id": "gen-slow"})
+        await resp.prepare(request)
+        await asyncio.sleep(5)
+        return resp
+
+    async def go(s, url):
+        seen = {}
+        t = asyncio.ensure_future(client.complete(s, url, {}, b"{}", False, seen=seen))
+        await asyncio.sleep(0.5)
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+        return seen
+    assert _serve(handler, go) == {"generation_id": "gen-slow"}
+
+
+def test_byok_cost_is_the_fee_plus_the_upstream_bill():
+    body = json.loads(json.dumps(OK))
+    body["usage"].update(cost=0.00001, is_byok=True, cost_details={
+        "upstream_inference_cost": 0.0002, "upstream_inference_prompt_cost": 0.00005,
+        "upstream_inference_completions_cost": 0.00015})
+    r = client.parse_completion(json.dumps(body).encode())
+    assert r.usage["cost"] == pytest.approx(0.00021) and r.usage["byok_fee"] == 0.00001
+    # without BYOK the upstream figures are a breakdown of usage.cost, not an extra bill
+    body["usage"]["is_byok"] = False
+    assert client.parse_completion(json.dumps(body).encode()).usage["cost"] == 0.00001
 
 
 def test_padded_json_on_the_wire():
@@ -181,15 +241,17 @@ def test_padded_json_on_the_wire():
 
 
 def test_hung_connection_hits_the_read_timeout():
-    f = _post(b"", delay_after=3, timeout=aiohttp.ClientTimeout(total=None, sock_read=0.3))
-    assert (f.action, f.kind) == ("retry", "timeout")
+    f = _post(b"", delay_after=3, timeout=aiohttp.ClientTimeout(total=None, sock_read=0.3),
+              headers={"X-Generation-Id": "gen-hung"})
+    assert (f.action, f.kind) == ("retry", "timeout") and f.maybe_billed and f.generation_id == "gen-hung"
 
 
 def test_429_envelope_and_retry_after_header():
     env = {"error": {"code": 429, "message": "Provider returned error",
                      "metadata": {"provider_name": "Novita", "raw": "slow down"}}, "user_id": "u"}
     f = _post(json.dumps(env).encode(), status=429, headers={"Retry-After": "4"})
-    assert (f.action, f.kind, f.status, f.retry_after, f.provider) == ("retry", "http_429", 429, 4.0, "Novita")
+    assert (f.action, f.kind, f.status, f.retry_after, f.provider) == ("throttle", "http_429", 429, 4.0, "Novita")
+    assert not f.maybe_billed       # an error status is an answer: nothing was billed
 
 
 def test_non_json_error_body_still_classified():
@@ -202,7 +264,7 @@ def test_connection_refused_is_retryable():
         async with aiohttp.ClientSession() as s:
             return await client.complete(s, "http://127.0.0.1:9/x", {}, b"{}", False)
     f = asyncio.run(go())
-    assert (f.action, f.kind) == ("retry", "connection")
+    assert (f.action, f.kind) == ("retry", "connection") and not f.maybe_billed   # never reached anyone
 
 
 def test_body_of_the_wrong_shape_is_a_retry_not_a_crash():

@@ -48,7 +48,8 @@ def emu_config(**kw) -> dict:
 
 def generate(emu, root: Path, datasets: list[dict], key=None, **kw):
     logs: list[str] = []
-    args = dict(model=MODEL, max_tokens=32, concurrency=8, spend_limit_usd=5.0, log=logs.append, **FAST)
+    args = dict(model=MODEL, max_tokens=32, concurrency=8, spend_limit_usd=5.0, log=logs.append,
+                native_precision="int4", **FAST)
     args.update(kw)
     r = run_generation(emu.base_url, key or emu.key, Run(root, "r"), datasets, **args)
     r.logs = logs
@@ -146,9 +147,10 @@ def test_a_storm_of_faults_still_completes(tmp_path, stream):
         assert kinds.get("http_429", 0) > 0 and kinds.get("timeout", 0) > 0 and kinds.get("empty", 0) > 0
         assert kinds.get("stream_error" if stream else "error_in_200", 0) > 0
         assert r.session["concurrency_cuts"] >= 1
-        keys = prompt_keys(path, "p")
-        full = Counter(x["prompt_key"] for x in emu.ledger_lines() if x["billed"] and not x["cancelled"])
-        assert all(full[keys[x["sample_id"]]] == 1 for x in rows)     # nothing paid twice in full
+        # hung and cut answers are billed (OpenRouter bills a request the client gave up on): every
+        # such bill was asked of /generation and counted, so the run's spend is the ledger's
+        ledger = sum(x["cost"] for x in emu.ledger_lines())
+        assert r.spent_usd == pytest.approx(ledger, abs=1e-9)
 
 
 def test_samples_out_of_attempts_go_to_errors_and_a_rerun_retries_them(tmp_path):
@@ -240,7 +242,7 @@ def test_bad_key_or_unroutable_provider_stops_with_the_reason(shared_emu, tmp_pa
     r = generate(shared_emu, tmp_path / "k", ds, key=ApiKey("sk-or-v1-wrong", "test"))
     assert r.reason == "fatal" and "api_key_file" in r.message
     r = generate(shared_emu, tmp_path / "p", ds, provider={"only": ["nobody"]})
-    assert r.reason == "fatal" and "provider" in r.message and "no_provider" in r.message
+    assert r.reason == "fatal" and "provider" in r.message and "no endpoint" in r.message
     assert not saved(tmp_path / "p", "p")
 
 
@@ -282,7 +284,8 @@ from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
 def go():
     r = run_generation(a["base"], ApiKey(a["key"], "test"), Run(a["root"], "r"), a["datasets"], model=a["model"],
-                       max_tokens=32, concurrency=a["concurrency"], spend_limit_usd=5.0, **a["fast"])
+                       max_tokens=32, concurrency=a["concurrency"], spend_limit_usd=5.0, native_precision="int4",
+                       **a["fast"])
     print("RESULT", r.reason, flush=True)
 async def like_jupyter():      # a cell runs inside the kernel's event loop
     go()

@@ -14,8 +14,9 @@ And the past pairs are not an unbiased draw either (short responses come back fi
 complete cohort counts: requests all of whose predecessors have ended.
 
 Dollars. Each request is reserved at its worst case (prompt bytes bound its tokens with a byte-level
-BPE; max_tokens bounds the rest; the highest price among the endpoints routing may pick) before it
-starts, and settled with `usage.cost` when it ends. A request may start only if the run's spend plus
+BPE; max_tokens bounds the rest; the highest prices among the endpoints routing may pick, plus a
+per-request price) before it starts, and settled with what it cost when it ends - or, when its
+answer was lost, once `/generation` has told what it cost (until then the reservation stays). A request may start only if the run's spend plus
 all reservations stays within `spend_limit_usd`, and the account's balance (last polled, minus what
 was spent since) stays above the floor. So the limit holds even if every request in flight comes
 back at its longest, on the most expensive provider.
@@ -185,12 +186,15 @@ class SpendBudget:
         self._spent_at_poll = 0.0
         self.prompt_price = 0.0         # worst USD per token
         self.completion_price = 0.0
+        self.request_price = 0.0        # worst USD per request
 
-    def set_prices(self, prompt: float, completion: float) -> None:
+    def set_prices(self, prompt: float, completion: float, request: float | None = None) -> None:
         self.prompt_price, self.completion_price = float(prompt), float(completion)
+        if request is not None:
+            self.request_price = float(request)
 
     def worst_cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return prompt_tokens * self.prompt_price + completion_tokens * self.completion_price
+        return prompt_tokens * self.prompt_price + completion_tokens * self.completion_price + self.request_price
 
     def set_balance(self, balance: float | None) -> None:
         self.balance = balance
@@ -223,9 +227,9 @@ class SpendBudget:
         self.reserved = max(0.0, self.reserved - reserved)
         self.spent += cost
         if prompt_tokens is not None and completion_tokens is not None and cost > 0:
-            priced = self.worst_cost(prompt_tokens, completion_tokens)
-            if cost > priced * 1.0001:
-                scale = cost / priced if priced > 0 else None
+            priced = self.worst_cost(prompt_tokens, completion_tokens) - self.request_price
+            if cost - self.request_price > priced * 1.0001:
+                scale = (cost - self.request_price) / priced if priced > 0 else None
                 if scale:
                     self.set_prices(self.prompt_price * scale, self.completion_price * scale)
                 else:

@@ -1,14 +1,25 @@
 """One OpenRouter chat completion: build the body, POST it, read the answer, classify the outcome.
 
-Every way a request can end is sorted into what the engine should do next (see OPENROUTER.md):
+Every way a request can end is sorted into what the engine should do next (docs/openrouter.md):
 
-  Reply                       a usable completion (`finish_reason` stop, length, ...) — keep it
-  Failure(action="retry")     408/429/5xx/524/529, an error inside a 200 body or a stream, an empty
-                              200, a cut stream, a hung or dropped connection — try again later
-  Failure(action="permanent") 400 (e.g. context too long), 403 moderation — record, do not retry
-  Failure(action="fatal")     401 bad key, 404 no provider matches the routing — stop the run
-  Failure(action="balance")   402 "can only afford": the balance is gone — stop dispatching
-  Failure(action="inflight")  402 in-flight spending budget — back off and lower concurrency
+  Reply                       a usable completion (`finish_reason` stop, length, ...) - keep it
+  Failure(action="retry")     408, 5xx from a provider, an error inside a 200 body or a stream, an
+                              empty 200, a cut stream, a hung or dropped connection - a real failure:
+                              spends one of the sample's attempts
+  Failure(action="throttle")  429, 402 in-flight spending budget - wait it out (backoff, lower
+                              concurrency); never spends an attempt
+  Failure(action="permanent") 400 (e.g. context too long) - record the sample, do not retry
+  Failure(action="fatal")     401 bad key, 403 a key/workspace/guardrail budget or permission, 404 or
+                              a routing 503 (no endpoint meets the routing), 402
+                              `weight_exceeds_budget` (this request alone is over the budget) - stop
+  Failure(action="balance")   402 "can only afford": the balance is gone - stop dispatching
+
+A non-streamed request is billed in full even when its answer is lost on the way (read timeout,
+cut connection), and so is a cut stream on a provider that cannot cancel: such failures carry
+`maybe_billed` and the generation id (the `X-Generation-Id` header, else the body's id), so the
+engine can ask `GET /generation` what they cost. With the user's own provider keys (BYOK),
+`usage.cost` is OpenRouter's fee and the provider's bill is `cost_details.upstream_inference_cost`;
+the cost kept here is their sum.
 
 Bodies may start with whitespace padding (json.loads skips it); streams carry `:` comment lines
 and the usage in a final chunk with no choices. Nothing here ever formats the API key: it lives
@@ -42,13 +53,15 @@ class Reply:
 
 @dataclass(slots=True)
 class Failure:
-    action: str                 # retry | permanent | fatal | balance | inflight
+    action: str                 # retry | throttle | permanent | fatal | balance
     kind: str                   # short label counted in the manifest, e.g. http_429, error_in_200, timeout
     message: str
     status: int | None = None
     retry_after: float | None = None
     provider: str | None = None
     cost: float = 0.0           # what the failed attempt was billed, if the body said so
+    maybe_billed: bool = False  # the answer was lost after a provider took the request: ask /generation
+    generation_id: str | None = None
 
     def __str__(self) -> str:
         where = f" from {self.provider}" if self.provider else ""
@@ -71,6 +84,12 @@ def request_settings(model: str, max_tokens: int, temperature: float | None = No
         s["reasoning"] = reasoning
     s["stream"] = bool(stream)
     return s
+
+
+def sent_parameters(settings: dict) -> set[str]:
+    """The request parameters that `require_parameters: true` makes OpenRouter check against each
+    endpoint's `supported_parameters`."""
+    return {k for k in settings if k not in ("model", "messages", "provider", "stream", "usage")}
 
 
 class BodyMaker:
@@ -103,6 +122,9 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     return max(0.0, when - (time.time() if now is None else now))
 
 
+ROUTING_WORDS = ("no endpoints", "no allowed providers", "no providers", "routing", "requirements")
+
+
 def classify_error(status: int, error: dict | None, retry_after: float | None = None, in_200: bool = False) -> Failure:
     """A failure from an HTTP status and the `error` object of the envelope (or of a 200 body / chunk)."""
     error = error if isinstance(error, dict) else {}
@@ -117,24 +139,28 @@ def classify_error(status: int, error: dict | None, retry_after: float | None = 
     code = error.get("code")
     if in_200:
         # Errors inside a 200 are retryable, except the unambiguous account and routing ones.
-        status = code if isinstance(code, int) and code in (401, 402, 404) else None
+        status = code if isinstance(code, int) and code in (401, 402, 403, 404) else None
     f = Failure("retry", "error_in_200" if in_200 else f"http_{status}", message, status, retry_after, provider)
     if status is None:
         return f
+    reason = str(meta.get("reason") or meta.get("code") or error.get("code") or "").lower()
     if status == 401:
         f.action, f.kind = "fatal", "unauthorized"
-    elif status == 404:
+    elif status == 403:
+        f.action, f.kind = "fatal", "forbidden"
+    elif status == 404 or (status == 503 and not provider and any(w in message.lower() for w in ROUTING_WORDS)):
         f.action, f.kind = "fatal", "no_provider"
     elif status == 402:
-        text = json.dumps(error).lower()
-        if "in_flight" in text or "in-flight" in text or "weight_exceeds_budget" in text:
-            f.action, f.kind = "inflight", "in_flight_budget"
+        if reason == "weight_exceeds_budget":
+            f.action, f.kind = "fatal", "weight_exceeds_budget"
+        elif "in_flight" in reason or "in-flight" in message.lower() or "in flight" in message.lower():
+            f.action, f.kind = "throttle", "in_flight_budget"
         else:
             f.action, f.kind = "balance", "balance"
+    elif status == 429:
+        f.action = "throttle"
     elif status in RETRY_STATUSES or status >= 500:
         f.action = "retry"
-    elif status == 403:
-        f.action, f.kind = "permanent", "moderation"
     elif 400 <= status < 500:
         f.action = "permanent"
         f.kind = "bad_request" if status == 400 else f"http_{status}"
@@ -149,12 +175,22 @@ def _usage(u: dict | None) -> dict:
            "reasoning_tokens": details.get("reasoning_tokens"), "cost": u.get("cost")}
     if cached:
         out["cached_tokens"] = cached
+    if u.get("is_byok"):
+        out["cost"] = _cost(u)
+        out["byok_fee"] = u.get("cost")
     return out
 
 
 def _cost(u) -> float:
-    c = u.get("cost") if isinstance(u, dict) else None
-    return float(c) if isinstance(c, (int, float)) else 0.0
+    """USD billed: `usage.cost`, plus the provider's own bill when it was the user's key (BYOK)."""
+    if not isinstance(u, dict):
+        return 0.0
+    c = u.get("cost")
+    total = float(c) if isinstance(c, (int, float)) else 0.0
+    if u.get("is_byok"):
+        up = (u.get("cost_details") or {}).get("upstream_inference_cost")
+        total += float(up) if isinstance(up, (int, float)) else 0.0
+    return total
 
 
 def parse_completion(raw: bytes) -> Reply | Failure:
@@ -238,33 +274,40 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> Reply | Failure:
                     return _reply(head, None, None, "error", native, usage, c["error"])
     if not done and not (finish and usage):
         return Failure("retry", "stream_cut", "stream ended before [DONE]", provider=head.get("provider"),
-                       cost=_cost(usage))
+                       cost=_cost(usage), maybe_billed=usage is None, generation_id=head.get("id"))
     return _reply(head, "".join(content), "".join(reasoning), finish, native, usage)
 
 
 async def complete(session: aiohttp.ClientSession, url: str, headers: dict | None, body: bytes, stream: bool,
-                   timeout: aiohttp.ClientTimeout | None = None) -> Reply | Failure:
+                   timeout: aiohttp.ClientTimeout | None = None, seen: dict | None = None) -> Reply | Failure:
     """POST one chat completion and classify the outcome; never raises for a bad answer or network trouble.
-    `headers` and `timeout` default to the session's (which must then carry the key and a read timeout)."""
+    `headers` and `timeout` default to the session's (which must then carry the key and a read timeout).
+    `seen["generation_id"]` is set as soon as the response headers name it, so a caller that gives
+    up on the request (cancels it) still knows which generation to ask the bill of."""
     kw = {"timeout": timeout} if timeout is not None else {}
+    seen = {} if seen is None else seen
+    answered = False        # a provider took the request: from here on a lost answer may be billed
     try:
         async with session.post(url, data=body, headers=headers, **kw) as resp:
             status = resp.status
             if status == 200:
-                if stream:
-                    return await _read_stream(resp)
-                return parse_completion(await resp.read())
+                answered = True
+                seen["generation_id"] = resp.headers.get("X-Generation-Id")
+                res = await _read_stream(resp) if stream else parse_completion(await resp.read())
+                if isinstance(res, Failure) and not res.generation_id:
+                    res.generation_id = seen["generation_id"]
+                return res
             raw = await resp.read()
             ra = retry_after_seconds(resp.headers.get("Retry-After"))
     except asyncio.TimeoutError:
-        return Failure("retry", "timeout", "no data within the read timeout (hung connection)")
+        return _lost(Failure("retry", "timeout", "no data within the read timeout (hung connection)"), seen, answered)
     except aiohttp.ClientPayloadError as e:
-        return Failure("retry", "connection", f"response cut off: {type(e).__name__}")
+        return _lost(Failure("retry", "connection", f"response cut off: {type(e).__name__}"), seen, True)
     except (aiohttp.ClientError, OSError) as e:
-        return Failure("retry", "connection", f"{type(e).__name__}: {e}"[:300])
+        return _lost(Failure("retry", "connection", f"{type(e).__name__}: {e}"[:300]), seen, answered)
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
         # a body of the wrong shape (or an SSE line too long to buffer): one bad answer, not a crash
-        return Failure("retry", "bad_response", f"{type(e).__name__}: {e}"[:300])
+        return _lost(Failure("retry", "bad_response", f"{type(e).__name__}: {e}"[:300]), seen, answered)
     try:
         env = json.loads(raw) if raw.strip() else {}
     except ValueError:
@@ -273,3 +316,16 @@ async def complete(session: aiohttp.ClientSession, url: str, headers: dict | Non
     if not isinstance(err, dict):
         err = {"message": raw[:200].decode("utf-8", "replace").strip() or f"HTTP {status}"}
     return classify_error(status, err, ra)
+
+
+def _lost(f: Failure, seen: dict, answered: bool) -> Failure:
+    """The answer was lost on the way. Once the request was sent, a provider may have taken (and
+    billed) it even before any header came back (a hung connection), so only a connection that
+    could not be opened is surely free; the generation id is known if the headers arrived."""
+    f.generation_id = seen.get("generation_id")
+    f.maybe_billed = answered or f.kind == "timeout" or not _refused(f.message)
+    return f
+
+
+def _refused(message: str) -> bool:
+    return message.startswith(("ClientConnectorError", "ClientConnectorDNSError", "ConnectionRefusedError"))

@@ -5,12 +5,21 @@ freed by one dataset goes to whichever dataset still has budget and prompts (rou
 run stays full until the last budget is reached. Prompts are read lazily from the files
 (prompt_queue.py), so memory does not grow with the number of prompts.
 
-Each request: reserve its worst-case dollars and count it against its dataset's tokens in flight
-(budget.py), POST it (client.py), then save the response (store.py) or deal with the failure:
-back off and retry (retry.py; throttling also lowers the concurrency), record a permanent failure,
-or stop the run. A stop (balance gone, spend limit, bad key, SIGINT/SIGTERM) starts nothing new,
-gives the requests in flight `stop_grace_s` to finish and be saved, and closes the files, so a
-re-run resumes exactly where this one ended.
+Each attempt: reserve its worst-case dollars and count the sample against its dataset's tokens in
+flight (budget.py), POST it (client.py), then save the response (store.py) or deal with the
+failure: wait out throttling (429s, in-flight 402s; the concurrency is lowered and no attempt is
+spent), back off and retry a real failure (up to `max_attempts`), record a permanent failure, or
+stop the run (the balance or a budget is gone, the key or the routing is refused). An attempt
+whose answer was lost after a provider took it may still be billed: its reservation is held until
+`GET /generation` says what it cost (pricing.generation_cost), and that cost is counted.
+
+A stop (balance gone, spend limit, a refusal, SIGINT/SIGTERM) starts nothing new, gives the
+requests in flight `stop_grace_s` to finish and be saved, asks the cost of what it gave up on,
+and closes the files, so a re-run resumes exactly where this one ended. The last line says what
+was paid for and not saved, and how many samples were given up.
+
+Routing: stage 01's `providers/routing.json` merged with the `provider` parameter; without it,
+the same precision policy (providers.policy_routing) is applied here over the live endpoint list.
 
 `run_generation(...)` is what notebook 02 calls; it returns a `GenerationResult`.
 """
@@ -27,19 +36,26 @@ from pathlib import Path
 
 import aiohttp
 
-from . import client
+from . import client, providers
 from .budget import SpendBudget, TokenBudget
 from .datasets import DatasetSpec, Prompt, parse_datasets
 from .paths import Run, resolve
-from .pricing import BalanceReader, CatalogueError, fetch_catalogue
+from .pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints, generation_cost
 from .progress import Progress
 from .prompt_queue import ContextCheck, DatasetQueue
 from .retry import Aimd, backoff_delay
 from .store import DatasetStore, Manifest
 
-THROTTLE_KINDS = ("http_429", "in_flight_budget")
 TODO = {"balance": "top up the balance, then re-run", "spend_limit": "raise spend_limit_usd, then re-run",
         "fatal": "fix that, then re-run", "interrupted": "re-run"}
+HINTS = {
+    "unauthorized": "check api_key_file / OPENROUTER_API_KEY",
+    "forbidden": ("a key, workspace or guardrail budget is spent, or the key lacks permission (GET /key shows "
+                  "`budgets`); no sample was written off: raise the budget or wait for it to reset"),
+    "no_provider": "no endpoint meets the routing: check `model` and `provider` (and providers/routing.json from stage 01)",
+    "weight_exceeds_budget": ("one request's worst case alone is more than the budget allows: lower max_tokens "
+                              "or raise the budget (retrying cannot help)"),
+}
 
 
 @dataclass
@@ -56,6 +72,7 @@ class Options:
     fsync_s: float = 5.0
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 60.0
+    recovery_patience_s: float = 120.0   # how long to keep asking /generation the cost of a lost answer
     target_model_path: str | None = None  # its tokenizer measures prompts that may be too long
     trust_remote_code: bool = False       # loading that tokenizer may run its own code (Kimi-K2.5)
 
@@ -91,24 +108,23 @@ class GenerationStopped(RuntimeError):
     pass
 
 
-def routing(provider: dict | None, run: Run) -> dict:
-    """The provider object to send: stage 01's `providers/routing.json` (if any), overridden key by
-    key by the `provider` parameter."""
-    merged: dict = {}
+def stage_01_routing(run: Run) -> dict | None:
+    """The provider object of stage 01's `providers/routing.json`; None if stage 01 did not run."""
     path = run.root / "providers" / "routing.json"
-    if path.is_file():
-        obj = json.loads(path.read_text(encoding="utf-8"))
-        obj = obj.get("provider", obj) if isinstance(obj, dict) else None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path}: expected a JSON object (or one with a 'provider' object)")
-        merged.update(obj)
-    merged.update(provider or {})
-    return merged
+    if not path.is_file():
+        return None
+    obj = json.loads(path.read_text(encoding="utf-8"))
+    obj = obj.get("provider", obj) if isinstance(obj, dict) else None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object (or one with a 'provider' object)")
+    return obj
 
 
 class Engine:
     def __init__(self, base_url: str, api_key, run: Run, specs: list[DatasetSpec], settings: dict,
-                 opts: Options, config: dict, log=print):
+                 opts: Options, config: dict, log=print, policy: tuple[str, bool] | None = None):
+        """`policy`: (native_precision, allow_unknown) when there is no stage-01 routing and the
+        engine must build it from the endpoint list; `settings["provider"]` is then laid over it."""
         self.base = base_url.rstrip("/")
         self.url = self.base + "/chat/completions"
         self._headers = {**api_key.header(), "Content-Type": "application/json", "X-Title": "draftsmith"}
@@ -119,10 +135,14 @@ class Engine:
         self.settings_json = json.dumps(settings, ensure_ascii=False, separators=(",", ":"))
         self.model, self.provider, self.max_tokens = settings["model"], settings.get("provider") or {}, settings["max_tokens"]
         self.stop_grace_s = opts.stop_grace_s
+        self.settings, self.policy = settings, policy
+        self.sent = client.sent_parameters(settings)
 
         self.manifest = Manifest.open(self.folder / "manifest.json")
         self.datasets: list[DatasetQueue] = []
-        spent = self.manifest.spent_outside_responses
+        self.stage_01_usd = providers.spent(run.root / "providers")
+        config["stage_01_spent_usd"] = self.stage_01_usd
+        spent = self.manifest.spent_outside_responses + self.stage_01_usd
         for spec in specs:
             store = DatasetStore(self.folder / spec.name, fsync_s=opts.fsync_s)
             for note in store.notes:
@@ -148,6 +168,8 @@ class Engine:
         self.attempts = self.samples = self.tokens = 0
         self.exhausted_samples = self.permanent_samples = 0
         self.cost = self.failed_attempts_cost = self.abandoned_reserved = 0.0
+        self.lost = self.recovered = self.unknown_bills = 0    # answers lost after billing could start
+        self.recoveries: set[asyncio.Task] = set()             # asking /generation what one cost
         self._rr = 0
         self.entry = {"started": _now(), "status": "running",      # this session's line in the manifest
                       "samples_at_start": sum(len(d.store.done) for d in self.datasets)}
@@ -170,9 +192,7 @@ class Engine:
             p, bound = nxt
             worst = self.spend.worst_cost(bound, d.budget.worst)
             if not self.spend.try_reserve(worst):
-                left = self.spend.balance_left
-                by_balance = left is not None and left - self.spend.floor < self.spend.limit - self.spend.spent
-                self.blocked = ("balance" if by_balance else "spend_limit", worst)
+                self._block(worst)
                 return None
             self.blocked = None
             d.take()
@@ -192,11 +212,12 @@ class Engine:
                 self.tasks.add(t)
                 t.add_done_callback(self.tasks.discard)
             if self.in_flight == 0 and self.reason is None:
-                if self.blocked and any(d.budget.can_start() and d.peek(self.check) for d in self.datasets):
-                    self.request_stop(self.blocked[0], self._blocked_message())
-                else:
+                if not (self.blocked and any(d.budget.can_start() and d.peek(self.check) for d in self.datasets)):
                     self.request_stop("finished")
-                break
+                    break
+                if not self.recoveries:         # else their reservations may yet be freed
+                    self.request_stop(self.blocked[0], self._blocked_message())
+                    break
             self._wake.clear()
             await self._wake.wait()
 
@@ -205,6 +226,28 @@ class Engine:
             await self._sample(*job)
             job = self._take()
         self._wake.set()
+
+    def _block(self, worst: float) -> None:
+        left = self.spend.balance_left
+        by_balance = left is not None and left - self.spend.floor < self.spend.limit - self.spend.spent
+        self.blocked = ("balance" if by_balance else "spend_limit", worst)
+
+    async def _reserve(self, worst: float) -> float:
+        """Reserve the dollars of a retry, waiting while other requests hold them; 0.0 if the run
+        stops first (or must stop: nothing else holds money, and still it does not fit)."""
+        while self.reason is None:
+            if self.spend.try_reserve(worst):
+                return worst
+            self._block(worst)
+            if self.spend.reserved <= 1e-12 and not self.recoveries:
+                self.request_stop(self.blocked[0], self._blocked_message())
+                break
+            self._money.clear()
+            try:
+                await asyncio.wait_for(self._money.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+        return 0.0
 
     def _blocked_message(self) -> str:
         why, worst = self.blocked
@@ -217,16 +260,20 @@ class Engine:
 
     # -- one sample -------------------------------------------------------------------------
     async def _sample(self, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) -> None:
+        """One sample to the end: saved, failed for good, out of attempts, or left for a re-run by a
+        stop. Only real failures spend attempts; throttling is waited out."""
         msgs_json = client.messages_json(p.messages)
         body = self.bodies.body(msgs_json)
-        started = time.time()
-        tokens = prompt_tokens = None
-        cost = 0.0
+        worst, started = reserved, time.time()
+        tokens = None
+        failures = throttles = 0
+        seen: dict = {}
         try:
-            for attempt in range(1, self.opts.max_attempts + 1):
+            while True:
                 self.attempts += 1
+                seen = {}
                 t0 = time.monotonic()
-                res = await client.complete(self.http, self.url, None, body, self.stream)
+                res = await client.complete(self.http, self.url, None, body, self.stream, seen=seen)
                 if isinstance(res, client.Reply):
                     latency = time.monotonic() - t0
                     self.aimd.observe_latency(latency)
@@ -235,8 +282,12 @@ class Engine:
                     tokens = u["completion_tokens"]
                     if tokens is None:      # no usage came back: count what we got, roughly
                         tokens = max(1, (len(res.content) + len(res.reasoning or "")) // 4)
-                    cost, prompt_tokens = u["cost"] or 0.0, u["prompt_tokens"]
-                    d.store.write(p.sample_id, self._line(d, p, msgs_json, res, attempt, latency, started))
+                    cost = u["cost"] or 0.0
+                    self.spend.settle(reserved, cost, u["prompt_tokens"], tokens)
+                    reserved = 0.0
+                    self._money.set()
+                    d.store.write(p.sample_id, self._line(d, p, msgs_json, res, failures + throttles + 1,
+                                                          latency, started))
                     d.store.count_reply(u, res.finish_reason, res.provider)
                     self.samples += 1
                     self.tokens += tokens
@@ -244,36 +295,83 @@ class Engine:
                     self.progress.update(tokens)
                     return
                 self.errors[res.kind] = self.errors.get(res.kind, 0) + 1
-                if res.cost:
-                    self.failed_attempts_cost += res.cost
-                    self.spend.spent += res.cost
+                self._settle_failed(res, reserved)
+                reserved = 0.0
                 if res.action == "permanent":
-                    return self._record_failure(d, p, res, attempt, "permanent")
+                    return self._record_failure(d, p, res, failures + 1, "permanent")
                 if res.action == "balance":
                     return self.request_stop("balance", f"the OpenRouter balance ran out ({res.message})")
                 if res.action == "fatal":
-                    hint = ("check api_key_file / OPENROUTER_API_KEY" if res.kind == "unauthorized"
-                            else "check `model` and `provider` (and providers/routing.json from stage 01)")
-                    return self.request_stop("fatal", f"{res}: {hint}")
-                if res.kind in THROTTLE_KINDS:
+                    return self.request_stop("fatal", f"{res}: {HINTS.get(res.kind, 'fix that')}")
+                if res.action == "throttle":
+                    throttles += 1
                     self.aimd.on_throttle()
-                if attempt == self.opts.max_attempts or self.reason is not None:
-                    break
-                delay = backoff_delay(attempt, res.retry_after, self.opts.backoff_base_s, self.opts.backoff_cap_s)
+                    delay = backoff_delay(min(throttles, 8), res.retry_after, self.opts.backoff_base_s,
+                                          self.opts.backoff_cap_s)
+                else:
+                    failures += 1
+                    if failures >= self.opts.max_attempts:
+                        if self.reason is None:
+                            self._record_failure(d, p, res, failures, "exhausted")
+                        return
+                    delay = backoff_delay(failures, res.retry_after, self.opts.backoff_base_s, self.opts.backoff_cap_s)
+                if self.reason is not None:
+                    return
                 await asyncio.wait((self._stop,), timeout=delay)     # a stop cuts the wait short
                 if self.reason is not None:
                     return
-            if self.reason is None:
-                self._record_failure(d, p, res, attempt, "exhausted")
+                reserved = await self._reserve(worst)
+                if not reserved:
+                    return
         except asyncio.CancelledError:
-            # Given up on while in flight: it may still be billed, so count it at its worst case.
-            self.abandoned_reserved += reserved
-            cost = reserved
+            if reserved:        # given up on while in flight: it may still be billed
+                self._recover(seen.get("generation_id"), reserved)
+                reserved = 0.0
             raise
         finally:
             d.budget.end(ticket, tokens)
-            self.spend.settle(reserved, cost, prompt_tokens, tokens)
+            if reserved:
+                self.spend.settle(reserved, 0.0)
             self.in_flight -= 1
+
+    # -- money of failed attempts -------------------------------------------------------------
+    def _settle_failed(self, res: client.Failure, reserved: float) -> None:
+        if res.maybe_billed:
+            self._recover(res.generation_id, reserved)
+            return
+        self.spend.settle(reserved, res.cost)
+        self.failed_attempts_cost += res.cost
+        self._money.set()
+
+    def _recover(self, generation_id: str | None, reserved: float) -> None:
+        """An answer lost after a provider may have taken the request: hold its reservation until
+        /generation says what it cost; with no generation id, count it at its worst case."""
+        self.lost += 1
+        if generation_id is None:
+            return self._count_unknown(reserved)
+        t = asyncio.get_running_loop().create_task(self._ask_cost(generation_id, reserved))
+        self.recoveries.add(t)
+        t.add_done_callback(self.recoveries.discard)
+
+    async def _ask_cost(self, generation_id: str, reserved: float) -> None:
+        cost = None
+        try:
+            cost = await generation_cost(self.http, self.base, generation_id, self.opts.recovery_patience_s)
+        finally:                # also when given up on at the very end: then counted at its worst case
+            if cost is None:
+                self._count_unknown(reserved)
+            else:
+                self.spend.settle(reserved, cost)
+                self.failed_attempts_cost += cost
+                self.recovered += 1
+                self._money.set()
+            self._wake.set()
+
+    def _count_unknown(self, reserved: float) -> None:
+        self.spend.settle(reserved, reserved)
+        self.abandoned_reserved += reserved
+        self.unknown_bills += 1
+        self._money.set()
 
     def _line(self, d: DatasetQueue, p: Prompt, msgs_json: str, res: client.Reply, attempt: int,
               latency: float, started: float) -> str:
@@ -297,6 +395,7 @@ class Engine:
 
     # -- stopping ---------------------------------------------------------------------------
     def request_stop(self, reason: str, message: str = "") -> None:
+        self._money.set()
         if self.reason is None:
             self.reason, self.message = reason, message
             if reason != "finished":
@@ -311,7 +410,7 @@ class Engine:
         """Give up on everything in flight now (a second SIGINT)."""
         self.stop_grace_s = 0
         self.request_stop("interrupted", "interrupted twice")
-        for t in list(self.tasks):
+        for t in list(self.tasks) + list(self.recoveries):
             t.cancel()
 
     # -- background: balance polling, progress, periodic saves ------------------------------
@@ -378,10 +477,11 @@ class Engine:
             failed_attempts_cost=round(self.failed_attempts_cost, 8), reserved_usd=round(self.spend.reserved, 8),
             peak_in_flight=self.peak_in_flight, concurrency_limit=self.aimd.limit, concurrency_cuts=self.aimd.cuts,
             exhausted_samples=self.exhausted_samples, permanent_samples=self.permanent_samples,
+            lost_answers=self.lost, lost_answers_costed=self.recovered, unknown_bills=self.unknown_bills,
+            abandoned_reserved_usd=round(self.abandoned_reserved, 8),
             skipped_too_long={d.name: d.skipped for d in self.datasets if d.skipped}, malformed_rows=problems)
         if final:
-            self.entry.update(ended=_now(), status=self.reason, message=self.message, reserved_usd=0.0,
-                                abandoned_reserved_usd=round(self.abandoned_reserved, 8))
+            self.entry.update(ended=_now(), status=self.reason, message=self.message, reserved_usd=0.0)
         self.manifest.write(self.config, self._dataset_table(), self._provider_table(), self.spend.spent)
 
     # -- the whole session -------------------------------------------------------------------
@@ -389,6 +489,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         self._stop = loop.create_future()
         self._wake = asyncio.Event()
+        self._money = asyncio.Event()      # a reservation was freed
         if not any(d.budget.can_start() and d.peek() for d in self.datasets):
             self.reason = "nothing_to_do"
             self.message = "every dataset is done (budget reached or no prompts left); nothing was requested"
@@ -405,11 +506,14 @@ class Engine:
             async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers) as session:
                 self.http = session
                 try:
-                    cat = await fetch_catalogue(session, self.base, self.model, self.provider)
-                except CatalogueError as e:
+                    eps = await fetch_endpoints(session, self.base, self.model)
+                    if self.policy is not None:
+                        self._apply_policy(eps)
+                    cat = catalogue(eps, self.model, self.provider, self.sent)
+                except (CatalogueError, ValueError) as e:
                     self.reason, self.message = "fatal", str(e)
                     return
-                self.spend.set_prices(cat.prompt_price, cat.completion_price)
+                self.spend.set_prices(cat.prompt_price, cat.completion_price, cat.request_price)
                 self.check = ContextCheck(cat.context_length, self.max_tokens, self.opts.target_model_path,
                                           self.opts.trust_remote_code)
                 reader = BalanceReader(session, self.base)
@@ -424,12 +528,37 @@ class Engine:
                     if pending:
                         await asyncio.wait(pending)
                         self.log(f"gave up on {len(pending)} requests still in flight after {self.stop_grace_s:.0f}s")
+                if self.recoveries:
+                    patience = self.opts.recovery_patience_s if self.stop_grace_s else 0.0
+                    self.log(f"asking GET /generation what {len(self.recoveries)} lost answers cost "
+                             f"(up to {patience:.0f}s)")
+                    _, pending = await asyncio.wait(set(self.recoveries), timeout=patience + 1.0)
+                    for t in pending:
+                        t.cancel()
+                    if pending:
+                        await asyncio.wait(pending)
         finally:
             for t in background:
                 t.cancel()
             if self.reason is None:
                 self.reason, self.message = "interrupted", self.message or "interrupted"
             self._close()
+
+    def _apply_policy(self, eps: list[dict]) -> None:
+        """No stage-01 routing: route only where the precision policy allows (the `provider`
+        parameter laid over it), and say so."""
+        native, allow_unknown = self.policy
+        obj, excluded = providers.policy_routing(eps, native, allow_unknown, self.sent)
+        self.provider = {**obj, **self.provider}
+        self.settings["provider"] = self.provider
+        self.bodies = client.BodyMaker(self.settings)
+        self.settings_json = json.dumps(self.settings, ensure_ascii=False, separators=(",", ":"))
+        self.config["request"] = self.settings
+        self.config["routing_source"] = "stage 02 precision policy (no providers/routing.json)"
+        gone = "; ".join(f"{x['tag']}: {x['reason']}" for x in excluded) or "none"
+        self.log(f"no providers/routing.json from stage 01: applied the precision policy (native {native}) "
+                 f"here. Allowed: {', '.join(obj['only'])}. Excluded: {gone}. The fidelity probe did not run: "
+                 f"run stage 01 first to also exclude endpoints that answer unlike the first party.")
 
     def _close(self) -> None:
         for d in self.datasets:
@@ -450,16 +579,27 @@ class Engine:
             parts.append(f"{d.name}: {t.samples} samples, {t.completion_tokens:,} tokens" + (f" of {b:,}" if b else "")
                          + (f", {len(d.store.permanent)} failed for good" if d.store.permanent else ""))
         summary = "; ".join(parts)
-        spent = (f"spent ${self.cost + self.failed_attempts_cost:.4f} this session, ${self.spend.spent:.4f} "
-                 f"in this run (limit ${self.spend.limit:.2f})")
+        stage_01 = f", stage 01 included" if self.stage_01_usd else ""
+        spent = (f"spent ${self.cost + self.failed_attempts_cost + self.abandoned_reserved:.4f} this session, "
+                 f"${self.spend.spent:.4f} in this run{stage_01} (limit ${self.spend.limit:.2f})")
+        lost = self.failed_attempts_cost + self.abandoned_reserved
+        if lost > 0:
+            unknown = (f", of which ${self.abandoned_reserved:.4f} is counted at its worst case for "
+                       f"{self.unknown_bills} requests whose bill could not be read" if self.unknown_bills else "")
+            paid = f"Paid for and not saved this session: ${lost:.4f} (failed attempts that were billed{unknown})"
+        else:
+            paid = "Nothing paid for was lost"
         if done:
             head = self.message + ": " if self.reason == "nothing_to_do" else "finished: "
-            retry = (f"; {self.exhausted_samples} samples failed after {self.opts.max_attempts} attempts and "
-                     f"a re-run tries them again" if self.exhausted_samples else "")
-            msg = f"{head}{summary}; {spent}{retry}"
+            msg = f"{head}{summary}; {spent}. {paid}."
+            if self.exhausted_samples:
+                msg += (f" {self.exhausted_samples} samples were GIVEN UP after {self.opts.max_attempts} failed "
+                        f"attempts each (errors.jsonl); a re-run tries them again.")
         else:
-            msg = (f"stopped: {self.message}. Done so far: {summary}; {spent}. Nothing paid for is lost: "
-                   f"{TODO.get(self.reason, 're-run')} and it resumes where it stopped.")
+            msg = (f"stopped: {self.message}. Done so far: {summary}; {spent}. {paid}; every saved response is "
+                   f"kept: {TODO.get(self.reason, 're-run')} and it resumes where it stopped.")
+            if self.exhausted_samples:
+                msg += f" {self.exhausted_samples} samples were given up this session (a re-run tries them again)."
         return GenerationResult("finished" if done else "stopped", self.reason, msg, self.folder,
                                 self.spend.spent, dict(self.entry), self._dataset_table())
 
@@ -493,9 +633,12 @@ def _short(n: float) -> str:
 def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model: str, max_tokens: int,
                    concurrency: int, spend_limit_usd: float, temperature: float | None = None,
                    top_p: float | None = None, seed: int | None = None, provider: dict | None = None,
-                   reasoning: dict | None = None, stream: bool = False, log=print, **options) -> GenerationResult:
+                   reasoning: dict | None = None, stream: bool = False, native_precision: str | None = None,
+                   allow_unknown_quantization: bool = False, log=print, **options) -> GenerationResult:
     """Generate responses for `datasets` into `run.dir("generate")`, resuming whatever is there.
     `options`: the other fields of `Options` (balance_floor_usd, max_attempts, request_timeout_s, ...).
+    Without stage 01's routing.json, `native_precision` is required: the engine then applies the
+    precision policy itself.
 
     Runs its own event loop (in a thread when one is already running, as in Jupyter). SIGINT and
     SIGTERM stop it cleanly; a second SIGINT gives up on the requests in flight at once."""
@@ -506,11 +649,20 @@ def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model
         if not Path(spec.path).is_file():
             raise FileNotFoundError(f"datasets: file of dataset {spec.name!r} not found: {spec.path}")
     opts = Options(concurrency, spend_limit_usd, **options)
-    settings = client.request_settings(model, max_tokens, temperature, top_p, seed, routing(provider, run),
-                                       reasoning, stream)
+    base_routing = stage_01_routing(run)
+    policy = None
+    if base_routing is None:
+        if not native_precision:
+            raise ValueError(f"no {run.root / 'providers' / 'routing.json'} (stage 01 has not run for run "
+                             f"{run.name!r}) and no native_precision: run stage 01 first, or set native_precision so "
+                             f"that stage 02 applies the precision policy itself")
+        policy = (native_precision, allow_unknown_quantization)
+    settings = client.request_settings(model, max_tokens, temperature, top_p, seed,
+                                       {**(base_routing or {}), **(provider or {})}, reasoning, stream)
     config = {"base_url": base_url, "key_source": api_key.source, "datasets": datasets, "request": settings,
+              "routing_source": "providers/routing.json" if base_routing is not None else None,
               **{k: v for k, v in vars(opts).items() if k != "target_model_path"}}
-    engine = Engine(base_url, api_key, run, specs, settings, opts, config, log)
+    engine = Engine(base_url, api_key, run, specs, settings, opts, config, log, policy)
     _run_with_signals(engine)
     return engine.result()
 

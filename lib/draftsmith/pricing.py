@@ -1,10 +1,20 @@
-"""What the API says a request may cost and how much money is left.
+"""What the API says a request may cost, what a lost request did cost, and how much money is left.
 
-Prices come from `GET /models/{model}/endpoints`: the highest prompt and completion price among
-the endpoints the `provider` routing object allows (only, ignore, order without fallbacks,
-quantizations, max_price), so that a worst-case reservation holds whichever of them serves. The
-balance comes from `GET /key` (the key's own limit) and `GET /credits` (the account; plain keys
-may be refused it, then only /key counts), whichever is lower.
+Prices come from `GET /models/{model}/endpoints`, over the endpoints the `provider` routing object
+lets serve (only, ignore, order without fallbacks, quantizations, max_price, and with
+`require_parameters` only those listing every parameter we send). An endpoint's worst price per
+token is the highest of its default price, each of its `overrides` (long-context and time-based
+prices may start to apply mid-run) and, for completion tokens, `internal_reasoning`; `request` is
+added once per request. `discount` is left out of the worst case: a discount can end while
+requests are in flight, and a bill above the reservation would break the spend limit.
+
+`generation_cost` asks `GET /generation?id=` the bill of a request whose answer was lost (it is
+404 for a moment after the request ends, so it is asked again with backoff).
+
+`balance` is the one reading of the money left, for stages 01 and 02 alike: the lowest of the
+account's credits (`/credits`, when the key may read it), the key's own limit
+(`/key` `limit_remaining`) and every budget layer the key is held to (`/key` `budgets`, of which
+`effective_budget` blocks first).
 """
 
 from __future__ import annotations
@@ -14,6 +24,8 @@ import json
 from dataclasses import dataclass
 
 import aiohttp
+
+from .retry import backoff_delay
 
 _FP4 = {"fp4", "mxfp4", "nvfp4"}
 
@@ -26,12 +38,50 @@ class CatalogueError(RuntimeError):
 class Catalogue:
     prompt_price: float          # worst USD per prompt token
     completion_price: float      # worst USD per completion token
+    request_price: float         # worst USD per request
     context_length: int | None   # the largest among the allowed endpoints
     endpoints: int               # how many endpoints routing may pick
 
 
-def endpoint_allowed(ep: dict, provider: dict) -> bool:
-    """Whether OpenRouter's routing filters in `provider` let this endpoint serve."""
+def _usd(x) -> float:
+    try:
+        return float(x or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def worst_prices(ep: dict) -> tuple[float, float, float]:
+    """(prompt, completion, request) USD: the most this endpoint can charge per token / per request."""
+    pricing = ep.get("pricing") or {}
+    prompt, completion = _usd(pricing.get("prompt")), _usd(pricing.get("completion"))
+    completion = max(completion, _usd(pricing.get("internal_reasoning")))
+    for o in pricing.get("overrides") or []:
+        if isinstance(o, dict):
+            prompt = max(prompt, _usd(o.get("prompt")))
+            completion = max(completion, _usd(o.get("completion")))
+    return prompt, completion, _usd(pricing.get("request"))
+
+
+def default_prices(ep: dict) -> tuple[float, float, float]:
+    """(prompt, completion, request) USD at the default conditions, after the endpoint's discount:
+    what a typical request pays (for plans, not for reservations)."""
+    pricing = ep.get("pricing") or {}
+    keep = 1.0 - min(1.0, max(0.0, _usd(pricing.get("discount"))))
+    return (keep * _usd(pricing.get("prompt")), keep * _usd(pricing.get("completion")),
+            keep * _usd(pricing.get("request")))
+
+
+def lacks_parameters(ep: dict, sent: set[str]) -> list[str]:
+    """The sent parameters this endpoint does not list (routing with require_parameters skips it)."""
+    listed = ep.get("supported_parameters")
+    if not isinstance(listed, list):
+        return []            # not listed at all: cannot tell, assume it takes them
+    return sorted(set(sent) - set(listed))
+
+
+def endpoint_allowed(ep: dict, provider: dict, sent: set[str] = frozenset()) -> bool:
+    """Whether OpenRouter's routing filters in `provider` let this endpoint serve a request that
+    sends the parameters `sent`."""
     tag = str(ep.get("tag") or ep.get("provider_name") or "").lower()
     slugs = {tag, tag.split("/")[0]}
     only = [s.lower() for s in provider.get("only") or []]
@@ -49,12 +99,15 @@ def endpoint_allowed(ep: dict, provider: dict) -> bool:
             quants.add("mxfp8")
         if ep.get("quantization") not in quants:
             return False
+    if provider.get("require_parameters") and lacks_parameters(ep, sent):
+        return False
     max_price = provider.get("max_price") or {}
     pricing = ep.get("pricing") or {}
-    return all(float(pricing.get(k, 0)) * 1e6 <= float(max_price[k]) for k in ("prompt", "completion") if k in max_price)
+    return all(_usd(pricing.get(k)) * 1e6 <= float(max_price[k]) for k in ("prompt", "completion") if k in max_price)
 
 
-async def fetch_catalogue(session: aiohttp.ClientSession, base: str, model: str, provider: dict) -> Catalogue:
+async def fetch_endpoints(session: aiohttp.ClientSession, base: str, model: str) -> list[dict]:
+    """The `endpoints` of `GET /models/{model}/endpoints`; CatalogueError if they cannot be read."""
     where = f"GET {base}/models/{model}/endpoints"
     try:
         async with session.get(f"{base}/models/{model}/endpoints") as r:
@@ -71,38 +124,94 @@ async def fetch_catalogue(session: aiohttp.ClientSession, base: str, model: str,
         raise CatalogueError(f"{where}: the answer is not the documented JSON") from None
     if not eps:
         raise CatalogueError(f"{where}: model {model!r} has no endpoints")
-    # If routing excludes everything the API answers 404 to each request, which stops the run with
-    # its message; price over all endpoints meanwhile.
-    allowed = [e for e in eps if endpoint_allowed(e, provider)] or eps
+    return eps
+
+
+def catalogue(eps: list[dict], model: str, provider: dict, sent: set[str] = frozenset()) -> Catalogue:
+    """The worst prices and the context over the endpoints `provider` lets serve; CatalogueError
+    (before anything is sent) if routing lets none serve."""
+    allowed = [e for e in eps if endpoint_allowed(e, provider, sent)]
+    if not allowed:
+        lacking = {e.get("tag"): lacks_parameters(e, sent) for e in eps if lacks_parameters(e, sent)}
+        hint = (f"; with require_parameters, endpoints lacking a sent parameter are skipped: {lacking}"
+                if provider.get("require_parameters") and lacking else "")
+        raise CatalogueError(f"no endpoint of {model} satisfies the routing {json.dumps(provider)}{hint}. "
+                             f"Every request would be refused (no_provider, 404/503): check `provider`, `seed` "
+                             f"and providers/routing.json from stage 01")
+    worst = [worst_prices(e) for e in allowed]
     ctx = [e["context_length"] for e in allowed if isinstance(e.get("context_length"), int)]
-    return Catalogue(max(float((e.get("pricing") or {}).get("prompt", 0)) for e in allowed),
-                     max(float((e.get("pricing") or {}).get("completion", 0)) for e in allowed),
+    return Catalogue(max(w[0] for w in worst), max(w[1] for w in worst), max(w[2] for w in worst),
                      max(ctx) if ctx else None, len(allowed))
 
 
+def balance_from(key: dict | None, credits: dict | None) -> tuple[float | None, str]:
+    """USD left and where that figure comes from: the lowest of the account's credits, the key's
+    own limit and every budget layer; None when none of them caps spending."""
+    found: list[tuple[float, str]] = []
+    key = key or {}
+    if key.get("limit_remaining") is not None:
+        found.append((_usd(key["limit_remaining"]), "/key limit_remaining"))
+    layers = [b for b in (key.get("budgets") or []) if isinstance(b, dict)]
+    if isinstance(key.get("effective_budget"), dict):
+        layers.append(key["effective_budget"])
+    for b in layers:
+        if b.get("remaining_usd") is not None:
+            found.append((_usd(b["remaining_usd"]), f"/key budget {b.get('scope', '?')}"))
+    if credits and credits.get("total_credits") is not None:
+        found.append((_usd(credits["total_credits"]) - _usd(credits.get("total_usage")),
+                      "/credits total_credits - total_usage"))
+    if not found:
+        return None, "uncapped: no credits readable, no key limit, no budget"
+    return min(found, key=lambda x: x[0])
+
+
+async def generation_cost(session: aiohttp.ClientSession, base: str, generation_id: str, patience_s: float,
+                          stop: asyncio.Future | None = None) -> float | None:
+    """What `GET /generation?id=` says a request cost (OpenRouter's charge plus the provider's for
+    BYOK); None if it is not known within `patience_s` (asked again with backoff meanwhile)."""
+    loop = asyncio.get_running_loop()
+    deadline, attempt = loop.time() + patience_s, 0
+    while True:
+        attempt += 1
+        try:
+            async with session.get(f"{base}/generation", params={"id": generation_id}) as r:
+                if r.status == 200:
+                    d = (await r.json(content_type=None)).get("data") or {}
+                    cost = _usd(d.get("total_cost"))
+                    if d.get("is_byok"):
+                        cost += _usd(d.get("upstream_inference_cost"))
+                    return cost
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            pass
+        left = deadline - loop.time()
+        if left <= 0:
+            return None
+        await asyncio.sleep(min(left, backoff_delay(min(attempt, 6), None, base=0.5, cap=10.0) + 0.1))
+
+
 class BalanceReader:
-    """USD left on the account, or None when neither /key nor /credits shows a cap."""
+    """`balance_from` over the live API (stage 02 polls it); remembers that a plain key may not read
+    /credits."""
 
     def __init__(self, session: aiohttp.ClientSession, base: str):
         self.session, self.base = session, base
         self.use_credits = True
+        self.source = ""
 
     async def read(self) -> float | None:
-        left = []
+        credits = None
         try:
             async with self.session.get(f"{self.base}/key") as r:
-                if r.status == 200:
-                    d = (await r.json(content_type=None)).get("data") or {}
-                    if d.get("limit_remaining") is not None:
-                        left.append(float(d["limit_remaining"]))
+                key = (await r.json(content_type=None)).get("data") or {} if r.status == 200 else None
+            if key is None:
+                return None
             if self.use_credits:
                 async with self.session.get(f"{self.base}/credits") as r:
                     if r.status == 200:
-                        d = (await r.json(content_type=None)).get("data") or {}
-                        if d.get("total_credits") is not None:
-                            left.append(float(d["total_credits"]) - float(d.get("total_usage") or 0))
+                        credits = (await r.json(content_type=None)).get("data") or {}
                     elif r.status in (401, 403, 404):
                         self.use_credits = False      # a plain key: /key is all there is
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             return None
-        return min(left) if left else None
+        usd, self.source = balance_from(key, credits)
+        return usd

@@ -196,7 +196,7 @@ class Manifest:
         for s in m.sessions:
             if s.get("status") == "running":
                 s["status"] = "killed"
-                s["abandoned_reserved_usd"] = s.get("reserved_usd", 0.0)
+                s["abandoned_reserved_usd"] = s.get("abandoned_reserved_usd", 0.0) + s.get("reserved_usd", 0.0)
                 s["message"] = ("the process ended without a clean exit (kill -9, crash, power); "
                                 "samples in flight then were not saved and are requested again")
         return m
