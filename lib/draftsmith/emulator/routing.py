@@ -132,7 +132,7 @@ def route(prefs: ProviderPrefs, endpoints: list[Endpoint], used_params: set[str]
         raise RoutingError(400, f"This endpoint's maximum context length is {longest} tokens. However, you "
                                 f"requested about {prompt_tokens + max_tokens} tokens ({prompt_tokens} of text "
                                 f"input, {max_tokens} in the output). Please reduce the length of either one.",
-                          {"error_type": "context_length_exceeded"})
+                           {"error_type": "context_length_exceeded"})
     eps = fits
 
     if prefs.order:

@@ -36,14 +36,13 @@ from .ledger import Ledger
 from .output import Output
 from .prices import prices, worst_case
 from .quirks import Billing
-from .routing import RoutingError, parse_prefs, route
+from .routing import Z, RoutingError, parse_prefs, route
 from .synthetic import SyntheticBackend
 from .wire import PROCESSING, JSONWriter, SSEWriter
 
 API = "/api/v1"
 USER_ID = "user_emulator"
 MAX_CHUNK_TOKENS = 16  # a stream chunk carries at most this many tokens
-_Z = {"p50": 0.0, "p75": 0.6745, "p90": 1.2816, "p99": 2.3263}
 _SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "stop", "reasoning", "include_reasoning")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _SUMMARIES = ("auto", "concise", "detailed")
@@ -346,9 +345,9 @@ class Emulator:
             "uptime_last_30m": e.uptime_last_30m, "uptime_last_1d": e.uptime_last_30m, "uptime_last_5m": e.uptime_last_30m,
             "supports_implicit_caching": False,
             "latency_last_30m": {p: round(1000 * e.latency_s.median * math.exp(e.latency_s.sigma * z), 1)
-                                 for p, z in _Z.items()},
+                                 for p, z in Z.items()},
             "throughput_last_30m": {p: round(e.tokens_per_s.median * math.exp(-e.tokens_per_s.sigma * z), 1)
-                                    for p, z in _Z.items()},
+                                    for p, z in Z.items()},
         }
 
     # ---- chat completions ------------------------------------------------------------------------
