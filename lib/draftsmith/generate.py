@@ -576,7 +576,9 @@ class Engine:
         parts = []
         for d in self.datasets:
             t, b = d.store.totals, d.spec.output_token_budget
+            ran_out = done and b and d.exhausted and t.completion_tokens < b
             parts.append(f"{d.name}: {t.samples} samples, {t.completion_tokens:,} tokens" + (f" of {b:,}" if b else "")
+                         + (" (its prompts ran out below the budget)" if ran_out else "")
                          + (f", {len(d.store.permanent)} failed for good" if d.store.permanent else ""))
         summary = "; ".join(parts)
         stage_01 = f", stage 01 included" if self.stage_01_usd else ""
