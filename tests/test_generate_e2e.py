@@ -381,3 +381,30 @@ def test_kill_9_at_random_moments_then_resume_pays_twice_only_for_in_flight(tmp_
         assert twice <= in_flight_at_kill, twice - in_flight_at_kill
         man = json.loads((tmp_path / "r" / "generate" / "manifest.json").read_text())
         assert [s["status"] for s in man["sessions"]] == ["killed"] * 3 + ["finished"]
+
+
+ISSUE_STORM = {"rate_limit": 0.25, "bad_gateway": 0.025, "unavailable": 0.025, "error_200": 0.04, "mid_stream": 0.04,
+               "empty_200": 0.03, "hang": 0.01}
+
+
+def test_the_429_storm_answers_every_prompt_in_one_run(tmp_path):
+    """The storm OpenRouter produces when upstream providers are saturated: 25% 429 with
+    Retry-After, 5% 5xx, 4% errors in 200 bodies, 4% mid-stream errors, 3% empty 200s, 1% hung
+    connections, and a per-provider in-flight cap; 800 prompts at 300 in flight. Throttling
+    spends no attempts, so no prompt is given up, and every bill (hangs included) is counted."""
+    # one provider: with two, OpenRouter (and the emulator) falls back on a 429 and the client sees fewer
+    providers = [{"slug": "alpha", "name": "Alpha", "quantization": "int4", "prompt_price": 0.5,
+                  "completion_price": 2.0, "capacity": 150, "retry_after_s": 0.2, "faults": ISSUE_STORM}]
+    with running(emu_config(providers=providers, hang_s=6.0, synthetic_tokens=8), state_dir=tmp_path / "emu") as emu:
+        path = prompts_file(tmp_path / "p.jsonl", 800, "issue-storm")
+        # the read timeout leaves a loaded 2-core box time to answer, and is still below a hang
+        r = generate(emu, tmp_path, [{"name": "p", "path": str(path)}], concurrency=300, request_timeout_s=4.0,
+                     max_tokens=16)
+        assert r.complete and r.session["exhausted_samples"] == 0, r.message
+        rows = saved(tmp_path, "p")
+        assert_whole_and_unique(rows)
+        assert len(rows) == 800
+        kinds = r.session["errors_by_kind"]
+        assert kinds.get("http_429", 0) > 200 and kinds.get("timeout", 0) > 0
+        assert "GIVEN UP" not in r.message
+        assert r.spent_usd == pytest.approx(sum(x["cost"] for x in emu.ledger_lines()), abs=1e-9)
