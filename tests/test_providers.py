@@ -160,3 +160,20 @@ def test_stage_01_end_to_end_excludes_fp4_and_flags_the_perturbed_provider(tmp_p
     for path in (tmp_path / "smoke").rglob("*"):
         if path.is_file() and path.suffix in (".ipynb", ".json", ".csv", ".log", ".yaml", ".html", ".jsonl"):
             assert key not in path.read_text(errors="ignore"), path
+
+
+def test_paid_tables_are_reused_unless_refreshed_and_their_spend_is_checked(tmp_path):
+    folder = tmp_path / "providers"
+    folder.mkdir()
+    assert pv.reuse(folder, "pilot", refresh=False) is None
+    pd.DataFrame([{"dataset": "d", "provider": "A", "completion_tokens": 10, "cost": 0.002}]).to_csv(
+        folder / "pilot.csv", index=False)
+    assert pv.reuse(folder, "pilot", refresh=False)["cost"].sum() == pytest.approx(0.002)
+    assert pv.reuse(folder, "pilot", refresh=True) is None
+    pv.record_spend(folder, "pilot", 0.002)
+    pv.check_spend(folder, 0.003, spend_limit_usd=0.01)
+    with pytest.raises(RuntimeError, match="spend_limit_usd"):
+        pv.check_spend(folder, 0.009, spend_limit_usd=0.01)
+    (folder / "spend.json").write_text("{not json")
+    with pytest.raises(ValueError, match="spend.json"):
+        pv.spent(folder)
