@@ -6,6 +6,8 @@ written in the serving engine's convention via `draftsmith.layers`) and `model.s
 exactly the keys of reference/EAGLE3.md, d2t and t2d included; the frozen embedding is not
 exported (engines share the target's). A `draftsmith` block in the config records the layer ids
 in draftsmith's own (output) convention, the engine they were written for, and the training step.
+A vLLM export also writes the ids at the top level, the only place vLLM reads them; no export
+holds a path of this machine.
 
 `load_exported(dir, target_path)` rebuilds `Eagle3Drafter` from an export and the target's
 embedding: the weights it holds are exactly the exported tensors (upcast to `dtype` if asked).
@@ -81,10 +83,22 @@ def export_config(cfg: DrafterConfig, layer_ids: list[int], engine: str, dtype: 
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "torch_dtype": dtype,
+        # vLLM reads the ids only at the top level (or as eagle_config.layer_ids) and otherwise
+        # falls back to its default (2, N//2, N-3) with a mere warning; SGLang reads eagle_config
+        **({"eagle_aux_hidden_state_layer_ids": engine_ids} if engine == "vllm" else {}),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_ids},
         "draftsmith": {"aux_layer_ids": list(layer_ids), "aux_layer_convention": "output",
-                       "engine": engine, **(extra or {})},
+                       "engine": engine, **_portable(extra or {})},
     }
+
+
+def _portable(extra: dict) -> dict:
+    """`extra` without the target's folder: an export is shared, a path on this machine means
+    nothing elsewhere (the target's fingerprint and shape name it)."""
+    out = dict(extra)
+    if isinstance(out.get("target"), dict):
+        out["target"] = {k: v for k, v in out["target"].items() if k != "path"}
+    return out
 
 
 def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DrafterConfig, layer_ids: list[int],
@@ -153,14 +167,15 @@ def load_exported(export_dir: str | Path, target_path: str | Path, dtype: torch.
 
 def for_engine(export_dir: str | Path, engine: str) -> Path:
     """An export folder whose config.json speaks `engine`'s layer-id convention: `export_dir`
-    itself if it already does, else a sibling `<name>-<engine>` with the same weights (hard link
+    itself if it already does (as this version writes it), else a sibling `<name>-<engine>` with the same weights (hard link
     when the filesystem allows) and the config rewritten."""
     src = Path(export_dir)
     config = json.loads((src / "config.json").read_text())
-    if config["draftsmith"]["engine"] == engine:
-        return src
     cfg = config_of_export(config)
     extra = {k: v for k, v in config["draftsmith"].items() if k not in ("aux_layer_ids", "aux_layer_convention", "engine")}
+    wanted = export_config(cfg, config["draftsmith"]["aux_layer_ids"], engine, config["torch_dtype"], extra)
+    if config == wanted:
+        return src
     dst = src.with_name(f"{src.name}-{engine}")
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -169,8 +184,7 @@ def for_engine(export_dir: str | Path, engine: str) -> Path:
         os.link(src / "model.safetensors", tmp / "model.safetensors")
     except OSError:
         shutil.copy2(src / "model.safetensors", tmp / "model.safetensors")
-    (tmp / "config.json").write_text(json.dumps(export_config(
-        cfg, config["draftsmith"]["aux_layer_ids"], engine, config["torch_dtype"], extra), indent=1))
+    (tmp / "config.json").write_text(json.dumps(wanted, indent=1))
     shutil.rmtree(dst, ignore_errors=True)
     os.replace(tmp, dst)
     return dst
