@@ -1,6 +1,6 @@
 """Which target layers feed the drafter, and how each engine names them.
 
-Two conventions name the same three tensors (reference/EAGLE3.md):
+Two conventions name the same three tensors (docs/eagle3.md):
   "output": id k = the OUTPUT of decoder layer k (SpecForge, ModelOpt forward hooks);
             default {1, N/2-1, N-4}.
   "input":  id k = the INPUT of decoder layer k, `hidden_states + residual` before it runs

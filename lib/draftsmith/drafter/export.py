@@ -3,7 +3,7 @@
 An export folder holds `config.json` (`LlamaForCausalLMEagle3`, one layer, the target's vocab size,
 `draft_vocab_size`, `target_hidden_size`, and `eagle_config.eagle_aux_hidden_state_layer_ids`
 written in the serving engine's convention via `draftsmith.layers`) and `model.safetensors` with
-exactly the keys of reference/EAGLE3.md, d2t and t2d included; the frozen embedding is not
+exactly the keys of docs/eagle3.md, d2t and t2d included; the frozen embedding is not
 exported (engines share the target's). A `draftsmith` block in the config records the layer ids
 in draftsmith's own (output) convention, the engine they were written for, and the training step.
 A vLLM export also writes the ids at the top level, the only place vLLM reads them; no export

@@ -6,7 +6,7 @@
     h      = h + mlp(post_attention_layernorm(h))                       SwiGLU
     logits = lm_head(norm(h))                                           over the draft vocabulary
 
-Parameter names are exactly the exported keys of reference/EAGLE3.md (`fc.weight`,
+Parameter names are exactly the exported keys of docs/eagle3.md (`fc.weight`,
 `midlayer.self_attn.q_proj.weight`, ..., `lm_head.weight`, buffers `d2t`, `t2d`), plus the frozen
 `embed_tokens.weight`, which is copied from the target and never exported.
 
