@@ -180,3 +180,17 @@ def test_waiting_for_another_process_building_the_target_is_never_silent(tmp_pat
     waiter.join(10)
     assert lines[0].startswith("waiting for another process building target 'tiny-test' (0s so far; lock ")
     assert lines[-1] == out and any(str(x).startswith("done waiting") for x in lines)
+
+
+def test_the_library_cites_only_documents_in_the_repository():
+    """A user has the repository, not the notes it was written from: every document the library
+    cites is under docs/ and exists."""
+    import re
+
+    cited = set()
+    for path in (REPO / "lib").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"reference/\w+\.md|\.\./shared", text), path
+        cited |= set(re.findall(r"docs/[\w.-]+\.md", text))
+    assert "docs/eagle3.md" in cited
+    assert [c for c in sorted(cited) if not (REPO / c).is_file()] == []
