@@ -324,7 +324,7 @@ PACED = {"time_scale": 1.0, "synthetic_tokens": 20, "fault_scale": 0.0, "credits
                         "tokens_per_s": {"median": 60.0, "sigma": 0.3}, "capacity": 1000}]}
 
 
-@pytest.mark.parametrize("sig,in_loop", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+@pytest.mark.parametrize("sig,in_loop", [(signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGINT, True)])
 def test_a_signal_stops_cleanly_and_a_rerun_finishes(tmp_path, sig, in_loop):
     """SIGTERM to a script; SIGINT (a notebook's interrupt) while called from inside a running event
     loop, as in Jupyter, where the engine runs its loop in a thread."""

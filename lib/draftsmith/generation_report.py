@@ -79,8 +79,9 @@ def errors_table(manifest: dict, errors: pd.DataFrame) -> pd.DataFrame:
 
 
 def sessions_table(manifest: dict) -> pd.DataFrame:
-    keep = ["started", "ended", "status", "samples", "completion_tokens", "cost", "attempts", "peak_in_flight",
-            "concurrency_limit", "exhausted_samples", "message"]
+    keep = ["started", "ended", "status", "samples", "completion_tokens", "cost", "failed_attempts_cost",
+            "abandoned_reserved_usd", "lost_answers", "attempts", "peak_in_flight", "concurrency_limit",
+            "exhausted_samples", "message"]
     return pd.DataFrame([{k: s.get(k) for k in keep} for s in manifest.get("sessions", [])])
 
 
