@@ -60,6 +60,7 @@ class Sample:
     input_ids: torch.Tensor   # int32 [L]
     loss_mask: torch.Tensor   # uint8 [L]
     digest: str               # of input_ids and loss_mask: a changed sample invalidates its shard
+    source: str = ""          # where its answer came from (stage 03's `source`): per-sample index metadata
 
     @property
     def key(self) -> tuple[str, str]:
@@ -134,7 +135,8 @@ def _parse_line(line: str, where: str, default_dataset: str, vocab_size: int | N
         raise ValueError(f"{where}: token id {max(ids)} is outside the target's vocabulary ({vocab_size})")
     t_ids = torch.tensor(ids, dtype=torch.int32)
     t_mask = torch.tensor(mask, dtype=torch.uint8)
-    return Sample(str(row.get("dataset") or default_dataset), sid, t_ids, t_mask, _digest(t_ids, t_mask))
+    return Sample(str(row.get("dataset") or default_dataset), sid, t_ids, t_mask, _digest(t_ids, t_mask),
+                  str(row.get("source") or ""))
 
 
 # ---- planning: batches by length, shards of batches --------------------------------------------
@@ -320,7 +322,7 @@ def scan_shards(out_dir: Path, settings: dict, by_key: dict[tuple[str, str], Sam
         done.update(keys)
         samples, off = [], 0
         for d, s, n, _ in rows:
-            samples.append({"sample_id": s, "dataset": d, "offset": off, "length": n})
+            samples.append({"sample_id": s, "dataset": d, "source": by_key[d, s].source, "offset": off, "length": n})
             off += n
         keep.append(_shard_entry(path.name, samples, path.stat().st_size))
     return keep, stale
@@ -504,7 +506,7 @@ def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dic
     size = shards.write_shard(path, aux, last, torch.cat([s.input_ids for s in order]),
                               torch.cat([s.loss_mask for s in order]), offsets, dtype,
                               metadata={"settings": json.dumps(settings), "samples": json.dumps(rows)})
-    samples = [{"sample_id": s.sample_id, "dataset": s.dataset, "offset": int(o), "length": len(s)}
+    samples = [{"sample_id": s.sample_id, "dataset": s.dataset, "source": s.source, "offset": int(o), "length": len(s)}
                for s, o in zip(order, offsets)]
     return _shard_entry(path.name, samples, size)
 

@@ -90,6 +90,7 @@ class SampleRef:
     dataset: str
     shard: int      # position in index["shards"]
     row: int        # sample's position inside that shard
+    source: str = ""  # where its answer came from (index metadata; shards made before sources: "")
 
 
 class HiddenShards:
@@ -106,7 +107,7 @@ class HiddenShards:
         self.samples: list[SampleRef] = []
         for si, shard in enumerate(self.index["shards"]):
             for row, s in enumerate(shard["samples"]):
-                self.samples.append(SampleRef(s["sample_id"], s["dataset"], si, row))
+                self.samples.append(SampleRef(s["sample_id"], s["dataset"], si, row, s.get("source", "")))
         self._open: dict[int, object] = {}
         self._offsets: dict[int, torch.Tensor] = {}
 

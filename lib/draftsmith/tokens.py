@@ -1,7 +1,7 @@
 """Stage 03: rebuild the exact token ids the target read and wrote, then prove them against billing.
 
 OpenRouter returns text; EAGLE-3 training needs the ids. For each sample of
-`generate/<dataset>/raw_responses.jsonl`:
+`generate/<dataset>/raw_responses.jsonl` and of each import file:
   prompt ids  the chat template with the generation prompt, tokenized the way serving engines do
               (template text through the tokenizer: a special-token string typed in a user message
               becomes that token, as it did for the target)
@@ -13,8 +13,11 @@ OpenRouter returns text; EAGLE-3 training needs the ids. For each sample of
               (end-of-turn included)
 Then every sample is checked against what its provider billed (prompt, completion and reasoning
 tokens) and for structural faults, and every provider against the others (`analyse`): which
-providers disagree, and why. Outputs: `tokens/<dataset>.jsonl` (ids + checks),
-`tokens/checks/<dataset>.jsonl` (checks of every sample, kept or not), `tokens/report.json`, figures.
+providers disagree, and why. Where the engine's sampled ids were saved (a local engine in stage 02,
+or an import file, see `imports`), they are the truth and the text's rebuild only measures how often
+the two agree. Each sample keeps its `source`; a prompt two sources answered is kept once
+(`sources`). Outputs: `tokens/<dataset>.jsonl` (ids + checks), `tokens/checks/<dataset>.jsonl`
+(checks of every sample, kept or not), `tokens/report.json` (per dataset, provider and source), figures.
 
 Tokenizer calls are batched (one Rust call per batch for fast tokenizers), so 60M tokens take
 minutes (bench/bench_tokens.py).
@@ -32,12 +35,14 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from .datasets import DatasetSpec
+from . import sources
+from .datasets import DatasetSpec, stable_id
+from .imports import parse_imports, source_files, to_raw
 from .paths import Run
 from .progress import Progress
 from .templates import Layout, load_chat_template, response_layout
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # ---- text -> ids ------------------------------------------------------------------------------
 
@@ -109,10 +114,20 @@ class Response:
     billed_reasoning: int | None
     reasoning_excluded: bool  # the request asked the provider to leave the reasoning out of the reply
     reasoning_disabled: bool  # the request turned reasoning off: the prompt closes it, the reply is the answer
+    source: str = "openrouter"  # where the answer came from (see `sources`)
+    imported: bool = False      # read from an import file, not from stage 02's responses
+    output_ids: list[int] | None = None  # the ids the engine sampled, when it returned them: the truth
+    prompt_ids: list[int] | None = None  # the prompt ids the engine read, when it returned them
     prompt: str | None = None  # the rendered prompt, once rendered
 
+    @property
+    def expects_usage(self) -> bool:
+        """Whether the line should carry token counts to check against: stage 02's lines without
+        saved ids (an import has no usage; saved ids are checked against the text instead)."""
+        return not self.imported and self.output_ids is None
+
     @classmethod
-    def parse(cls, row: dict) -> "Response":
+    def parse(cls, row: dict, imported: bool = False) -> "Response":
         if not isinstance(row, dict):
             raise BadLine("line is not a JSON object")
         sid = row.get("sample_id")
@@ -141,10 +156,24 @@ class Response:
         opts = request.get("reasoning") if isinstance(request.get("reasoning"), dict) else {}
         excluded = bool(opts.get("exclude")) or request.get("include_reasoning") is False
         disabled = opts.get("enabled") is False or opts.get("effort") == "none"
-        return cls(str(sid), str(row.get("dataset") or ""), str(row.get("provider") or "unknown"),
+        ids = {}
+        for key in ("output_ids", "prompt_ids"):
+            v = row.get(key)
+            if v is not None and (not isinstance(v, list) or not v or not all(type(t) is int and t >= 0 for t in v)):
+                raise BadLine(f"field {key!r} must be a non-empty list of non-negative token ids")
+            ids[key] = v
+        if ids["prompt_ids"] is not None and ids["output_ids"] is None:
+            raise BadLine("field 'prompt_ids' without 'output_ids': save both or neither")
+        if ids["output_ids"] is not None:  # the ids are the truth; the engine's counts are theirs
+            counts = dict.fromkeys(counts)
+        source = row.get("source") or "openrouter"  # stage 02 lines written before sources existed
+        if not isinstance(source, str):
+            raise BadLine(f"field 'source' must be a string, got {type(source).__name__}")
+        return cls(str(sid), str(row.get("dataset") or ""), str(row.get("provider") or source),
                    row.get("generation_id"), msgs, texts["reasoning"], texts["content"],
                    row.get("finish_reason"), counts["prompt_tokens"], counts["completion_tokens"],
-                   counts["reasoning_tokens"], excluded, disabled)
+                   counts["reasoning_tokens"], excluded, disabled, source, imported,
+                   ids["output_ids"], ids["prompt_ids"])
 
 
 @dataclass
@@ -152,6 +181,8 @@ class Rebuilt:
     prompt_ids: list[int]
     output_ids: list[int]
     reasoning_tokens: int  # plain-text tokens of the reasoning
+    text_prompt_ids: list[int] | None = None  # where the engine's ids are saved: the ids rebuilt from the text
+    text_output_ids: list[int] | None = None
 
     @property
     def input_ids(self) -> list[int]:
@@ -199,7 +230,19 @@ class Reconstructor:
         prompts = self.encoder.template([r.prompt if r.prompt is not None else self.prompt_text(r.messages)
                                          for r in responses])
         texts = self.encoder.plain([t for r in responses for t in (r.reasoning, r.content)])
-        return [self._assemble(r, p, texts[2 * i], texts[2 * i + 1]) for i, (r, p) in enumerate(zip(responses, prompts))]
+        out = [self._assemble(r, p, texts[2 * i], texts[2 * i + 1]) for i, (r, p) in enumerate(zip(responses, prompts))]
+        return [self._saved(r, b) if r.output_ids is not None else b for r, b in zip(responses, out)]
+
+    def _saved(self, r: Response, text: Rebuilt) -> Rebuilt:
+        """The engine's own ids, with the text's rebuild kept beside them for the agreement check.
+        Engines differ on returning the token they stopped on: a `stop` without the end-of-turn
+        gets it appended."""
+        out = list(r.output_ids)
+        eot = self.end_of_turn_ids
+        if r.finish_reason == "stop" and out[-len(eot):] != eot:
+            out += eot
+        prompt = list(r.prompt_ids) if r.prompt_ids is not None else text.prompt_ids
+        return Rebuilt(prompt, out, text.reasoning_tokens, text.prompt_ids, text.output_ids)
 
     def _assemble(self, r: Response, prompt: list[int], reasoning: list[int], content: list[int]) -> Rebuilt:
         truncated = r.finish_reason == "length"
@@ -254,7 +297,7 @@ def check(r: Response, b: Rebuilt, layout: Layout, thresholds: Thresholds) -> di
     dp = None if r.billed_prompt is None else r.billed_prompt - rebuilt_p
     if not b.output_ids:
         issues.append("no_output")  # nothing to train on: always left out
-    if r.billed_completion is None:
+    if r.billed_completion is None and r.expects_usage:
         issues.append("no_usage")
     if r.finish_reason not in ("stop", "length"):
         issues.append(f"finish_reason:{r.finish_reason}")
@@ -281,7 +324,18 @@ def check(r: Response, b: Rebuilt, layout: Layout, thresholds: Thresholds) -> di
         "issues": issues,
         "cause": _local_cause(issues, dc, dp, dr, r.billed_reasoning, thresholds),
         "edges": _edges(r),
+        "saved_ids": _agreement(b) if r.output_ids is not None else None,
     }
+
+
+def _agreement(b: Rebuilt) -> dict:
+    """Saved engine ids vs the ids rebuilt from the text: whether they agree, and the length gaps
+    (saved - rebuilt). A disagreement is no fault of the sample (its ids are the engine's); the
+    rate says how far text-only data of the same engine could be trusted."""
+    return {"output_agree": b.output_ids == b.text_output_ids,
+            "output_delta": len(b.output_ids) - len(b.text_output_ids),
+            "prompt_agree": b.prompt_ids == b.text_prompt_ids,
+            "prompt_delta": len(b.prompt_ids) - len(b.text_prompt_ids)}
 
 
 def _local_cause(issues, dc, dp, dr, billed_r, th: Thresholds) -> str | None:
@@ -370,7 +424,7 @@ def _provider_stats(rs: list[dict], stripped: list[str], th: Thresholds) -> dict
     deltas = sorted(r["checks"]["completion_delta"] for r in rs if r["checks"]["completion_delta"] is not None)
     exact = sum(1 for d in deltas if d == 0)
     prompt_exact = sum(1 for r in rs if r["checks"]["prompt_delta"] == 0)
-    clean = sum(1 for r in rs if r["checks"]["completion_delta"] == 0 and r["checks"]["prompt_delta"] in (0, None)
+    clean = sum(1 for r in rs if r["checks"]["completion_delta"] in (0, None) and r["checks"]["prompt_delta"] in (0, None)
                 and not set(r["checks"]["issues"]) - set(RESPONSE_ISSUES))
     rel = (billed - rebuilt) / billed if billed else None
     causes = Counter(r["checks"]["cause"] for r in rs if r["checks"]["cause"])
@@ -426,9 +480,10 @@ def mark_duplicates(rows: list[dict]) -> None:
 # ---- the stage -----------------------------------------------------------------------------------
 
 
-def read_responses(path: Path):
-    """(line number, Response or BadLine) per non-blank line. A last line without its newline is
-    torn (stage 02 writes whole lines) and reported, not read."""
+def read_responses(path: Path, import_of: str | None = None):
+    """(line number, Response or BadLine) per non-blank line of a stage-02 file, or of an import
+    file of dataset `import_of`. A last line without its newline is torn (stage 02 writes whole
+    lines) and reported, not read."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
@@ -437,15 +492,21 @@ def read_responses(path: Path):
                 yield lineno, BadLine("torn last line (no newline): stage 02 crashed or is still writing")
                 return
             try:
-                yield lineno, Response.parse(json.loads(raw))
+                row = json.loads(raw)
+                if import_of is not None:
+                    row = to_raw(row, import_of)
+                yield lineno, Response.parse(row, imported=import_of is not None)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 yield lineno, BadLine(f"not valid JSON: {e}")
             except BadLine as e:
                 yield lineno, e
+            except ValueError as e:  # the import shape
+                yield lineno, BadLine(str(e))
 
 
 def _row(r: Response, b: Rebuilt, checks: dict) -> dict:
-    return {"sample_id": r.sample_id, "dataset": r.dataset, "provider": r.provider,
+    return {"sample_id": r.sample_id, "dataset": r.dataset, "source": r.source, "provider": r.provider,
+            "prompt_hash": stable_id(r.messages),
             "generation_id": r.generation_id, "finish_reason": r.finish_reason,
             "billed_completion_tokens": r.billed_completion, "reconstructed_completion_tokens": len(b.output_ids),
             "billed_prompt_tokens": r.billed_prompt, "reconstructed_prompt_tokens": len(b.prompt_ids),
@@ -462,9 +523,9 @@ def _ids_line(b: Rebuilt) -> str:
 
 
 class _Work:
-    """Pass-1 results of one dataset under tokens/.work/: ids lines and check rows in step, and a
-    fingerprint written last. A rerun with the same source file and settings reuses them, so an
-    interrupted stage redoes only the datasets it had not finished."""
+    """Pass-1 results of one source file of a dataset (`name` = dataset.unit) under tokens/.work/:
+    ids lines and check rows in step, and a fingerprint written last. A rerun with the same file
+    and settings reuses them, so an interrupted stage redoes only the files it had not finished."""
 
     def __init__(self, tokens_dir: Path, name: str, fingerprint: dict):
         d = tokens_dir / ".work"
@@ -498,12 +559,14 @@ def _fingerprint(src: Path, rec: Reconstructor, thresholds: Thresholds) -> dict:
 
 
 def rebuild_dataset(rec: Reconstructor, name: str, src: Path, work: _Work, thresholds: Thresholds,
-                    batch_size: int = 256) -> tuple[list[dict], list[str]]:
-    """Pass 1 over one raw_responses file: ids to the work file, check rows returned. Malformed
-    lines are skipped and returned as 'file:line: reason'."""
+                    batch_size: int = 256, imported: bool = False) -> tuple[list[dict], list[str]]:
+    """Pass 1 over one raw_responses file (or, `imported`, one import file of dataset `name`): ids
+    to the work file, check rows returned. Malformed lines are skipped and returned as
+    'file:line: reason'."""
     if work.finished():
         return work.load_rows()
     total = sum(1 for _ in open(src, "rb"))
+    vocab = len(rec.tokenizer)
     rows, problems, batch = [], [], []
     with open(work.ids, "w", encoding="utf-8") as ids_f, open(work.rows, "w", encoding="utf-8") as rows_f, \
             Progress(total=total, desc=f"tokens {name}", unit="samples") as bar:
@@ -522,12 +585,17 @@ def rebuild_dataset(rec: Reconstructor, name: str, src: Path, work: _Work, thres
             bar.set(tokens=n_tokens)
             batch.clear()
 
-        for lineno, item in read_responses(src):
+        for lineno, item in read_responses(src, name if imported else None):
             if not isinstance(item, BadLine):
                 try:
                     item.prompt = rec.prompt_text(item.messages)
                 except Exception as e:  # the template has no place for this conversation (a role, ...)
                     item = BadLine(f"chat template: {type(e).__name__}: {e}")
+            if not isinstance(item, BadLine):
+                top = max((max(v) for v in (item.output_ids, item.prompt_ids) if v), default=-1)
+                if top >= vocab:
+                    item = BadLine(f"token id {top} in output_ids/prompt_ids is outside the target's "
+                                   f"vocabulary ({vocab}): ids from another tokenizer?")
             if isinstance(item, BadLine):
                 problems.append(f"{src}:{lineno}: {item}")
                 bar.update(1)
@@ -541,19 +609,21 @@ def rebuild_dataset(rec: Reconstructor, name: str, src: Path, work: _Work, thres
     return rows, problems
 
 
-def _finalize(out_dir: Path, name: str, rows: list[dict], work: _Work) -> Path:
+def _finalize(out_dir: Path, name: str, parts: list[tuple[list[dict], _Work]]) -> Path:
     """tokens/<name>.jsonl (kept samples: checks + ids) and tokens/checks/<name>.jsonl (every
-    sample, kept or not), each written whole under a temporary name, then renamed."""
+    sample, kept or not) from the (rows, work) of each source file of the dataset, each written
+    whole under a temporary name, then renamed."""
     (out_dir / "checks").mkdir(exist_ok=True)
     final, checks = out_dir / f"{name}.jsonl", out_dir / "checks" / f"{name}.jsonl"
     tmp, tmp_checks = out_dir / f".{name}.jsonl.tmp", out_dir / "checks" / f".{name}.jsonl.tmp"
-    with open(work.ids, encoding="utf-8") as ids_f, open(tmp, "w", encoding="utf-8") as out, \
-            open(tmp_checks, "w", encoding="utf-8") as out_checks:
-        for row, ids in zip(rows, ids_f, strict=True):
-            meta = json.dumps({k: v for k, v in row.items() if k != "excluded"}, ensure_ascii=False)
-            out_checks.write(json.dumps(row, ensure_ascii=False) + "\n")
-            if not row["excluded"]:
-                out.write(meta[:-1] + ", " + ids[1:])  # two JSON objects' members, one object
+    with open(tmp, "w", encoding="utf-8") as out, open(tmp_checks, "w", encoding="utf-8") as out_checks:
+        for rows, work in parts:
+            with open(work.ids, encoding="utf-8") as ids_f:
+                for row, ids in zip(rows, ids_f, strict=True):
+                    meta = json.dumps({k: v for k, v in row.items() if k != "excluded"}, ensure_ascii=False)
+                    out_checks.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    if not row["excluded"]:
+                        out.write(meta[:-1] + ", " + ids[1:])  # two JSON objects' members, one object
     os.replace(tmp, final)
     os.replace(tmp_checks, checks)
     return final
@@ -585,28 +655,32 @@ def totals(rows: list[dict]) -> dict:
 
 def build(run: Run, datasets: list[DatasetSpec], target_model_path: str, chat_template_file: str | None = None,
           trust_remote_code: bool = False, thresholds: Thresholds = Thresholds(), exclude_flagged: bool = False,
-          batch_size: int = 256, log=print) -> dict:
-    """Stage 03 end to end: rebuild every dataset, analyse, write outputs and report.json."""
+          batch_size: int = 256, imports: list[dict] = (), log=print) -> dict:
+    """Stage 03 end to end: rebuild every dataset from stage 02's responses and the files in
+    `imports` (see `draftsmith.imports`), analyse, write outputs and report.json."""
     from .target import resolve_target
 
+    specs = parse_imports(list(imports), [s.name for s in datasets])
     rec = load_reconstructor(str(resolve_target(target_model_path, log=log)), chat_template_file, trust_remote_code)
     out_dir = run.dir("tokens")
-    per_ds, problems, works = {}, {}, {}
+    parts, problems = {}, {}
     for spec in datasets:
-        src = run.root / "generate" / spec.name / "raw_responses.jsonl"
-        if not src.is_file():
-            raise FileNotFoundError(f"dataset {spec.name!r}: {src} not found; run stage 02 (generate) first")
-        works[spec.name] = _Work(out_dir, spec.name, _fingerprint(src, rec, thresholds))
-        per_ds[spec.name], problems[spec.name] = rebuild_dataset(rec, spec.name, src, works[spec.name],
-                                                                 thresholds, batch_size)
+        parts[spec.name], problems[spec.name] = [], []
+        for unit, src in source_files(run.root, spec.name, specs):
+            work = _Work(out_dir, f"{spec.name}.{unit}", _fingerprint(src, rec, thresholds))
+            rows_, probs = rebuild_dataset(rec, spec.name, src, work, thresholds, batch_size, unit != "generate")
+            parts[spec.name].append((rows_, work))
+            problems[spec.name] += probs
+    per_ds = {name: [r for rows_, _ in ps for r in rows_] for name, ps in parts.items()}
     rows = [r for name in per_ds for r in per_ds[name]]
     mark_duplicates(rows)
+    sources.drop_answered_elsewhere(rows)
     providers = analyse(rows, thresholds)
     bad = {p for p, s in providers.items() if s["flagged"]}
     for r in rows:
         r["excluded"] = (r["excluded"] or "no_output" in r["checks"]["issues"]
                          or (exclude_flagged and (r["flagged"] or r["provider"] in bad)))
-    outputs = {name: _finalize(out_dir, name, per_ds[name], works[name]) for name in per_ds}
+    outputs = {name: _finalize(out_dir, name, parts[name]) for name in parts}
     report = {
         "format": f"draftsmith-tokens/{FORMAT_VERSION}",
         "target": {"tokenizer": rec.source, "chat_template": rec.template_origin, "encoder": rec.encoder.kind,
@@ -619,6 +693,7 @@ def build(run: Run, datasets: list[DatasetSpec], target_model_path: str, chat_te
         "datasets": {name: {**totals(per_ds[name]), "output": str(outputs[name]),
                             "malformed_lines": len(problems[name]), "problems": problems[name][:20]}
                      for name in per_ds},
+        "sources": sources.report(rows),
         "providers": providers,
         "flagged_providers": {p: {"cause": providers[p]["cause"], "reasons": providers[p]["reasons"]} for p in sorted(bad)},
     }
@@ -626,8 +701,9 @@ def build(run: Run, datasets: list[DatasetSpec], target_model_path: str, chat_te
     tmp = out_dir / ".report.json.tmp"
     tmp.write_text(json.dumps(report, indent=1, ensure_ascii=False))
     os.replace(tmp, out_dir / "report.json")
-    for w in works.values():
-        w.remove()
+    for ps in parts.values():
+        for _, w in ps:
+            w.remove()
     return report
 
 
@@ -660,6 +736,8 @@ def summary(report: dict) -> str:
     if report["flagged_providers"] and u["relative_error"] is not None:
         lines.append(f"providers not flagged: relative error {u['relative_error']:+.4%} over "
                      f"{u['billed_completion_tokens']:,} billed tokens, exact count match on {u['exact_match_rate']:.1%}")
+    if len(report["sources"]) > 1 or any(s["billing"] is None for s in report["sources"].values()):
+        lines += sources.summary_lines(report)
     for p, f in report["flagged_providers"].items():
         lines.append(f"FLAGGED {p}: cause {f['cause']}; " + "; ".join(f["reasons"]))
     for name, d in report["datasets"].items():

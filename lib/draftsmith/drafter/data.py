@@ -34,18 +34,32 @@ from ..shards import HiddenShards
 
 def split(shards: HiddenShards, holdout_fraction: float) -> tuple[list[int], list[int]]:
     """(train, held-out) sample indices. A sample's side depends only on its dataset and id (a hash
-    rank), so it stays put when the data is re-extracted; at least one held-out sample when asked."""
+    rank), so it stays put when the data is re-extracted. The fraction is taken from each source
+    apart (at least one held-out sample per source of two or more), so every source can be scored."""
     if not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
     n = len(shards)
     key = [hashlib.sha256(f"{s.dataset}/{s.sample_id}".encode()).hexdigest() for s in shards.samples]
-    order = sorted(range(n), key=lambda i: key[i])
-    n_held = min(n - 1, max(1, math.ceil(holdout_fraction * n))) if holdout_fraction > 0 else 0
-    held = sorted(order[:n_held])
-    train = sorted(order[n_held:])
+    held = []
+    for group in by_source(shards, range(n)).values():
+        order = sorted(group, key=lambda i: key[i])
+        m = len(order)
+        held += order[:min(m - 1, max(1, math.ceil(holdout_fraction * m)))] if holdout_fraction > 0 else []
+    if holdout_fraction > 0 and not held and n > 1:  # every source holds one sample: hold one out anyway
+        held = [min(range(n), key=lambda i: key[i])]
+    held = sorted(held)
+    train = sorted(set(range(n)) - set(held))
     if not train:
         raise ValueError(f"{shards.dir}: no training samples ({n} samples in all)")
     return train, held
+
+
+def by_source(shards: HiddenShards, indices) -> dict[str, list[int]]:
+    """Sample indices grouped by source (`""`: shards made before sources were recorded)."""
+    out: dict[str, list[int]] = {}
+    for i in indices:
+        out.setdefault(shards.samples[i].source, []).append(i)
+    return dict(sorted(out.items()))
 
 
 def supervision(shards: HiddenShards, indices: list[int], lm_head: torch.Tensor, t2d: torch.Tensor,

@@ -13,7 +13,7 @@ N processes give the result of one process on the same global batch. `launch` pi
 
 Outputs in `out_dir`: vocab.safetensors, supervision.safetensors (cached teacher masks),
 metrics.jsonl (a `train` row per step, a `heldout` row per evaluation: loss, KL to the target and
-top-1 agreement acc per TTT step), checkpoints/step-N.pt (model, optimizer, scheduler, RNG, step: `resume` continues exactly),
+top-1 agreement acc per TTT step, overall and per source of the samples' answers in `by_source`), checkpoints/step-N.pt (model, optimizer, scheduler, RNG, step: `resume` continues exactly),
 exports at `export_fractions` of training (`eagle3-step-N/`, the last one `eagle3/`), exports.json
 listing them with their held-out scores, and summary.json.
 """
@@ -211,6 +211,7 @@ class Prepared:
     counts: torch.Tensor                 # [samples, k] supervised positions per TTT step
     held_counts: torch.Tensor | None     # loss-masked token counts of the held-out split
     seconds: float
+    sources: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # source -> {train, held} indices
 
 
 def _digest(obj) -> str:
@@ -256,7 +257,9 @@ def prepare(cfg: TrainConfig, shards: HiddenShards, lm_head: torch.Tensor, d: Di
     if kept == 0:
         raise ValueError(f"{cfg.hidden_dir}: the target's argmax is never in the {vocab.size}-token draft vocabulary, "
                          f"so there is nothing to train on; raise draft_vocab_size")
-    return Prepared(train, held, vocab, sup, counts, held_counts, time.time() - t0)
+    sources = {src: {"train": data.by_source(shards, train).get(src, []), "held": data.by_source(shards, held).get(src, [])}
+               for src in data.by_source(shards, range(len(shards)))}
+    return Prepared(train, held, vocab, sup, counts, held_counts, time.time() - t0, sources)
 
 
 # -- checkpoints -----------------------------------------------------------------------------
@@ -324,18 +327,24 @@ def _to(batch: dict, d: Dist) -> tuple:
 
 
 def evaluate(model, prep: Prepared, cfg: TrainConfig, d: Dist, weights: torch.Tensor) -> dict:
-    """Held-out loss and teacher-argmax accuracy per TTT step (mean over supervised positions)."""
-    mine = data.micro_batches(prep.held, prep.sup, cfg.micro_batch_size)[d.rank::d.world]
-    sums = torch.zeros(4, cfg.ttt_steps)
+    """Held-out loss and teacher-argmax accuracy per TTT step (mean over supervised positions),
+    overall and per source (`by_source`; micro-batches never mix sources, so each is exact)."""
+    per_source = {}
     model.eval()
     with torch.no_grad():
-        for batch in _loader(cfg.hidden_dir, mine, prep.sup, d):
-            with _autocast(d):
-                ce, stats = model(*_to(batch, d))
-            sums += torch.cat((ce[None], stats)).float().cpu()
+        for src, split_ in prep.sources.items():
+            mine = data.micro_batches(split_["held"], prep.sup, cfg.micro_batch_size)[d.rank::d.world]
+            sums = torch.zeros(4, cfg.ttt_steps)
+            for batch in _loader(cfg.hidden_dir, mine, prep.sup, d):
+                with _autocast(d):
+                    ce, stats = model(*_to(batch, d))
+                sums += torch.cat((ce[None], stats)).float().cpu()
+            per_source[src] = d.sum(sums)
     model.train()
-    sums = d.sum(sums)
-    return _row(sums, weights)
+    row = _row(sum(per_source.values()), weights)
+    row["by_source"] = {src: {**_row(sums, weights), "samples": len(prep.sources[src]["held"])}
+                        for src, sums in per_source.items() if prep.sources[src]["held"]}
+    return row
 
 
 def _row(sums: torch.Tensor, weights: torch.Tensor) -> dict:
@@ -531,6 +540,9 @@ def train(cfg: TrainConfig, log=print) -> dict:
                   "heldout_coverage": prep.vocab.coverage(prep.held_counts) if prep.held_counts is not None else None},
         "heldout": metrics.last("heldout"), "heldout_start": metrics.first("heldout"),
         "unigram_baseline": baseline, "exports": exports.items, "layer_ids": layer_ids,
+        "sources": {src: {"train_samples": len(v["train"]), "heldout_samples": len(v["held"]),
+                          "heldout": (metrics.last("heldout") or {}).get("by_source", {}).get(src)}
+                    for src, v in prep.sources.items()},
     }
     if d.main:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,127 @@
+"""Responses generated elsewhere (the user's own SGLang or vLLM, another pipeline): the import shape
+stage 03 reads beside stage 02's files, so such data joins the training set without being paid for
+twice.
+
+An import file is JSONL, one answered prompt a line (docs/sources.md has the full description):
+  id             optional  the sample id; without it a hash of the prompt, as for prompt datasets
+  messages       required  the prompt, [{role, content}], ending with the user turn that was answered
+  reasoning      optional  the reasoning text (null or "" when there is none)
+  answer         required  the answer text
+  finish_reason  optional  "stop" (default) or "length" (cut off: no end-of-turn token)
+  output_ids     optional  the token ids the engine sampled; when present they are the truth
+  prompt_ids     optional  the token ids of the prompt as the engine read it
+  source         required  where the answers came from, e.g. "sglang-h100"
+  meta           optional  anything else; not read
+Any other key is an error (a misspelt "reasonning" would otherwise lose the reasoning silently).
+
+Lines are translated into the shape of stage 02's `raw_responses.jsonl` lines, so both are read
+and checked by one parser (`tokens.Response.parse`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .datasets import row_messages, stable_id
+from .paths import resolve
+
+FIELDS = {"id", "messages", "reasoning", "answer", "finish_reason", "output_ids", "prompt_ids", "source", "meta"}
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class ImportSpec:
+    """One entry of the `imports` parameter: a file of answers to prompts of dataset `name`."""
+
+    name: str
+    path: str
+    index: int  # position in `imports`: the order in which sources are preferred
+
+    @property
+    def unit(self) -> str:
+        return f"import-{self.index}"
+
+
+def parse_imports(entries: list, dataset_names: list[str]) -> list[ImportSpec]:
+    """Check the `imports` parameter: a list of {name, path}, each naming one of `dataset_names`."""
+    if not isinstance(entries, list):
+        raise ValueError(f"imports: must be a list of {{name, path}}, got {type(entries).__name__}")
+    specs = []
+    for i, e in enumerate(entries):
+        where = f"imports[{i}]"
+        if not isinstance(e, dict):
+            raise ValueError(f"{where}: must be a mapping with name and path, got {e!r}")
+        unknown = set(e) - {"name", "path"}
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; an import is {{name, path}}")
+        for key in ("name", "path"):
+            if not isinstance(e.get(key), str) or not e[key]:
+                raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {e.get(key)!r}")
+        if e["name"] not in dataset_names:
+            raise ValueError(f"{where}: dataset {e['name']!r} is not one of datasets {dataset_names}; add it there "
+                             f"(its path may be this import file: its messages are the prompts)")
+        path = resolve(e["path"])
+        if not path.is_file():
+            raise FileNotFoundError(f"{where}: import file of dataset {e['name']!r} not found: {path}")
+        specs.append(ImportSpec(e["name"], str(path), i))
+    paths = [s.path for s in specs]
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"imports: a file is listed twice: {sorted(p for p in paths if paths.count(p) > 1)}")
+    return specs
+
+
+def _ids(row: dict, key: str) -> list[int] | None:
+    v = row.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(type(t) is int and t >= 0 for t in v):
+        raise ValueError(f"field {key!r} must be a non-empty list of non-negative token ids")
+    return v
+
+
+def to_raw(row, dataset: str) -> dict:
+    """An import line as a stage-02 line; raises ValueError naming the field."""
+    if not isinstance(row, dict):
+        raise ValueError("line is not a JSON object")
+    unknown = set(row) - FIELDS
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)}; an import line has {sorted(FIELDS)}")
+    messages = row_messages(row) if "messages" in row else None
+    if not messages:
+        raise ValueError("field 'messages' must be a non-empty list of {role, content}: the prompt")
+    if messages[-1]["role"] != "user":
+        raise ValueError("field 'messages' must end with the user turn that was answered (the reply goes in 'answer')")
+    source = row.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"field 'source' must be a non-empty string naming where the answer came from, got {source!r}")
+    if not isinstance(row.get("answer"), str):
+        raise ValueError(f"field 'answer' must be a string, got {type(row.get('answer')).__name__}")
+    reasoning = row.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise ValueError(f"field 'reasoning' must be a string or null, got {type(reasoning).__name__}")
+    finish = row.get("finish_reason", "stop")
+    if finish not in FINISH_REASONS:
+        raise ValueError(f"field 'finish_reason' must be one of {FINISH_REASONS}, got {finish!r}")
+    sid = row.get("id")
+    if sid is None:
+        sid = stable_id(messages)
+    elif not isinstance(sid, (str, int)) or isinstance(sid, bool) or str(sid) == "":
+        raise ValueError(f"field 'id' must be a non-empty string or int, got {sid!r}")
+    return {"sample_id": str(sid), "dataset": dataset, "messages": messages, "reasoning": reasoning,
+            "content": row["answer"], "finish_reason": finish, "provider": source.strip(), "source": source.strip(),
+            "output_ids": _ids(row, "output_ids"), "prompt_ids": _ids(row, "prompt_ids")}
+
+
+def source_files(run_root: Path, name: str, imports: list[ImportSpec]) -> list[tuple[str, Path]]:
+    """(unit, file) of every source of dataset `name`, in the order sources are preferred: stage
+    02's own responses first, then the imports in the order listed."""
+    units = []
+    raw = run_root / "generate" / name / "raw_responses.jsonl"
+    if raw.is_file():
+        units.append(("generate", raw))
+    units += [(s.unit, Path(s.path)) for s in imports if s.name == name]
+    if not units:
+        raise FileNotFoundError(f"dataset {name!r}: {raw} not found and no import names it; run stage 02 "
+                                f"(generate) first, or list a file of its answers in imports")
+    return units
