@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except runner.Interrupted as e:
         print(f"draftsmith: {e}", file=sys.stderr)
-        return 130
+        return e.exit_code
     except runner.StageFailed as e:
         print(f"draftsmith: {e}", file=sys.stderr)
         return 1

@@ -14,10 +14,12 @@ a failed cell's traceback goes to the log.
 from __future__ import annotations
 
 import ast
+import asyncio
 import difflib
 import logging
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -41,7 +43,11 @@ class StageFailed(RuntimeError):
 
 
 class Interrupted(StageFailed):
-    """Ctrl-C (or SIGINT) during a stage."""
+    """Ctrl-C, SIGINT or SIGTERM during a stage; `exit_code` is the shell's 128 + signal number."""
+
+    def __init__(self, message: str, signame: str = "SIGINT"):
+        super().__init__(message)
+        self.exit_code = 128 + int(getattr(signal, signame, signal.SIGINT))
 
 
 @dataclass
@@ -263,36 +269,87 @@ def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None
             logger.addHandler(h)
         t0 = time.time()
         print(f"== {stage.title}: running, log {log_path}", file=sys.stderr, flush=True)
+        stop = _Stop()
         try:
+            stop.install()
             pm.execute_notebook(str(stage.path), str(out_nb), parameters=params, kernel_name="python3",
                                 log_output=True, progress_bar=False, cwd=str(run.root),
-                                kernel_manager_class=_kernel_manager(log_path))
+                                kernel_manager_class=_kernel_manager(log_path, stop))
         except PapermillExecutionError as e:
             cell = e.cell_index + (e.cell_index < injected)  # 1-based, as the notebook shows its cells
             _append(log_path, f"== {stage.title} failed in cell {cell}:\n" + _plain("\n".join(e.traceback)))
-            if e.ename == "KeyboardInterrupt":
-                raise Interrupted(f"interrupted in {stage.title}, cell {cell}; what was written is kept, "
-                                  f"re-run the same command to resume\n  log: {log_path}") from None
+            if e.ename == "KeyboardInterrupt" or stop.name:  # e.g. stage 02's GenerationStopped after a clean stop
+                said = "" if e.ename == "KeyboardInterrupt" else f" ({_first_line(e.evalue)})"
+                raise Interrupted(f"{stop.what} in {stage.title}, cell {cell}{said}; what was written is kept, "
+                                  f"re-run the same command to resume\n  log: {log_path}", stop.name or "SIGINT") from None
             raise StageFailed(
                 f"stage {stage.title} failed in cell {cell}: {e.ename}: {_first_line(e.evalue)}\n"
                 f"  traceback: {log_path}\n  executed notebook: {out_nb}") from None
         except KeyboardInterrupt:
-            raise Interrupted(f"interrupted in {stage.title}; what was written is kept, re-run the same "
-                              f"command to resume\n  log: {log_path}") from None
+            raise Interrupted(f"{stop.what} in {stage.title}; what was written is kept, re-run the same "
+                              f"command to resume\n  log: {log_path}", stop.name) from None
         except Exception as e:  # kernel died, notebook unreadable, ...
             _append(log_path, f"== {stage.title} could not run:\n" + traceback.format_exc())
             raise StageFailed(f"stage {stage.title} could not run: {type(e).__name__}: {_first_line(e)}\n"
                               f"  log: {log_path}") from None
         finally:
+            stop.uninstall()
             for h in handlers:
                 logger.removeHandler(h)
                 h.close()
+        if stop.name:  # the stage's cells ended cleanly after the interrupt (stage 02 saves its work and returns)
+            raise Interrupted(f"{stop.what} in {stage.title}; the stage stopped cleanly and what was written is "
+                              f"kept, re-run the same command to resume\n  log: {log_path}", stop.name)
         print(f"== {stage.title}: done in {time.time() - t0:.0f}s -> {out_nb}", file=sys.stderr, flush=True)
 
 
-def _kernel_manager(log_path: Path):
+class _Stop:
+    """SIGINT or SIGTERM (Ctrl-C, `kill`, a scheduler's time-out) while a stage runs.
+
+    nbclient's own answer to both is to shut the kernel down, which loses whatever the running cell
+    holds (stage 02: paid requests in flight). Instead the kernel is interrupted, as Jupyter's stop
+    button does: stage 02 stops cleanly and saves what is in flight, any other cell raises
+    KeyboardInterrupt. A second signal interrupts again (stage 02 then gives up on its requests in
+    flight at once). The run stops after the current stage. The kernel runs in its own session, so a
+    terminal's Ctrl-C reaches it only this way."""
+
+    def __init__(self):
+        self.name: str | None = None
+        self._old = None
+
+    @property
+    def what(self) -> str:
+        return "stopped by SIGTERM" if self.name == "SIGTERM" else "interrupted"
+
+    def note(self, signum) -> None:
+        self.name = self.name or signal.Signals(signum).name
+
+    def install(self) -> None:
+        """Until the kernel is up (and after it is gone), SIGTERM acts as Ctrl-C does."""
+        def on_term(signum, frame):
+            self.note(signum)
+            raise KeyboardInterrupt
+        self._old = signal.signal(signal.SIGTERM, on_term)
+
+    def uninstall(self) -> None:
+        signal.signal(signal.SIGTERM, self._old if self._old is not None else signal.SIG_DFL)
+
+    def take_over(self, km) -> None:
+        """Replace nbclient's signal handlers on the running loop by an interrupt of the kernel."""
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum):
+            self.note(signum)
+            asyncio.ensure_future(km.interrupt_kernel())
+
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, on_signal, s)
+
+
+def _kernel_manager(log_path: Path, stop: _Stop):
     """A kernel manager whose kernel writes its own stdout/stderr (its startup warnings, a message
-    handler's traceback when the run is stopped) to the stage's log rather than the terminal."""
+    handler's traceback when the run is stopped) to the stage's log rather than the terminal, and
+    which a signal interrupts instead of killing (see `_Stop`)."""
     from jupyter_client import AsyncKernelManager
 
     class KernelWritingToLog(AsyncKernelManager):
@@ -300,7 +357,9 @@ def _kernel_manager(log_path: Path):
             with open(log_path, "ab") as f:
                 kw.setdefault("stdout", f)
                 kw.setdefault("stderr", f)
-                return await super().start_kernel(**kw)
+                started = await super().start_kernel(**kw)
+            stop.take_over(self)
+            return started
 
     return KernelWritingToLog
 
