@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from . import layers
+from . import layers, vllm_eval
 from .paths import Run
 from .progress import Progress
 from .store import read_jsonl
@@ -134,8 +134,8 @@ class Target:
     @torch.inference_mode()
     def forward(self, ids: list[int], logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
-        self.cache = out.cache
+        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+        self.cache = out.past_key_values
         aux = torch.cat([self._out[k][0] for k in self.layer_ids], dim=-1).float() if self.layer_ids else None
         self._out.clear()
         return out.logits[0].float().cpu(), aux   # logits on the CPU: sampling uses a CPU generator
@@ -452,6 +452,29 @@ def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, 
     return ms, layer_ids
 
 
+def engine_methods_for(methods: list[Method], layer_ids: list[int], k: int, lookup_min_ngram: int,
+                       lookup_max_ngram: int) -> list[dict]:
+    """The same methods as vLLM engines: no speculation, vLLM's ngram, and every export written
+    for vLLM (`drafter.export.for_engine`), each expected to capture `layer_ids` (output ids)."""
+    from .drafter.export import for_engine
+
+    out = [{"name": "none", "kind": "none", "fingerprint": "vllm-none", "speculative_config": None,
+            "expect_layers": None, "info": {}},
+           {"name": "ngram", "kind": "ngram", "fingerprint": f"vllm-ngram-{lookup_min_ngram}-{lookup_max_ngram}",
+            "speculative_config": vllm_eval.speculative_config("ngram", k, lookup_min=lookup_min_ngram,
+                                                               lookup_max=lookup_max_ngram),
+            "expect_layers": None, "info": {"min_ngram": lookup_min_ngram, "max_ngram": lookup_max_ngram}}]
+    for m in methods:
+        if m.kind == "eagle3":
+            d = for_engine(m.info["dir"], "vllm")
+            out.append({"name": m.name, "kind": "eagle3", "fingerprint": "vllm-" + export_fingerprint(d),
+                        "hf_fingerprint": m.fingerprint, "speculative_config": vllm_eval.speculative_config("eagle3", k, d),
+                        "expect_layers": layers.engine_layer_ids(layer_ids, "vllm"),
+                        "info": {"step": m.info["step"], "fraction": m.info["fraction"], "dir": str(d),
+                                 "final": m.info["final"]}})
+    return out
+
+
 def _prompt_seed(seed: int, p: Prompt) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{p.dataset}/{p.sample_id}".encode()).digest()[:6], "big")
 
@@ -566,14 +589,19 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
                  prompts_per_dataset: int,
                  max_new_tokens: int, k: int, temperatures: list[float], lookup_max_ngram: int = 3,
                  lookup_min_ngram: int = 1, draft_cost_ratio: float = 0.05, seed: int = 0,
-                 device: str = "auto", serve_tp: int = 8, log=print) -> dict:
+                 device: str = "auto", backend: str = "hf", engine_dtype: str = "float32",
+                 tensor_parallel: int = 1, trust_remote_code: bool = False, log=print) -> dict:
     """Stage 06 end to end: held-out prompts of stage 05's split (`holdout_fraction` = the one it
-    trained with), every method at every temperature, `<run>/eval/report.json` (returned)."""
+    trained with), every method at every temperature, `<run>/eval/report.json` (returned).
+    `backend` vllm: first measured inside vLLM serving every export (`vllm_eval`), then by our
+    decoder as the cross-check; hf: our decoder only."""
     from .hidden import load_target, target_identity
     from .target import resolve_target
 
     if k < 1:
         raise ValueError(f"draft_tokens must be at least 1, got {k}")
+    if backend not in ("hf", "vllm"):
+        raise ValueError(f"eval_backend must be 'hf' or 'vllm', got {backend!r}")
     drafter_dir = Path(drafter_dir) if drafter_dir else run.dir("drafter")
     eval_dir = run.dir("eval")
     target_path = resolve_target(target_model_path, log=log)
@@ -591,20 +619,38 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
         per_ds[p.dataset] = per_ds.get(p.dataset, 0) + 1
     log(f"{len(prompts)} held-out prompts ({', '.join(f'{d}: {n}' for d, n in per_ds.items())}), "
         f"{len(methods)} methods, k = {k}, up to {max_new_tokens} new tokens, T = {temperatures}")
+    engine_methods = engine_rows = None
+    if backend == "vllm":
+        engine_methods = engine_methods_for(methods, layer_ids, k, lookup_min_ngram, lookup_max_ngram)
+        engine_rows = vllm_eval.measure(
+            target_path, engine_methods, prompts, k=k, max_new_tokens=max_new_tokens, temperatures=temperatures,
+            seed=seed, out=eval_dir / "engine_rounds.jsonl", dtype=engine_dtype, tensor_parallel_size=tensor_parallel,
+            trust_remote_code=trust_remote_code,
+            settings=vllm_eval.settings_key(fingerprint, k, max_new_tokens, seed, engine_dtype), log=log)
     results = Results(eval_dir / "rounds.jsonl")
-    by_t = {}
+    by_t, hf_rows = {}, []
     try:
         for t in temperatures:
             rows = run_methods(target, methods, prompts, k=k, max_new_tokens=max_new_tokens,
                                temperature=float(t), seed=seed, results=results, target_fingerprint=fingerprint)
+            hf_rows += rows
             summary = summarize(rows, methods, k, draft_cost_ratio)
             by_t[f"{float(t):g}"] = {"temperature": float(t), "methods": summary, "verdict": verdict(summary)}
     finally:
         target.close()
+    engine = None
+    if backend == "vllm":
+        engine = {"backend": "vllm", "version": vllm_eval.VLLM_VERSION, "dtype": engine_dtype,
+                  "tensor_parallel": tensor_parallel, "concurrency": 1, "temperatures": {
+                      f"{float(t):g}": {"temperature": float(t),
+                                        "methods": vllm_eval.summarize(engine_rows, engine_methods, k, float(t)),
+                                        "vs_ours": vllm_eval.compare(engine_rows, hf_rows, engine_methods, float(t))}
+                      for t in temperatures}}
     final = next(m for m in methods if m.kind == "eagle3" and m.info["final"])
     bench_file = eval_dir / "bench_prompts_sharegpt.json"
     n_bench = write_bench_prompts(run.dir("generate"), prompts, bench_file)
     report = {
+        "engine": engine,
         "target": str(target_path), "target_fingerprint": fingerprint, "drafter_dir": str(drafter_dir),
         "aux_layer_ids": layer_ids, "k": k, "max_new_tokens": max_new_tokens, "seed": seed,
         "prompts": per_ds, "prompt_ids": [[p.dataset, p.sample_id] for p in prompts],
@@ -623,7 +669,7 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
             "speedup_estimate": "acceptance_length / (1 + draft_forwards_per_round * draft_cost_ratio)",
         },
         "temperatures": by_t,
-        "serving": {**serving_commands(final.info["dir"], str(target_path), k, str(bench_file), tp=serve_tp),
+        "serving": {**serving_commands(final.info["dir"], str(target_path), k, str(bench_file), tp=tensor_parallel),
                     "bench_prompts": str(bench_file), "bench_prompts_found": n_bench},
     }
     tmp = eval_dir / "report.json.tmp"
@@ -659,6 +705,52 @@ def table(summary: dict, temperature: float):
                 "speed-up est.": s["speedup_estimate"], "lossless": s["lossless"]}
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def engine_table(report: dict):
+    """The engine's numbers, one row per (temperature, method), our decoder's acceptance beside them."""
+    import pandas as pd
+
+    rows = []
+    for key, t in report["engine"]["temperatures"].items():
+        ours = report["temperatures"].get(key, {}).get("methods", {})
+        for name, s in t["methods"].items():
+            mine = ours.get("prompt lookup" if s["kind"] == "ngram" else name, {})
+            row = {"T": t["temperature"], "method": name, "acceptance length": s["acceptance_length"]}
+            row |= {ds: v["acceptance_length"] for ds, v in s["per_dataset"].items()}
+            row |= {f"P(pos {j + 1})": p for j, p in enumerate(s["position_acceptance"])}
+            row |= {"tok/s": s["tokens_per_s"], "× none": s["speedup_tokens_per_s"], "lossless": s["lossless"],
+                    "ours": mine.get("acceptance_length_vllm")}
+            rows.append(row)
+    return pd.DataFrame(rows).round(3)
+
+
+def explain_engine(report: dict) -> str:
+    """What the engine's numbers say, and where they and our decoder's part (markdown)."""
+    e, lines = report["engine"], []
+    for key, t in e["temperatures"].items():
+        m, v = t["methods"], t["vs_ours"]
+        final = next(s for s in m.values() if s["kind"] == "eagle3" and s.get("final"))
+        name = next(n for n, s in m.items() if s is final)
+        ours = report["temperatures"][key]["methods"][name]["acceptance_length_vllm"]
+        mode = "greedy" if t["temperature"] <= 0 else f"T = {t['temperature']:g}"
+        ck = sorted((s["fraction"], s["acceptance_length"]) for s in m.values() if s["kind"] == "eagle3")
+        line = (f"**vLLM {e['version']}, {mode}, k = {report['k']}:** drafter **{final['acceptance_length']:.2f}**, "
+                f"ngram {m['ngram']['acceptance_length']:.2f} tokens per verification; through training "
+                + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in ck)
+                + f". Output {final['tokens_per_s']:.0f} tok/s with the drafter, {m['none']['tokens_per_s']:.0f} without "
+                  f"({final['speedup_tokens_per_s']:.2f}x). Our decoder: {ours:.2f}")
+        if t["temperature"] <= 0:
+            c = v["methods"][name]
+            line += (f"; the two targets (vLLM's kernels, transformers) decode {v['same_no_drafter_output']} of "
+                     f"{v['prompts']} prompts identically, and with the drafter {c['same_accepted_per_step']} prompts "
+                     f"have the same accepted count at every step: a gap comes from the prompts where a near-tie argmax "
+                     f"differs between the two, not from a different rule.")
+        else:
+            line += ("; at T > 0 the two draw different random numbers, so they agree in expectation only (same rule: "
+                     "a draft is accepted with the target's probability of it).")
+        lines.append(line)
+    return "\n\n".join(lines)
 
 
 def explain(report: dict) -> str:
@@ -869,6 +961,12 @@ def serving_commands(export_dir: str | os.PathLike, target_path: str, k: int, be
             f"# repeat with --port 30001 (baseline) and 30002 (n-gram), and --max-concurrency 16, 64\n"
             f"curl -s localhost:30000/get_server_info | python -c \"import json, sys; "
             f"print(json.load(sys.stdin)['internal_states'][0]['avg_spec_accept_length'])\""),
+        "sglang_acceptance": (
+            "# per request: acceptance length = meta_info['completion_tokens'] / meta_info['spec_verify_ct']\n"
+            "# (verification steps of that request; SGLang counts tokens per step, the bonus token included)\n"
+            "curl -s localhost:30000/generate -d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 256, "
+            "\"temperature\": 0}}' | python -c \"import json, sys; m = json.load(sys.stdin)['meta_info']; "
+            "print(m['completion_tokens'] / m['spec_verify_ct'])\""),
         "vllm_server": serving_command("vllm", target_path, vllm_dir, k) + f" --tensor-parallel-size {tp} --port 8000",
         "vllm_baseline": f"vllm serve {target_path} --tensor-parallel-size {tp} --port 8001",
         "vllm_bench": (
