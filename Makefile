@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean-demo lab
+.PHONY: demo test bench rehearsal venv clean-demo lab
 
 venv: $(STAMP)
 
@@ -31,6 +31,11 @@ lab: $(STAMP)
 
 bench: $(STAMP)
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# The real job (params/kimi-k2.5.yaml, 60M tokens, 2000 in flight, $100) against the local emulator;
+# REHEARSAL_ARGS: e.g. --run-name rehearsal2 (a second run), --volume 0.1, --time-scale 0.2.
+rehearsal: $(STAMP)
+	nice -n 19 $(PY) bench/rehearsal.py $(REHEARSAL_ARGS)
 
 clean-demo:
 	rm -rf outputs/demo

@@ -44,7 +44,7 @@ from .pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints, 
 from .progress import Progress
 from .prompt_queue import ContextCheck, DatasetQueue
 from .retry import Aimd, backoff_delay
-from .store import DatasetStore, Manifest
+from .store import DatasetStore, Manifest, repair_tail
 
 TODO = {"balance": "top up the balance, then re-run", "spend_limit": "raise spend_limit_usd, then re-run",
         "fatal": "fix that, then re-run", "interrupted": "re-run"}
@@ -174,6 +174,7 @@ class Engine:
         self.entry = {"started": _now(), "status": "running",      # this session's line in the manifest
                       "samples_at_start": sum(len(d.store.done) for d in self.datasets)}
         self.manifest.sessions.append(self.entry)
+        self.timeline = None     # generate/timeline.jsonl, opened at the first point (_point)
 
     # -- dispatch ---------------------------------------------------------------------------
     def _take(self) -> tuple | None:
@@ -431,12 +432,28 @@ class Engine:
             rate = 0.7 * rate + 0.3 * (self.tokens - last_tokens) / max(1e-9, now - last_t)
             last_tokens, last_t = self.tokens, now
             self.progress.set(**self._progress_fields(rate))
+            self._point()
             self._wake.set()       # the limit may have grown back, or a reservation been freed
             if now - last_save >= 2:
                 for d in self.datasets:
                     d.store.sync()
                 self._save_manifest()
                 last_save = now
+
+    def _point(self) -> None:
+        """A line of `timeline.jsonl`, every second of every session: money, slots and tokens now
+        (the report's spend-vs-balance and in-flight figures)."""
+        if self.timeline is None:
+            path = self.folder / "timeline.jsonl"
+            repair_tail(path)           # a killed session's torn last line
+            self.timeline = open(path, "a", encoding="utf-8")
+        left = self.spend.balance_left
+        self.timeline.write(json.dumps({
+            "t": round(time.time(), 2), "session": len(self.manifest.sessions), "in_flight": self.in_flight,
+            "limit": self.aimd.limit, "spent": round(self.spend.spent, 6), "reserved": round(self.spend.reserved, 6),
+            "balance": None if left is None else round(left, 6),
+            "tokens": {d.name: d.budget.done for d in self.datasets}}) + "\n")
+        self.timeline.flush()
 
     def _progress_fields(self, rate: float) -> dict:
         f = {}
@@ -567,6 +584,9 @@ class Engine:
             self.progress.set(**self._progress_fields(0.0))
             self.progress.close()
         self._save_manifest(final=True)
+        if self.progress is not None:       # the session ran: its last point
+            self._point()
+            self.timeline.close()
         for d in self.datasets:
             if d.reader.problems:
                 self.log(d.reader.summary())

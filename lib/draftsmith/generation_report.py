@@ -38,6 +38,13 @@ def load_errors(folder: Path) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["dataset", "sample_id", "action", "kind", "status", "message", "attempts"])
 
 
+def load_timeline(folder: Path) -> pd.DataFrame:
+    """`timeline.jsonl`: one row per second of every session (time, session, in flight and the
+    concurrency limit, spent, reserved, balance left, output tokens per dataset as `tokens.<name>`)."""
+    rows = [r for _, r in read_jsonl(Path(folder) / "timeline.jsonl")]
+    return pd.json_normalize(rows) if rows else pd.DataFrame()
+
+
 def load_manifest(folder: Path) -> dict:
     path = Path(folder) / "manifest.json"
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
@@ -122,6 +129,43 @@ def plot_overview(df: pd.DataFrame, manifest: dict, spend_limit_usd: float, path
     if len(errs):
         ax[5].barh(errs.index, errs.values)
     ax[5].set(title="failed attempts by kind (retried unless final)", xlabel="attempts")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot_timeline(tl: pd.DataFrame, manifest: dict, spend_limit_usd: float, path: Path | None = None):
+    """Two panels over the run's sessions: spend against the account balance (each session's end
+    marked with how it ended; a top-up between sessions shows as the balance jumping), and requests
+    in flight against the concurrency limit."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(15, 4.5))
+    if len(tl):
+        t0 = tl["t"].min()
+        unit, div = ("minutes", 60.0) if tl["t"].max() - t0 >= 180 else ("seconds", 1.0)
+        ends = {i + 1: s.get("status") for i, s in enumerate(manifest.get("sessions", []))}
+        for n, (session, g) in enumerate(tl.groupby("session")):
+            x = (g["t"] - t0) / div
+            first = n == 0
+            ax[0].plot(x, g["spent"], ".-", color="tab:blue", label="spent (run)" if first else None)
+            ax[0].plot(x, g["balance"], ".-", color="black", label="balance left" if first else None)
+            ax[0].plot(x, g["spent"] + g["reserved"], color="tab:blue", ls=":", lw=1,
+                       label="spent + reserved in flight" if first else None)
+            ax[1].plot(x, g["in_flight"], ".-", color="tab:green", label="in flight" if first else None)
+            ax[1].plot(x, g["limit"], color="gray", ls="--", lw=1, label="concurrency limit" if first else None)
+            for a in ax:
+                a.axvline(x.iloc[-1], color="red", ls=":", lw=1)
+            ax[0].annotate(f"session {session}: {ends.get(session) or 'running'}", (x.iloc[-1], g["spent"].iloc[-1]),
+                           xytext=(-4, 8), textcoords="offset points", ha="right", fontsize=8, color="red")
+        ax[0].axhline(spend_limit_usd, color="red", ls="--", lw=1, label=f"spend_limit_usd ${spend_limit_usd:g}")
+    else:
+        unit = "seconds"
+    ax[0].set(title="spend vs balance (dotted red: a session ends)", xlabel=f"{unit} since the first session", ylabel="USD")
+    ax[0].legend(fontsize=8)
+    ax[1].set(title="requests in flight", xlabel=f"{unit} since the first session", ylabel="requests")
+    ax[1].legend(fontsize=8)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=110)

@@ -278,6 +278,22 @@ def cost_plan(tokens: list[DatasetTokens], allowed: pd.DataFrame, expected_outpu
     return plan
 
 
+def plan_verdict(plan: pd.DataFrame, balance_usd: float | None, spend_limit_usd: float) -> str:
+    """One sentence, said before anything is spent on generation: does the money cover the cost
+    plan, and if not, how many of the planned output tokens it buys."""
+    total, want = float(plan["cost_mix"].sum()), int(plan["output_tokens"].sum())
+    fit = int(plan["output_tokens_that_fit"].sum())
+    by_balance = balance_usd is not None and balance_usd <= spend_limit_usd
+    usable = balance_usd if by_balance else spend_limit_usd
+    money = f"The balance (${usable:,.2f})" if by_balance else f"spend_limit_usd (${usable:,.2f})"
+    if fit >= want:
+        return f"{money} covers the plan: ${total:,.2f} at the expected mix for {want:,} output tokens."
+    return (f"{money} does NOT cover the plan: ${total:,.2f} at the expected mix for "
+            f"{want:,} output tokens; it buys {fit:,} of them ({100 * fit / want:.0f}%). Stage 02 will stop "
+            f"when it runs out: {'top up' if by_balance else 'raise spend_limit_usd by'} about "
+            f"${total - usable:,.2f} (and re-run stage 02) to finish.")
+
+
 def pilot(api: Api, model: str, datasets: list[DatasetSpec], samples: int, routing: dict, max_tokens: int,
           temperature: float, top_p: float, seed: int, reasoning: dict) -> pd.DataFrame:
     """Real completions of the first `samples` prompts of each dataset, routed as stage 02 will."""
