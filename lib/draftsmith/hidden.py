@@ -22,6 +22,14 @@ How it runs
   output folder on a filesystem they all see.
 - Free disk is checked against bytes per token x tokens before the target is even loaded.
 
+- `backend` picks where the target runs (`draftsmith.target_backend`): `hf` (transformers, in
+  this process or one per torchrun rank) or `vllm` (the serving engine in a child process, tensor
+  parallel over the GPUs; one engine, so no torchrun). With vLLM a batch is a group of prefills the
+  engine schedules itself (no padding); each sample's features pass through one file in
+  `.vllm-scratch/`, deleted once read (and the folder with it at the end, or on the next run after
+  a kill). The shards, index, resume and settings checks are the same for both; the backend is one
+  of the settings, so features of two engines are never mixed in one folder.
+
 Command line (what `launch` runs under torchrun):
   torchrun --nproc-per-node 8 -m draftsmith.hidden --target DIR --tokens A.jsonl B.jsonl --out DIR
 """
@@ -49,6 +57,8 @@ from .torchrun import torchrun
 
 SHARD_GLOB = "shard-*.safetensors"
 SUMMARY = "summary.json"
+SCRATCH = ".vllm-scratch"
+ENGINE_LOG = "vllm.log"
 LOCK = ".lock"
 
 
@@ -200,14 +210,14 @@ def check_disk(directory: Path, tokens: int, per_token: int, dtype: str) -> None
 
 # ---- the target -------------------------------------------------------------------------------
 
-def target_identity(path: str | os.PathLike) -> dict:
+def target_identity(path: str | os.PathLike, trust_remote_code: bool = False) -> dict:
     """What names the target in the index: its config, and a fingerprint of config + weight files
     (names, sizes, first MiB) so features of two different checkpoints are never mixed."""
     from transformers import AutoConfig
 
     path = Path(path)
     raw = (path / "config.json").read_bytes()
-    cfg = AutoConfig.from_pretrained(path).get_text_config()
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
     fp = hashlib.sha256(raw)
     for f in sorted(path.glob("*.safetensors")):
         fp.update(f"{f.name}:{f.stat().st_size}".encode())
@@ -221,8 +231,8 @@ def target_identity(path: str | os.PathLike) -> dict:
 
 # ---- resume: what the shards already on disk hold ------------------------------------------------
 
-def _settings(identity: dict, output_ids: list[int], dtype: str) -> dict:
-    return {"target": identity["fingerprint"], "layer_ids": list(output_ids), "dtype": dtype}
+def _settings(identity: dict, output_ids: list[int], dtype: str, backend: str) -> dict:
+    return {"target": identity["fingerprint"], "layer_ids": list(output_ids), "dtype": dtype, "backend": backend}
 
 
 def _shard_entry(file: str, samples: list[dict], size: int) -> dict:
@@ -302,11 +312,12 @@ def _gather(obj, rank: int, world: int) -> list:
 
 
 def _prepare(out_dir: Path, samples: list[Sample], identity: dict, output_ids: list[int], dtype: str,
-             max_tokens_per_batch: int, shard_mb: float, log) -> dict:
+             max_tokens_per_batch: int, shard_mb: float, backend: str, log) -> dict:
     """Rank 0: clear leftovers, keep whole shards, check the disk, plan the rest."""
     for tmp in out_dir.glob("*.tmp"):
         tmp.unlink()
-    settings = _settings(identity, output_ids, dtype)
+    shutil.rmtree(out_dir / SCRATCH, ignore_errors=True)
+    settings = _settings(identity, output_ids, dtype, backend)
     by_key = {s.key: s for s in samples}
     keep, stale = scan_shards(out_dir, settings, by_key)
     numbers = [int(p.name.split("-")[1].split(".")[0]) for p in out_dir.glob(SHARD_GLOB)]
@@ -320,7 +331,9 @@ def _prepare(out_dir: Path, samples: list[Sample], identity: dict, output_ids: l
     per_token = bytes_per_token(identity["hidden_size"], dtype)
     check_disk(out_dir, sum(lengths), per_token, dtype)
     per_shard = max(1, int(shard_mb * 2**20 / per_token))
-    batches = [[todo[j] for j in b] for b in plan_batches(lengths, max_tokens_per_batch)]
+    # vLLM packs prefills without padding: only the token count of a batch matters
+    max_padding = 1.0 if backend == "vllm" else 0.1
+    batches = [[todo[j] for j in b] for b in plan_batches(lengths, max_tokens_per_batch, max_padding)]
     planned = plan_shards(batches, [len(s) for s in samples], per_shard)
     first = max(numbers, default=-1) + 1
     return {"keep": keep, "shards": [(f"shard-{first + n:05d}.safetensors", p) for n, p in enumerate(planned)],
@@ -349,11 +362,21 @@ def _fingerprint_samples(samples: list[Sample]) -> str:
 def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out_dir: str | os.PathLike, *,
             layer_ids: list[int] | None = None, convention: str = "output", dtype: str = "bf16",
             max_tokens_per_batch: int = 16384, shard_mb: float = 1024.0, device: str = "auto",
-            log=print) -> dict:
+            backend: str = "hf", engine_options: dict | None = None, capture=None, log=print) -> dict:
     """Extract hidden states of every sample in `token_files` into `out_dir` (shards + index.json),
-    keeping whole shards of an earlier run. Runs as one rank of several under torchrun. Returns a
+    keeping whole shards of an earlier run. Runs as one rank of several under torchrun (`hf`).
+    `backend` `vllm` starts an engine with `engine_options` (`target_backend.VllmCapture`'s:
+    tensor_parallel_size, trust_remote_code, gpu_memory_utilization, max_num_batched_tokens, ...),
+    unless `capture`, an open capture of the same target and layers, is given to reuse. Returns a
     summary (rank 0: of the whole run)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"target_backend must be one of {BACKENDS}, got {backend!r}")
+    if capture is not None and capture.backend != backend:
+        raise ValueError(f"capture runs on {capture.backend!r}, not on backend {backend!r}")
     rank, world, ours = _dist()
+    if backend == "vllm" and world > 1:
+        raise ValueError("backend vllm runs one engine (tensor parallel over the GPUs): start it without torchrun "
+                         "(nproc_per_node 1) and set tensor_parallel_size instead")
     say = log if world == 1 else (lambda m: log(f"[rank {rank}/{world}] {m}"))
     lock = None
     try:
@@ -363,7 +386,7 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
             raise ValueError(f"dtype must be one of {shards.DTYPES}, got {dtype!r}")
         if max_tokens_per_batch < 1 or shard_mb <= 0:
             raise ValueError("max_tokens_per_batch and shard_mb must be positive")
-        identity = target_identity(target)
+        identity = target_identity(target, bool((engine_options or {}).get("trust_remote_code")))
         n_layers = identity["num_hidden_layers"]
         output_ids = (layers.default_layer_ids(n_layers) if not layer_ids
                       else layers.to_output_ids(list(layer_ids), convention))
@@ -375,7 +398,8 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         if rank == 0:
             try:
                 lock = _lock(out_dir)
-                plan = _prepare(out_dir, samples, identity, output_ids, dtype, max_tokens_per_batch, shard_mb, say)
+                plan = _prepare(out_dir, samples, identity, output_ids, dtype, max_tokens_per_batch, shard_mb,
+                                backend, say)
             except Exception as e:  # tell the other ranks, so they stop too instead of waiting
                 plan = {"error": f"{type(e).__name__}: {e}"}
                 _broadcast(plan, rank, world)
@@ -387,12 +411,25 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
             raise RuntimeError(f"rank {rank} read different samples than rank 0 from {token_files}")
 
         mine = plan["shards"][rank::world]
-        written, seconds = _run_shards(target, device, samples, mine, output_ids, dtype, plan["settings"], out_dir,
-                                       f"hidden {rank}/{world}" if world > 1 else "hidden", say)
+        if capture is not None and getattr(capture, "ids", output_ids) != output_ids:
+            raise ValueError(f"capture keeps layers {capture.ids}, this run wants {output_ids}")
+        opened = None
+        if capture is None and mine:
+            opts = dict(engine_options or {})
+            if backend == "vllm":
+                longest = max(len(samples[i]) for _, p in mine for b in p for i in b)
+                opts = {"max_model_len": longest + 1, "log_file": out_dir / ENGINE_LOG, **opts}
+            capture = opened = open_capture(backend, target, output_ids, device=device, log=say, **opts)
+        try:
+            written, seconds = _run_shards(capture, samples, mine, output_ids, dtype, plan["settings"], out_dir,
+                                           f"hidden {rank}/{world}" if world > 1 else "hidden", say)
+        finally:
+            if opened is not None:
+                opened.close()
         results = _gather({"written": written, "seconds": seconds}, rank, world)
         if rank != 0:
             return {"rank": rank, "shards_written": len(written), "seconds": seconds}
-        return _finish(out_dir, plan, results, identity, output_ids, dtype, say)
+        return _finish(out_dir, plan, results, identity, output_ids, dtype, backend, say)
     finally:
         if lock is not None:
             lock.close()
@@ -402,36 +439,37 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
             dist.destroy_process_group()
 
 
-def _run_shards(target, device, samples, mine, output_ids, dtype, settings, out_dir, desc, log) -> tuple[list, float]:
+def _run_shards(capture, samples, mine, output_ids, dtype, settings, out_dir, desc, log) -> tuple[list, float]:
     """Extract this rank's shards; writing a shard overlaps computing the next one."""
     if not mine:
         return [], 0.0
-    model = load_target(target, device)
-    capture = Capture(model, output_ids)
+    capture.scratch_dir = out_dir / SCRATCH
     total = sum(len(samples[i]) for _, plan in mine for b in plan for i in b)
     log(f"extracting {total:,} tokens into {len(mine)} shard(s), layers {output_ids} (output convention), "
         f"{dtype}, on {capture.device}")
     written, pending = [], None
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=1) as writer, Progress(total=total, desc=desc, unit="tok") as bar:
-        for name, plan in mine:
-            aux, last, order = [], [], []
-            for b in plan:
-                batch = [samples[i] for i in b]
-                a, l = capture(batch)
-                aux.append(a)
-                last.append(l)
-                order.extend(batch)
-                bar.update(a.shape[0])
+    try:
+        with ThreadPoolExecutor(max_workers=1) as writer, Progress(total=total, desc=desc, unit="tok") as bar:
+            for name, plan in mine:
+                aux, last, order = [], [], []
+                for b in plan:
+                    batch = [samples[i] for i in b]
+                    a, l = capture(batch)
+                    aux.append(a)
+                    last.append(l)
+                    order.extend(batch)
+                    bar.update(a.shape[0])
+                if pending is not None:
+                    written.append(pending.result())  # at most one shard waits for the disk
+                pending = writer.submit(_write, out_dir / name, torch.cat(aux), torch.cat(last), order, dtype,
+                                        settings)
+                bar.set(shards=len(written) + 1)
             if pending is not None:
-                written.append(pending.result())  # at most one shard waits for the disk
-            pending = writer.submit(_write, out_dir / name, torch.cat(aux), torch.cat(last), order, dtype, settings)
-            bar.set(shards=len(written) + 1)
-        if pending is not None:
-            written.append(pending.result())
-    seconds = time.perf_counter() - t0
-    capture.close()
-    return written, seconds
+                written.append(pending.result())
+    finally:
+        shutil.rmtree(capture.scratch_dir, ignore_errors=True)
+    return written, time.perf_counter() - t0
 
 
 def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dict) -> dict:
@@ -446,7 +484,7 @@ def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dic
     return _shard_entry(path.name, samples, size)
 
 
-def _finish(out_dir, plan, results, identity, output_ids, dtype, log) -> dict:
+def _finish(out_dir, plan, results, identity, output_ids, dtype, backend, log) -> dict:
     """Rank 0: merge every rank's shards with the kept ones into index.json."""
     entries = plan["keep"] + [e for r in results for e in r["written"]]
     entries.sort(key=lambda e: e["file"])
@@ -461,7 +499,7 @@ def _finish(out_dir, plan, results, identity, output_ids, dtype, log) -> dict:
     index = {"dtype": dtype, "hidden_size": identity["hidden_size"], "layer_ids": output_ids,
              "layer_convention": "output", "hf_hidden_state_indices": layers.hf_hidden_state_indices(output_ids),
              "last": "final hidden state after the final norm (input of lm_head)",
-             "target": identity, "num_samples": len(keys), "num_tokens": tokens,
+             "backend": backend, "target": identity, "num_samples": len(keys), "num_tokens": tokens,
              "bytes": sum(e["bytes"] for e in entries), "shards": entries}
     shards.write_index(out_dir, index)
     new_tokens = sum(e["tokens"] for r in results for e in r["written"])
@@ -470,7 +508,8 @@ def _finish(out_dir, plan, results, identity, output_ids, dtype, log) -> dict:
                "shards_written": sum(len(r["written"]) for r in results), "tokens_extracted": new_tokens,
                "extract_s": round(seconds, 3), "tokens_per_s": round(new_tokens / seconds, 1) if seconds else None,
                "bytes": index["bytes"], "bytes_per_token": round(index["bytes"] / tokens, 1) if tokens else None,
-               "dtype": dtype, "layer_ids": output_ids, "ranks": len(results), "hidden_dir": str(out_dir)}
+               "dtype": dtype, "layer_ids": output_ids, "backend": backend, "ranks": len(results),
+               "hidden_dir": str(out_dir)}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
     log(f"{summary['samples']:,} samples, {tokens:,} tokens in {len(entries)} shard(s) "
         f"({summary['shards_kept']} kept from an earlier run), {index['bytes'] / 2**20:,.1f} MiB")
@@ -511,13 +550,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
     ap.add_argument("--shard-mb", type=float, default=1024.0)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--backend", default="hf", choices=BACKENDS)
+    ap.add_argument("--engine-options", default="{}", help="JSON object (backend vllm), e.g. "
+                    '\'{"tensor_parallel_size": 8, "trust_remote_code": true}\'')
     a = ap.parse_args(argv)
     from .target import resolve_target
 
     ids = [int(x) for x in a.layer_ids.split(",") if x.strip()]
     extract(resolve_target(a.target, log=lambda *m: None), a.tokens, a.out, layer_ids=ids, convention=a.convention,
             dtype=a.dtype, max_tokens_per_batch=a.max_tokens_per_batch, shard_mb=a.shard_mb, device=a.device,
-            log=lambda m: print(m, flush=True))
+            backend=a.backend, engine_options=json.loads(a.engine_options), log=lambda m: print(m, flush=True))
     return 0
 
 
