@@ -223,3 +223,30 @@ def test_source_reaches_the_hidden_index_and_the_drafters_report(merged, tiny_ta
     total = sum(by[k]["loss_i"][0] * by[k]["count_i"][0] for k in by) / s["heldout"]["count_i"][0]
     assert total == pytest.approx(s["heldout"]["loss_i"][0], rel=1e-5)
     assert all(0 <= by[k]["acc_i"][0] <= 1 and per[k]["heldout"] == by[k] for k in by)
+
+
+def test_stage_02_does_not_ask_for_prompts_an_import_answers(tmp_path, target_tokenizer):
+    """The import file doubles as `legacy`'s prompt file: nothing of it is requested. `chat` has its
+    own prompt file, two of whose prompts an import answers (matched by prompt, no shared ids)."""
+    from draftsmith import generate
+    from draftsmith.emulator import running
+
+    legacy = write_jsonl(tmp_path / "legacy.jsonl", [import_line(target_tokenizer, i, False) for i in range(4)])
+    asked = [{"id": f"c{i}", "messages": conv(i)[0]} for i in (10, 11, 12, 13, 14)]
+    chat = write_jsonl(tmp_path / "chat.jsonl", asked)
+    answers = write_jsonl(tmp_path / "answers.jsonl", [import_line(target_tokenizer, i, False, sid=False) for i in (11, 13)])
+    datasets = [{"name": "legacy", "path": str(legacy)}, {"name": "chat", "path": str(chat)}]
+    imports = [{"name": "legacy", "path": str(legacy)}, {"name": "chat", "path": str(answers)}]
+    run = Run(tmp_path / "out", "r")
+    logs = []
+    cfg = {"fault_scale": 0, "credits": 10.0, "backend": "synthetic", "synthetic_tokens": 8, "time_scale": 0.0}
+    with running(cfg, state_dir=tmp_path / "emulator") as emu:
+        res = generate.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5", max_tokens=16,
+                                      concurrency=4, spend_limit_usd=1.0, native_precision="int4", imports=imports,
+                                      log=logs.append)
+        billed = [x for x in emu.ledger_lines() if x["billed"]]
+    assert res.complete, res.message
+    saved = [json.loads(x)["sample_id"] for x in (run.root / "generate" / "chat" / "raw_responses.jsonl").open()]
+    assert sorted(saved) == ["c10", "c12", "c14"] and len(billed) == 3
+    assert not (run.root / "generate" / "legacy" / "raw_responses.jsonl").read_text()
+    assert any("prompts that an import file answers are skipped" in m for m in logs)

@@ -22,8 +22,10 @@ engine can ask `GET /generation` what they cost. With the user's own provider ke
 the cost kept here is their sum.
 
 Bodies may start with whitespace padding (json.loads skips it); streams carry `:` comment lines
-and the usage in a final chunk with no choices. Nothing here ever formats the API key: it lives
-only in the prepared headers.
+and the usage in a final chunk with no choices. A bare vLLM or SGLang server (bare_server.py) is
+read the same way; its reasoning may come as `reasoning_content`, and vLLM's sampled ids
+(`choices[i].token_ids`, `prompt_token_ids`) are kept on the Reply. Nothing here ever formats the
+API key: it lives only in the prepared headers.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class Reply:
     model: str | None
     generation_id: str | None
     usage: dict
+    output_ids: list[int] | None = None  # the ids the engine sampled (a bare vLLM server, `return_token_ids`)
+    prompt_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -214,8 +218,16 @@ def parse_completion(raw: bytes) -> Reply | Failure:
         return f
     choice = choices[0]
     msg = choice.get("message") or {}
-    return _reply(obj, msg.get("content"), msg.get("reasoning"), choice.get("finish_reason"),
-                  choice.get("native_finish_reason"), obj.get("usage"), choice.get("error"))
+    res = _reply(obj, msg.get("content"), msg.get("reasoning") or msg.get("reasoning_content"),
+                 choice.get("finish_reason"), choice.get("native_finish_reason"), obj.get("usage"), choice.get("error"))
+    if isinstance(res, Reply):
+        res.output_ids, res.prompt_ids = _ids(choice.get("token_ids")), _ids(obj.get("prompt_token_ids"))
+    return res
+
+
+def _ids(v) -> list[int] | None:
+    """Token ids as a server returned them, or None when absent or not a list of ids."""
+    return v if isinstance(v, list) and v and all(type(t) is int for t in v) else None
 
 
 def _reply(head: dict, content, reasoning, finish, native, usage, choice_error=None) -> Reply | Failure:
@@ -241,6 +253,8 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> Reply | Failure:
     content: list[str] = []
     reasoning: list[str] = []
     finish = native = usage = None
+    output_ids: list[int] = []
+    prompt_ids = None
     done = False
     async for line in resp.content:
         if not line.startswith(b"data:"):
@@ -256,6 +270,7 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> Reply | Failure:
                            provider=head.get("provider"))
         if not head:
             head = {"id": chunk.get("id"), "provider": chunk.get("provider"), "model": chunk.get("model")}
+        prompt_ids = prompt_ids or _ids(chunk.get("prompt_token_ids"))
         if chunk.get("error"):
             f = classify_error(200, chunk["error"], in_200=True)
             f.kind, f.provider, f.cost = "stream_error", f.provider or head.get("provider"), _cost(chunk.get("usage"))
@@ -266,8 +281,9 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> Reply | Failure:
             delta = c.get("delta") or {}
             if delta.get("content"):
                 content.append(delta["content"])
-            if delta.get("reasoning"):
-                reasoning.append(delta["reasoning"])
+            if delta.get("reasoning") or delta.get("reasoning_content"):
+                reasoning.append(delta.get("reasoning") or delta["reasoning_content"])
+            output_ids += _ids(c.get("token_ids")) or ()
             if c.get("finish_reason"):
                 finish, native = c["finish_reason"], c.get("native_finish_reason")
                 if c.get("error"):
@@ -275,7 +291,10 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> Reply | Failure:
     if not done and not (finish and usage):
         return Failure("retry", "stream_cut", "stream ended before [DONE]", provider=head.get("provider"),
                        cost=_cost(usage), maybe_billed=usage is None, generation_id=head.get("id"))
-    return _reply(head, "".join(content), "".join(reasoning), finish, native, usage)
+    res = _reply(head, "".join(content), "".join(reasoning), finish, native, usage)
+    if isinstance(res, Reply):
+        res.output_ids, res.prompt_ids = output_ids or None, prompt_ids
+    return res
 
 
 async def complete(session: aiohttp.ClientSession, url: str, headers: dict | None, body: bytes, stream: bool,

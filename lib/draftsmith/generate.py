@@ -21,6 +21,11 @@ was paid for and not saved, and how many samples were given up.
 Routing: stage 01's `providers/routing.json` merged with the `provider` parameter; without it,
 the same precision policy (providers.policy_routing) is applied here over the live endpoint list.
 
+A bare OpenAI-compatible server (`api_base` of the user's own vLLM or SGLang, bare_server.py) has
+no balance, catalogue, routing or cost: those parts are switched off, with a line saying so, and
+each response line records the engine as its `source` and, from vLLM, the sampled `output_ids` and
+`prompt_ids`. OpenRouter's lines say `"source": "openrouter"`.
+
 `run_generation(...)` is what notebook 02 calls; it returns a `GenerationResult`.
 """
 
@@ -36,9 +41,10 @@ from pathlib import Path
 
 import aiohttp
 
-from . import client, providers
+from . import bare_server, client, providers
 from .budget import SpendBudget, TokenBudget
 from .datasets import DatasetSpec, Prompt, parse_datasets
+from .imports import answered, parse_imports
 from .paths import Run, resolve
 from .pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints, generation_cost
 from .progress import Progress
@@ -156,6 +162,8 @@ class Engine:
         self.spend = SpendBudget(opts.spend_limit_usd, opts.balance_floor_usd, spent)
         self.aimd = Aimd(opts.concurrency)
         self.check: ContextCheck | None = None
+        self.server: bare_server.BareServer | None = None   # set when api_base is not OpenRouter
+        self.source = "openrouter"
         self.progress: Progress | None = None
         self.http: aiohttp.ClientSession | None = None
 
@@ -279,6 +287,8 @@ class Engine:
                     latency = time.monotonic() - t0
                     self.aimd.observe_latency(latency)
                     self.aimd.on_success()
+                    if self.server is not None:
+                        res.provider = res.provider or self.source
                     u = res.usage
                     tokens = u["completion_tokens"]
                     if tokens is None:      # no usage came back: count what we got, roughly
@@ -348,6 +358,8 @@ class Engine:
         """An answer lost after a provider may have taken the request: hold its reservation until
         /generation says what it cost; with no generation id, count it at its worst case."""
         self.lost += 1
+        if self.server is not None:   # nothing is billed
+            return self.spend.settle(reserved, 0.0)
         if generation_id is None:
             return self._count_unknown(reserved)
         t = asyncio.get_running_loop().create_task(self._ask_cost(generation_id, reserved))
@@ -382,7 +394,9 @@ class Engine:
             "finish_reason": res.finish_reason, "native_finish_reason": res.native_finish_reason,
             "provider": res.provider, "model": res.model, "generation_id": res.generation_id, "usage": res.usage,
             "attempts": attempt, "latency_s": round(latency, 3), "started_at": round(started, 3),
-            "completed_at": round(time.time(), 3)}, ensure_ascii=False, separators=(",", ":"))
+            "completed_at": round(time.time(), 3), "source": self.source,
+            **({"output_ids": res.output_ids, "prompt_ids": res.prompt_ids} if res.output_ids else {})},
+            ensure_ascii=False, separators=(",", ":"))
         return f'{rec[:-1]},"messages":{msgs_json},"request":{self.settings_json}}}'
 
     def _record_failure(self, d: DatasetQueue, p: Prompt, res: client.Failure, attempts: int, action: str) -> None:
@@ -523,6 +537,14 @@ class Engine:
             async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers) as session:
                 self.http = session
                 try:
+                    self.server = await bare_server.probe(session, self.base, self.model)
+                except ValueError as e:
+                    self.reason, self.message = "fatal", str(e)
+                    return
+                if self.server is not None:
+                    await self._bare_main(loop)
+                    return
+                try:
                     eps = await fetch_endpoints(session, self.base, self.model)
                     if self.policy is not None:
                         self._apply_policy(eps)
@@ -560,6 +582,31 @@ class Engine:
             if self.reason is None:
                 self.reason, self.message = "interrupted", self.message or "interrupted"
             self._close()
+
+    async def _bare_main(self, loop) -> None:
+        """A bare OpenAI-compatible server: no prices, balance or routing (every reservation is $0),
+        the requests without OpenRouter's fields; the rest as with OpenRouter."""
+        self.log(self.server.notice(self.base, self.settings))
+        self.source = self.server.engine
+        self.settings = self.server.settings(self.settings)
+        self.bodies = client.BodyMaker(self.settings)
+        self.settings_json = json.dumps(self.settings, ensure_ascii=False, separators=(",", ":"))
+        self.config.update(request=self.settings, server=self.server.engine, routing_source=None)
+        self.check = ContextCheck(self.server.max_model_len, self.max_tokens, self.opts.target_model_path,
+                                  self.opts.trust_remote_code)
+        background = loop.create_task(self._tick())
+        try:
+            self._save_manifest()
+            await self._dispatch()
+            if self.tasks:
+                _, pending = await asyncio.wait(set(self.tasks), timeout=self.stop_grace_s)
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    await asyncio.wait(pending)
+                    self.log(f"gave up on {len(pending)} requests still in flight after {self.stop_grace_s:.0f}s")
+        finally:
+            background.cancel()
 
     def _apply_policy(self, eps: list[dict]) -> None:
         """No stage-01 routing: route only where the precision policy allows (the `provider`
@@ -656,11 +703,13 @@ def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model
                    concurrency: int, spend_limit_usd: float, temperature: float | None = None,
                    top_p: float | None = None, seed: int | None = None, provider: dict | None = None,
                    reasoning: dict | None = None, stream: bool = False, native_precision: str | None = None,
-                   allow_unknown_quantization: bool = False, log=print, **options) -> GenerationResult:
+                   allow_unknown_quantization: bool = False, imports: list[dict] | None = None, log=print,
+                   **options) -> GenerationResult:
     """Generate responses for `datasets` into `run.dir("generate")`, resuming whatever is there.
     `options`: the other fields of `Options` (balance_floor_usd, max_attempts, request_timeout_s, ...).
     Without stage 01's routing.json, `native_precision` is required: the engine then applies the
-    precision policy itself.
+    precision policy itself. Prompts answered by an import file (`imports`, see imports.py) are not
+    asked for: they are never paid for twice.
 
     Runs its own event loop (in a thread when one is already running, as in Jupyter). SIGINT and
     SIGTERM stop it cleanly; a second SIGINT gives up on the requests in flight at once."""
@@ -685,6 +734,11 @@ def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model
               "routing_source": "providers/routing.json" if base_routing is not None else None,
               **{k: v for k, v in vars(opts).items() if k != "target_model_path"}}
     engine = Engine(base_url, api_key, run, specs, settings, opts, config, log, policy)
+    import_specs = parse_imports(imports or [], [s.name for s in specs])
+    for d in engine.datasets:
+        d.answered = answered(import_specs, d.name)
+        if d.answered:
+            log(f"{d.name}: prompts that an import file answers are skipped (stage 03 reads that file)")
     _run_with_signals(engine)
     return engine.result()
 

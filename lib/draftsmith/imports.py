@@ -125,3 +125,23 @@ def source_files(run_root: Path, name: str, imports: list[ImportSpec]) -> list[t
         raise FileNotFoundError(f"dataset {name!r}: {raw} not found and no import names it; run stage 02 "
                                 f"(generate) first, or list a file of its answers in imports")
     return units
+
+
+def answered(specs: list[ImportSpec], name: str) -> set[str]:
+    """Sample ids and prompt hashes that the import files of dataset `name` answer: stage 02 does
+    not ask for them again. Lines stage 03 would reject are not counted as answers."""
+    import json
+
+    out: set[str] = set()
+    for spec in specs:
+        if spec.name != name:
+            continue
+        with open(spec.path, "rb") as f:
+            for raw in f:
+                try:
+                    row = to_raw(json.loads(raw), name)
+                except ValueError:
+                    continue
+                out.add(row["sample_id"])
+                out.add(stable_id(row["messages"]))
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from .budget import TokenBudget, prompt_tokens_bound
-from .datasets import DatasetReader, DatasetSpec, Prompt
+from .datasets import DatasetReader, DatasetSpec, Prompt, stable_id
 from .store import DatasetStore
 
 
@@ -64,6 +64,7 @@ class DatasetQueue:
         self._checked = False
         self.exhausted = False
         self.skipped = 0
+        self.answered: set[str] = set()  # sample ids and prompt hashes an import already answers (imports.py)
 
     def peek(self, check: ContextCheck | None = None) -> tuple[Prompt, int] | None:
         """The next prompt to send and its token bound, without taking it; None when none is left.
@@ -73,7 +74,8 @@ class DatasetQueue:
                 p = next(self._it, None)
                 if p is None:
                     self.exhausted = True
-                elif p.sample_id not in self.store.done and p.sample_id not in self.store.permanent:
+                elif p.sample_id not in self.store.done and p.sample_id not in self.store.permanent and not (
+                        self.answered and (p.sample_id in self.answered or stable_id(p.messages) in self.answered)):
                     self._pending, self._bound, self._checked = p, prompt_tokens_bound(p.messages), False
             if self._pending is None or check is None or self._checked:
                 return None if self._pending is None else (self._pending, self._bound)

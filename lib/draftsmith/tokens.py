@@ -731,7 +731,8 @@ def summary(report: dict) -> str:
              f"billed vs reconstructed completion tokens: {t['billed_completion_tokens']:,} vs "
              f"{t['reconstructed_completion_tokens']:,}, relative error "
              + (f"{rel:+.4%}" if rel is not None else "n/a")
-             + (f"; exact count match on {exact:.1%} of samples" if exact is not None else "")]
+             + (f"; exact count match on {exact:.1%} of samples" if exact is not None else "")
+             if exact is not None else "billed vs reconstructed: no sample carries billed token counts"]
     u = report["totals_unflagged_providers"]
     if report["flagged_providers"] and u["relative_error"] is not None:
         lines.append(f"providers not flagged: relative error {u['relative_error']:+.4%} over "
