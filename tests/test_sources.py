@@ -166,6 +166,11 @@ def test_report_shows_billed_vs_rebuilt_only_where_billing_exists(merged):
     t = report["totals"]
     assert t["billed_completion_tokens"] == billed and t["relative_error"] == 0
     assert "no_usage" not in t["issues"] and not report["flagged_providers"]
+    prov = report["providers"]  # count-based rates only where counts exist
+    assert prov["Clean"]["prompt_exact_match_rate"] == 1.0 and prov["Clean"]["exact_match_rate"] == 1.0
+    for p in ("vllm", "sglang-h100"):
+        assert prov[p]["prompt_exact_match_rate"] is None and prov[p]["exact_match_rate"] is None
+        assert prov[p]["relative_error"] is None and prov[p]["clean_rate"] == 1.0
     text = tokens.summary(report)
     assert "source vllm: 8 samples (chat), 8 kept; engine ids = text rebuild on 87.5%" in text
     assert "source openrouter: 8 samples (code), 8 kept; billed vs rebuilt +0.0000%" in text

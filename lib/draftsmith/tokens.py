@@ -423,7 +423,8 @@ def _provider_stats(rs: list[dict], stripped: list[str], th: Thresholds) -> dict
     rebuilt = sum(r["reconstructed_completion_tokens"] for r in rs if r["billed_completion_tokens"] is not None)
     deltas = sorted(r["checks"]["completion_delta"] for r in rs if r["checks"]["completion_delta"] is not None)
     exact = sum(1 for d in deltas if d == 0)
-    prompt_exact = sum(1 for r in rs if r["checks"]["prompt_delta"] == 0)
+    prompt_counted = [r for r in rs if r["checks"]["prompt_delta"] is not None]  # rows with billed counts
+    prompt_exact = sum(1 for r in prompt_counted if r["checks"]["prompt_delta"] == 0)
     clean = sum(1 for r in rs if r["checks"]["completion_delta"] in (0, None) and r["checks"]["prompt_delta"] in (0, None)
                 and not set(r["checks"]["issues"]) - set(RESPONSE_ISSUES))
     rel = (billed - rebuilt) / billed if billed else None
@@ -447,7 +448,7 @@ def _provider_stats(rs: list[dict], stripped: list[str], th: Thresholds) -> dict
         "reconstructed_completion_tokens": rebuilt,
         "relative_error": rel,
         "exact_match_rate": exact / len(deltas) if deltas else None,
-        "prompt_exact_match_rate": prompt_exact / n if n else None,
+        "prompt_exact_match_rate": prompt_exact / len(prompt_counted) if prompt_counted else None,
         "clean_rate": clean / n if n else None,
         "delta": {"min": deltas[0] if deltas else None, "p50": q(0.5), "p99": q(0.99),
                   "max": deltas[-1] if deltas else None},
@@ -644,8 +645,9 @@ def totals(rows: list[dict]) -> dict:
         "relative_error": (billed - rebuilt) / billed if billed else None,
         "exact_match_rate": (sum(1 for r in counted if r["checks"]["completion_delta"] == 0) / len(counted)
                              if counted else None),
-        "prompt_exact_match_rate": (sum(1 for r in rows if r["checks"]["prompt_delta"] == 0) / len(rows)
-                                    if rows else None),
+        "prompt_exact_match_rate": (sum(1 for r in rows if r["checks"]["prompt_delta"] == 0)
+                                    / max(1, sum(1 for r in rows if r["checks"]["prompt_delta"] is not None))
+                                    if any(r["checks"]["prompt_delta"] is not None for r in rows) else None),
         "tokens_kept": sum(r["reconstructed_prompt_tokens"] + r["reconstructed_completion_tokens"] for r in kept),
         "response_tokens_kept": sum(r["reconstructed_completion_tokens"] for r in kept),
         "issues": dict(Counter(i for r in rows for i in r["checks"]["issues"])),
