@@ -46,7 +46,8 @@ def generate_and_validate(tmp_path, backend: str, budget: int, max_tokens: int, 
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
         result = generate.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
                                          max_tokens=max_tokens, concurrency=32, spend_limit_usd=40.0,
-                                         provider=provider, target_model_path="tiny-test", log=lambda *a: None)
+                                         provider=provider, target_model_path="tiny-test", native_precision="int4",
+                                         log=lambda *a: None)
         assert result.complete, result.message
         ledger = {line["generation_id"]: line for line in emu.ledger_lines() if line["billed"]}
     if notebook:  # the smoke params, less the keys of stages whose notebooks may not exist yet
@@ -133,7 +134,8 @@ def test_synthetic_backend_ids_exact_and_every_quirk_flagged_with_its_cause(tmp_
     exact, total = id_match(rows, ledger)
     print(f"synthetic backend: {sum(exact.values())}/{sum(total.values())} samples of providers without quirks "
           f"rebuilt exactly", dict(total))
-    assert sum(total.values()) >= 200 and sum(exact.values()) / sum(total.values()) >= 0.995, (exact, total)
+    # (about 150 samples reach the quirk-free int4 endpoints under stage 02's present routing)
+    assert sum(total.values()) >= 120 and sum(exact.values()) / sum(total.values()) >= 0.995, (exact, total)
     check_causes(report, ledger)
     assert "relative error" in log and "FLAGGED Parasail: cause stripped_whitespace" in log
 
