@@ -120,16 +120,16 @@ def test_acceptance_counts_sglang_and_vllm_lengths_and_per_position_rates_by_han
 
 def test_a_scripted_drafter_against_the_known_greedy_output_gives_the_hand_computed_acceptance(
         target_model, prompts, greedy):
-    # rounds: 3 right -> 4 tokens; right then wrong -> 2; no drafts -> 1; again; the 5th round is capped
-    # at 2 drafts by max_new_tokens 15, the 6th at 0 (the case above, measured through the target)
+    # rounds: 3 right -> 4 tokens; right then wrong -> 2; no drafts -> 1; 3 right again, the last round:
+    # it drafts k like vLLM does and its 3 accepted drafts count, but only 2 tokens fit in max_new_tokens 10
     target = ev.Target(target_model)
     script = [("right", 3), ("wrong", 1), ("none",)]
-    d = ev.decode(target, Oracle(greedy[0], script), prompts[0], 3, 15)
-    assert d.output == greedy[0][:15]
-    assert d.rounds() == {"start": [1, 5, 7, 8, 12, 14], "drafted": [3, 3, 0, 3, 2, 0],
-                          "accepted": [3, 1, 0, 3, 1, 0], "produced": [4, 2, 1, 4, 2, 1], "top_prob": [1.0] * 6}
+    d = ev.decode(target, Oracle(greedy[0], script), prompts[0], 3, 10)
+    assert d.output == greedy[0][:10]
+    assert d.rounds() == {"start": [1, 5, 7, 8], "drafted": [3, 3, 0, 3], "accepted": [3, 1, 0, 3],
+                          "produced": [4, 2, 1, 2], "top_prob": [1.0] * 4}
     a = ev.acceptance([d.rounds()], 3)
-    assert a["acceptance_length"] == pytest.approx(14 / 6) and a["acceptance_length_vllm"] == pytest.approx(3.0)
+    assert a["acceptance_length"] == pytest.approx(9 / 4) and a["acceptance_length_vllm"] == pytest.approx(1 + 7 / 3)
 
 
 def test_repeat_start_is_the_first_output_token_closing_an_already_seen_ngram():
@@ -291,3 +291,11 @@ def test_heldout_prompts_must_use_the_split_stage_05_trained_with(trained_run):
     assert all(p.ids[-2:] == (128804, 128821) for p in prompts)        # ... <｜Assistant｜><think>
     with pytest.raises(ValueError, match="held out 7 samples, but train_holdout_fraction = 0.5"):
         ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 0.5, 1)
+
+
+def test_engine_numbers_only_needs_the_engine(tmp_path):
+    from draftsmith.paths import Run
+
+    with pytest.raises(ValueError, match="eval_hf_crosscheck is false and eval_backend is hf"):
+        ev.evaluate_run(Run(tmp_path, "r"), "tiny", holdout_fraction=0.1, prompts_per_dataset=1, max_new_tokens=4,
+                        k=3, temperatures=[0.0], backend="hf", hf_crosscheck=False, log=quiet)

@@ -42,7 +42,7 @@ from .progress import Progress
 from .store import read_jsonl
 
 LOOP_NGRAM = 4   # a token whose preceding 4-gram already occurred starts "repeating" text
-ROUNDS_FORMAT = 2   # of a rounds.jsonl line; lines of another format are measured again
+ROUNDS_FORMAT = 3   # of a rounds.jsonl line; lines of another format are measured again
 
 
 # ---- held-out prompts -------------------------------------------------------------------------
@@ -160,7 +160,10 @@ class PromptLookup:
     """N-gram drafting from the context (prompt + output so far): find the most recent earlier
     occurrence of the longest suffix n-gram (n = max_ngram .. min_ngram) and propose the k tokens
     that followed it, copying on past the end of the context when the match is recent (a loop of
-    period p is continued, as an overlapping copy). No match: no drafts this round."""
+    period p is continued, as an overlapping copy). No match: no drafts this round.
+    vLLM's `ngram` (0.32) differs in two details that matter on looping text: it copies
+    after the earliest occurrence and never past the end of the context, so it drafts fewer tokens
+    near the end of a loop and accepts less there than this one."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -275,7 +278,8 @@ def decode(target: Target, proposer, prompt: list[int], k: int, max_new_tokens: 
            temperature: float = 0.0, gen: torch.Generator | None = None) -> Decoded:
     """Speculative decoding of one prompt: up to `max_new_tokens` tokens, stopping after an
     end-of-sequence token. `proposer` None (or k = 0) is plain decoding, one token a round.
-    Drafts are capped so a round never passes `max_new_tokens`."""
+    Every round drafts k, the last one too, as vLLM and SGLang do: a round's accepted drafts are
+    counted in full, its emitted tokens stop at `max_new_tokens` (and after an end of sequence)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     target.reset()
@@ -286,12 +290,11 @@ def decode(target: Target, proposer, prompt: list[int], k: int, max_new_tokens: 
         proposer.reset(list(prompt))
         proposer.advance(list(prompt[1:]) + out, aux)
     while len(out) < max_new_tokens and out[-1] not in target.eos:
-        room = min(k, max_new_tokens - len(out) - 1)
-        drafts = proposer.propose(room)[:room] if proposer is not None and room > 0 else []
+        drafts = proposer.propose(k)[:k] if proposer is not None and k > 0 else []
         committed = len(target)   # every committed token but the last is in the target cache
         logits, aux = target.forward([out[-1]] + drafts)
         a, nxt = verify(logits, drafts, temperature, gen)
-        new = drafts[:a] + [nxt]
+        new = (drafts[:a] + [nxt])[:max_new_tokens - len(out)]
         for i, t in enumerate(new):
             if t in target.eos:
                 new = new[:i + 1]
@@ -303,7 +306,7 @@ def decode(target: Target, proposer, prompt: list[int], k: int, max_new_tokens: 
         res.produced.append(len(new))
         res.top_prob.append(1.0 if temperature <= 0 else float(torch.softmax(logits[0] / temperature, -1).max()))
         out += new
-        if proposer is not None and out[-1] not in target.eos:
+        if proposer is not None and len(out) < max_new_tokens and out[-1] not in target.eos:
             proposer.advance(new, aux[:a + 1] if aux is not None else None)
     return res
 
@@ -589,12 +592,13 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
                  prompts_per_dataset: int,
                  max_new_tokens: int, k: int, temperatures: list[float], lookup_max_ngram: int = 3,
                  lookup_min_ngram: int = 1, draft_cost_ratio: float = 0.05, seed: int = 0,
-                 device: str = "auto", backend: str = "hf", engine_dtype: str = "float32",
+                 device: str = "auto", backend: str = "hf", hf_crosscheck: bool = True, engine_dtype: str = "float32",
                  tensor_parallel: int = 1, trust_remote_code: bool = False, log=print) -> dict:
     """Stage 06 end to end: held-out prompts of stage 05's split (`holdout_fraction` = the one it
     trained with), every method at every temperature, `<run>/eval/report.json` (returned).
-    `backend` vllm: first measured inside vLLM serving every export (`vllm_eval`), then by our
-    decoder as the cross-check; hf: our decoder only."""
+    `backend` vllm: measured inside vLLM serving every export (`vllm_eval`), then, with
+    `hf_crosscheck`, by our decoder over transformers beside it (a target that fits one device);
+    hf: our decoder only."""
     from .hidden import load_target, target_identity
     from .target import resolve_target
 
@@ -602,6 +606,10 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
         raise ValueError(f"draft_tokens must be at least 1, got {k}")
     if backend not in ("hf", "vllm"):
         raise ValueError(f"eval_backend must be 'hf' or 'vllm', got {backend!r}")
+    if backend == "hf" and not hf_crosscheck:
+        raise ValueError("eval_hf_crosscheck is false and eval_backend is hf: nothing would measure; "
+                         "set eval_backend: vllm (or eval_hf_crosscheck: true)")
+    ours = backend == "hf" or hf_crosscheck
     drafter_dir = Path(drafter_dir) if drafter_dir else run.dir("drafter")
     eval_dir = run.dir("eval")
     target_path = resolve_target(target_model_path, log=log)
@@ -609,11 +617,11 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
     if not prompts:
         raise ValueError(f"{drafter_dir}: stage 05 held out no samples (train_holdout_fraction 0?); "
                          f"acceptance must be measured on prompts the drafter did not train on")
-    model = load_target(target_path, device)
-    methods, layer_ids = methods_for(drafter_dir, target_path, model.get_input_embeddings().weight.device,
+    model = load_target(target_path, device) if ours else None
+    methods, layer_ids = methods_for(drafter_dir, target_path,
+                                     model.get_input_embeddings().weight.device if ours else "cpu",
                                      lookup_max_ngram, lookup_min_ngram)
-    target = Target(model, layer_ids)
-    fingerprint = target_identity(target_path)["fingerprint"]
+    fingerprint = target_identity(target_path, trust_remote_code)["fingerprint"]
     per_ds: dict[str, int] = {}
     for p in prompts:
         per_ds[p.dataset] = per_ds.get(p.dataset, 0) + 1
@@ -627,30 +635,35 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
             seed=seed, out=eval_dir / "engine_rounds.jsonl", dtype=engine_dtype, tensor_parallel_size=tensor_parallel,
             trust_remote_code=trust_remote_code,
             settings=vllm_eval.settings_key(fingerprint, k, max_new_tokens, seed, engine_dtype), log=log)
-    results = Results(eval_dir / "rounds.jsonl")
     by_t, hf_rows = {}, []
-    try:
-        for t in temperatures:
-            rows = run_methods(target, methods, prompts, k=k, max_new_tokens=max_new_tokens,
-                               temperature=float(t), seed=seed, results=results, target_fingerprint=fingerprint)
-            hf_rows += rows
-            summary = summarize(rows, methods, k, draft_cost_ratio)
-            by_t[f"{float(t):g}"] = {"temperature": float(t), "methods": summary, "verdict": verdict(summary)}
-    finally:
-        target.close()
+    if ours:
+        results = Results(eval_dir / "rounds.jsonl")
+        target = Target(model, layer_ids)
+        try:
+            for t in temperatures:
+                rows = run_methods(target, methods, prompts, k=k, max_new_tokens=max_new_tokens,
+                                   temperature=float(t), seed=seed, results=results, target_fingerprint=fingerprint)
+                hf_rows += rows
+                summary = summarize(rows, methods, k, draft_cost_ratio)
+                by_t[f"{float(t):g}"] = {"temperature": float(t), "methods": summary, "verdict": verdict(summary)}
+        finally:
+            target.close()
     engine = None
     if backend == "vllm":
         engine = {"backend": "vllm", "version": vllm_eval.VLLM_VERSION, "dtype": engine_dtype,
-                  "tensor_parallel": tensor_parallel, "concurrency": 1, "temperatures": {
+                  "tensor_parallel": tensor_parallel, "concurrency": 1,
+                  "cpu_expand_kernel_replaced": any(r.get("cpu_expand_kernel_replaced") for r in engine_rows),
+                  "temperatures": {
                       f"{float(t):g}": {"temperature": float(t),
                                         "methods": vllm_eval.summarize(engine_rows, engine_methods, k, float(t)),
-                                        "vs_ours": vllm_eval.compare(engine_rows, hf_rows, engine_methods, float(t))}
+                                        "vs_ours": vllm_eval.compare(engine_rows, hf_rows, engine_methods, float(t))
+                                        if ours else None}
                       for t in temperatures}}
     final = next(m for m in methods if m.kind == "eagle3" and m.info["final"])
     bench_file = eval_dir / "bench_prompts_sharegpt.json"
     n_bench = write_bench_prompts(run.dir("generate"), prompts, bench_file)
     report = {
-        "engine": engine,
+        "engine": engine, "hf_crosscheck": ours,
         "target": str(target_path), "target_fingerprint": fingerprint, "drafter_dir": str(drafter_dir),
         "aux_layer_ids": layer_ids, "k": k, "max_new_tokens": max_new_tokens, "seed": seed,
         "prompts": per_ds, "prompt_ids": [[p.dataset, p.sample_id] for p in prompts],
@@ -730,26 +743,31 @@ def explain_engine(report: dict) -> str:
     e, lines = report["engine"], []
     for key, t in e["temperatures"].items():
         m, v = t["methods"], t["vs_ours"]
-        final = next(s for s in m.values() if s["kind"] == "eagle3" and s.get("final"))
-        name = next(n for n, s in m.items() if s is final)
-        ours = report["temperatures"][key]["methods"][name]["acceptance_length_vllm"]
+        name, final = next((n, s) for n, s in m.items() if s["kind"] == "eagle3" and s.get("final"))
         mode = "greedy" if t["temperature"] <= 0 else f"T = {t['temperature']:g}"
         ck = sorted((s["fraction"], s["acceptance_length"]) for s in m.values() if s["kind"] == "eagle3")
         line = (f"**vLLM {e['version']}, {mode}, k = {report['k']}:** drafter **{final['acceptance_length']:.2f}**, "
-                f"ngram {m['ngram']['acceptance_length']:.2f} tokens per verification; through training "
-                + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in ck)
+                f"ngram {m['ngram']['acceptance_length']:.2f} tokens per verification "
+                f"({'the drafter wins' if final['acceptance_length'] > m['ngram']['acceptance_length'] else 'ngram wins'}); "
+                f"through training " + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in ck)
                 + f". Output {final['tokens_per_s']:.0f} tok/s with the drafter, {m['none']['tokens_per_s']:.0f} without "
-                  f"({final['speedup_tokens_per_s']:.2f}x). Our decoder: {ours:.2f}")
-        if t["temperature"] <= 0:
+                  f"({final['speedup_tokens_per_s']:.2f}x).")
+        ours = report["temperatures"].get(key, {}).get("methods", {}).get(name)
+        if ours and t["temperature"] <= 0:
             c = v["methods"][name]
-            line += (f"; the two targets (vLLM's kernels, transformers) decode {v['same_no_drafter_output']} of "
-                     f"{v['prompts']} prompts identically, and with the drafter {c['same_accepted_per_step']} prompts "
-                     f"have the same accepted count at every step: a gap comes from the prompts where a near-tie argmax "
-                     f"differs between the two, not from a different rule.")
-        else:
-            line += ("; at T > 0 the two draw different random numbers, so they agree in expectation only (same rule: "
-                     "a draft is accepted with the target's probability of it).")
+            line += (f" Our decoder: {ours['acceptance_length_vllm']:.2f}. The two targets (vLLM's kernels, "
+                     f"transformers) decode {v['same_no_drafter_output']} of {v['prompts']} prompts identically; on "
+                     f"{c['same_accepted_per_step']} the accepted count is the same at every verification step (same "
+                     f"rule, same float32 weights: only a near-tie argmax that one side breaks the other way can part them).")
+        elif ours:
+            line += (f" Our decoder: {ours['acceptance_length_vllm']:.2f}; at T > 0 the two draw different random "
+                     f"numbers, so they agree in expectation only (same rule: a draft is accepted with the target's "
+                     f"probability of it).")
         lines.append(line)
+    if e.get("cpu_expand_kernel_replaced"):
+        lines.append("vLLM 0.32.0's CPU build loses the batch's float temperatures in its rejection sampler (T > 0: "
+                     "every draft rejected); this run replaced that one kernel with a correct torch version. "
+                     "GPU builds (Triton) are not affected.")
     return "\n\n".join(lines)
 
 
@@ -852,21 +870,31 @@ def plot_by_dataset(report: dict, path: Path):
     return _save(fig, path)
 
 
+def primary(report: dict) -> dict:
+    """The report as the figures read it: the engine's numbers when stage 06 measured in vLLM,
+    else our decoder's."""
+    return {**report, "temperatures": report["engine"]["temperatures"]} if report.get("engine") else report
+
+
 def plot_training(report: dict, path: Path):
-    """The drafter's exports along training, against prompt lookup and no drafter."""
+    """The drafter's exports along training, against prompt lookup (vLLM's ngram) and no drafter;
+    our decoder's numbers also split off novel text."""
     fig, panels = _panels(report, 5.0)
     for ax, t in panels:
         summary = t["methods"]
-        ck = sorted((s["fraction"], s["acceptance_length"], s["novel_text"]["acceptance_length"])
-                    for s in summary.values() if s["kind"] == "eagle3")
-        d, pl = summary["eagle3"], summary["prompt lookup"]
+        base = "ngram" if "ngram" in summary else "prompt lookup"
+        d, pl = summary["eagle3"], summary[base]
+        ck = sorted((s["fraction"], s["acceptance_length"]) for s in summary.values() if s["kind"] == "eagle3")
         ax.plot([c[0] for c in ck], [c[1] for c in ck], marker="o", color=_color(t, "eagle3"),
-                label=f"drafter: all text ({d['rounds']} rounds)")
-        ax.plot([c[0] for c in ck], [c[2] for c in ck], marker="s", ls="--", color=_color(t, "eagle3"),
-                label=f"drafter: novel text ({d['novel_text']['rounds']} rounds)")
-        ax.axhline(pl["acceptance_length"], color=_color(t, "prompt lookup"), lw=1, label="prompt lookup: all text")
-        ax.axhline(pl["novel_text"]["acceptance_length"], color=_color(t, "prompt lookup"), ls="--", lw=1,
-                   label="prompt lookup: novel text")
+                label=f"drafter: all text ({d.get('drafts', d.get('rounds'))} verifications)")
+        ax.axhline(pl["acceptance_length"], color=_color(t, base), lw=1, label=f"{base}: all text")
+        if "novel_text" in d:
+            novel = sorted((s["fraction"], s["novel_text"]["acceptance_length"]) for s in summary.values()
+                           if s["kind"] == "eagle3")
+            ax.plot([c[0] for c in novel], [c[1] for c in novel], marker="s", ls="--", color=_color(t, "eagle3"),
+                    label=f"drafter: novel text ({d['novel_text']['rounds']} rounds)")
+            ax.axhline(pl["novel_text"]["acceptance_length"], color=_color(t, base), ls="--", lw=1,
+                       label=f"{base}: novel text")
         ax.axhline(1.0, color="grey", lw=0.8, ls=":", label="no drafter")
         ax.set_xlim(0, 1.05)
         ax.set_xlabel("fraction of training")
@@ -886,9 +914,11 @@ def plot_positions(report: dict, path: Path):
                 continue
             pos = list(range(1, len(s["position_acceptance"]) + 1))
             ax.plot(pos, s["position_acceptance"], marker="o", color=_color(t, name), label=name)
-            ax.plot(pos, s["position_acceptance_conditional"], ls="--", color=_color(t, name), alpha=0.6)
-        ceiling = t["methods"]["none"]["position1_ceiling"]
-        ax.plot([1], [ceiling], marker="*", ms=12, color="black", ls="none", label="perfect drafter, j = 1")
+            if "position_acceptance_conditional" in s:
+                ax.plot(pos, s["position_acceptance_conditional"], ls="--", color=_color(t, name), alpha=0.6)
+        ceiling = t["methods"]["none"].get("position1_ceiling")
+        if ceiling is not None:
+            ax.plot([1], [ceiling], marker="*", ms=12, color="black", ls="none", label="perfect drafter, j = 1")
         ax.set_xticks(pos)
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("draft position j")

@@ -19,8 +19,8 @@ and the ids vLLM's GPU model runner (Model Runner V2) reads from the same parsed
 unlike the CPU build's V1 runner, ignores `eagle_config.eagle_aux_hidden_state_layer_ids`.
 Both must be the ids the drafter was trained on, or the stage stops.
 
-Engines run in a child process (`python -m draftsmith.vllm_eval JOB`; vLLM's CPU build needs its
-OpenMP preloaded, `engine_env`), one after the other in that process. Each decoded
+Engines run in a child process (`python -m draftsmith.vllm_eval JOB`, started like stage 04's engine:
+`target_backend.vllm_env`), one after the other in that process. Each decoded
 prompt is one line of `<run>/eval/engine_rounds.jsonl`, keyed by the settings, so a re-run starts no
 engine whose lines are all there.
 """
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from .store import read_jsonl
+from .target_backend import _die_with_parent, vllm_env
 
 VLLM_VERSION = "0.32.0"
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -44,31 +45,9 @@ COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft
 
 # ---- the parent: what to measure, and the child that measures it ----------------------------------
 
-def engine_env(in_process: bool = True) -> dict[str, str]:
-    """The environment of the engine's process: vLLM's CPU build wants its Intel OpenMP preloaded and
-    a KV-cache size (both ignored on GPUs); with one rank the engine core runs inside that process,
-    which saves two more imports of vLLM (tens of seconds each on 2 cores).
-    (Same as stage 04's `target_backend.vllm_env`; to be folded into it.)"""
-    env = dict(os.environ)
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if in_process:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # lets `collective_rpc` carry a function to the workers (reading the layers they capture);
-    # the engine's processes talk only to each other
-    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    return env
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies, so no engine outlives its run."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# lets `collective_rpc` carry a function to the workers (reading the layers they capture); the
+# engine's processes talk only to each other
+RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
 def speculative_config(kind: str, k: int, export_dir: str | None = None, lookup_min: int = 1,
@@ -123,7 +102,7 @@ def measure(target: str | os.PathLike, methods: list[dict], prompts: list, *, k:
         job_file.write_text(json.dumps(job))
         log(f"vLLM {VLLM_VERSION}: {len(todo)} engine(s) to start ({', '.join(m['name'] for m in todo)}), "
             f"{len(prompts)} prompts x {len(temperatures)} temperatures each")
-        env = engine_env(in_process=tensor_parallel_size == 1)
+        env = {**vllm_env(in_process=tensor_parallel_size == 1), **RPC_ENV}
         cmd = [sys.executable, "-m", "draftsmith.vllm_eval", str(job_file)]
         tail: list[str] = []
         with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -247,6 +226,42 @@ def gpu_runner_layer_ids(spec_config) -> list[int] | None:
     return [int(i) for i in ids] if ids else None
 
 
+def expand_to_tokens(output, values, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
+    """vLLM's `expand_kernel` in torch, any dtype: request i's value (`replace_from` read as
+    `replace_to`) written to its tokens, cu_num_tokens[i-1]..cu_num_tokens[i] of `output`."""
+    import torch
+
+    cu = cu_num_tokens.long()
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    values = torch.where(values == replace_from, torch.full_like(values, replace_to), values)
+    output.copy_(torch.repeat_interleave(values, counts, output_size=output.numel()))
+
+
+def fix_cpu_expand_kernel() -> bool:
+    """vLLM 0.32.0's CPU build (no Triton) stands in for the rejection sampler's `expand_kernel` with
+    a C++ one over int64 tensors: given the batch's float32 temperatures it writes an int64 copy and
+    leaves the real output uninitialised, so at T > 0 the target's logits are divided by whatever
+    was in memory and every draft is rejected. Where that stand-in loses a float, it is replaced by
+    `expand_to_tokens` before any engine starts (vLLM binds it at each worker's start). True when
+    replaced; GPUs (Triton) and a fixed vLLM are left alone."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON or current_platform.device_type != "cpu":
+        return False
+    from vllm.utils import cpu_triton_utils
+
+    current_platform.import_kernels()
+    values, cu = torch.tensor([0.5, 2.0]), torch.tensor([3, 5], dtype=torch.int32)
+    out = torch.full((5,), -1.0)
+    cpu_triton_utils._expand_kernel_impl(out, values, cu, 0, 1)
+    if out.tolist() == [0.5, 0.5, 0.5, 2.0, 2.0]:
+        return False
+    cpu_triton_utils._expand_kernel_impl = expand_to_tokens
+    return True
+
+
 def _say(msg: str) -> None:
     print(f"[draftsmith] {msg}", flush=True)
 
@@ -263,6 +278,10 @@ def run_job(job: dict) -> None:
                   enforce_eager=True, disable_log_stats=False)
     if tp == 1:
         common["distributed_executor_backend"] = "uni"
+    fixed = fix_cpu_expand_kernel()
+    if fixed:
+        _say("vLLM's CPU expand kernel loses the float temperatures of a batch (vLLM 0.32.0 CPU build); "
+             "replaced by a torch one, or no draft is ever accepted at T > 0")
     with open(job["out"], "a", encoding="utf-8") as out:
         # ngram last: its proposer imports numba, whose llvmlite objects break the kernel-override scan
         # of every later engine start in this process on vLLM's CPU build (0.32.0)
@@ -301,7 +320,8 @@ def run_job(job: dict) -> None:
                            "counters": _delta(_counters(llm), before, k),
                            "drafted": list(sdm.per_step_drafted) if sdm else [],
                            "accepted": list(sdm.per_step_accepted) if sdm else [],
-                           "aux_layers_engine": live, "aux_layers_gpu_runner": gpu, "startup_s": startup}
+                           "aux_layers_engine": live, "aux_layers_gpu_runner": gpu, "startup_s": startup,
+                           "cpu_expand_kernel_replaced": fixed}
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                     n += 1
@@ -332,7 +352,7 @@ def read_layer_ids(target: str | os.PathLike, exports: list[str | os.PathLike]) 
     """What vLLM reads as aux layer ids from each export (None: its default), per model runner."""
     job = {"mode": "layer_ids", "target": str(target), "exports": [str(e) for e in exports]}
     r = subprocess.run([sys.executable, "-m", "draftsmith.vllm_eval", "-"], input=json.dumps(job), text=True,
-                       capture_output=True, env=engine_env())
+                       capture_output=True, env={**vllm_env(), **RPC_ENV})
     if r.returncode:
         raise RuntimeError(f"vLLM could not parse the exports: {(r.stdout + r.stderr)[-3000:]}")
     return json.loads(next(line for line in r.stdout.splitlines() if line.startswith("[draftsmith-result] "))
