@@ -299,3 +299,15 @@ def test_engine_numbers_only_needs_the_engine(tmp_path):
     with pytest.raises(ValueError, match="eval_hf_crosscheck is false and eval_backend is hf"):
         ev.evaluate_run(Run(tmp_path, "r"), "tiny", holdout_fraction=0.1, prompts_per_dataset=1, max_new_tokens=4,
                         k=3, temperatures=[0.0], backend="hf", hf_crosscheck=False, log=quiet)
+
+
+def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_asked(tiny_target, tmp_path):
+    d = random_export(tiny_target, tmp_path / "e")
+    c = ev.serving_commands(d, "/models/Kimi-K2.5", 3, "bench.json", tp=8, trust_remote_code=True)
+    for flag in ("--speculative-algorithm EAGLE3", "--speculative-num-steps 3", "--speculative-eagle-topk 1",
+                 "--speculative-num-draft-tokens 4", "--trust-remote-code", "--tp 8"):
+        assert flag in c["sglang_server"]
+    assert all("--trust-remote-code" in c[name] for name in ("sglang_baseline", "sglang_ngram", "vllm_server",
+                                                             "vllm_baseline"))
+    assert "completion_tokens'] / m['spec_verify_ct']" in c["sglang_acceptance"]
+    assert "--trust-remote-code" not in ev.serving_commands(d, "/m", 3, "bench.json")["sglang_server"]
