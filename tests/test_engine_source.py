@@ -24,6 +24,7 @@ from draftsmith.drafter import train
 from draftsmith.emulator import running
 from draftsmith.paths import REPO_ROOT, Run
 from draftsmith.shards import HiddenShards
+from draftsmith.target_backend import vllm_env
 
 pytest.importorskip("vllm")
 
@@ -36,16 +37,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def vllm_env() -> dict:
-    """vLLM's CPU build wants its OpenMP preloaded and a KV-cache size; one process, no engine core
-    of its own."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if iomp.is_file():
-        env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
-    return env
 
 
 def get_json(url: str):
