@@ -194,3 +194,13 @@ def test_the_library_cites_only_documents_in_the_repository():
         cited |= set(re.findall(r"docs/[\w.-]+\.md", text))
     assert "docs/eagle3.md" in cited
     assert [c for c in sorted(cited) if not (REPO / c).is_file()] == []
+
+
+def test_a_plain_http_engine_needs_no_key_but_openrouter_does(monkeypatch):
+    from draftsmith.apikey import ENV_VAR, api_key_for
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert "no key" in api_key_for("http://localhost:8000/v1").source
+    with pytest.raises(RuntimeError, match="no API key"):
+        api_key_for("https://openrouter.ai/api/v1")
+    monkeypatch.setenv(ENV_VAR, "sk-or-v1-x")
+    assert api_key_for("http://localhost:8000/v1").reveal() == "sk-or-v1-x"

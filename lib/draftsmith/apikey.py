@@ -53,3 +53,12 @@ def read_api_key(api_key_file: str | os.PathLike | None = None) -> ApiKey:
     if not value:
         raise RuntimeError(f"no API key: set api_key_file in the params or the {ENV_VAR} environment variable")
     return ApiKey(value, f"${ENV_VAR}")
+
+
+def api_key_for(api_base: str, api_key_file: str | os.PathLike | None = None) -> ApiKey:
+    """The key for `api_base`. OpenRouter (https) needs one; a serving engine on plain http (a local
+    vLLM or SGLang started without --api-key) may have none: then a placeholder is sent, as
+    OpenAI-compatible clients do."""
+    if api_key_file or os.environ.get(ENV_VAR, "").strip() or not api_base.startswith("http://"):
+        return read_api_key(api_key_file)
+    return ApiKey("EMPTY", f"no key (a plain-http engine at {api_base})")

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .apikey import ENV_VAR, ApiKey, read_api_key
+from .apikey import ENV_VAR, ApiKey, api_key_for, read_api_key
 from .paths import Run
 
 START_TIMEOUT_S = 300
@@ -36,7 +36,7 @@ START_TIMEOUT_S = 300
 def open_api(api_base: str, api_key_file: str | None, run: Run, target_model_path: str | None,
              emulator: dict | None = None, model: str | None = None) -> Iterator[tuple[str, ApiKey]]:
     if api_base != "local":
-        yield api_base.rstrip("/"), read_api_key(api_key_file)
+        yield api_base.rstrip("/"), api_key_for(api_base, api_key_file)
         return
     from .emulator import KEY_ENV, new_key
     from .emulator.config import load_config

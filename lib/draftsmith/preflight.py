@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .apikey import read_api_key
+from .apikey import api_key_for
 from .datasets import DatasetReader, parse_datasets
 from .paths import Run
 
@@ -65,7 +65,7 @@ def check(stages, values: dict, sources: dict[str, str]) -> list[str]:
         problems += _datasets(values.get("datasets") or [], where("datasets"))
         if values.get("api_base") != "local":
             try:
-                read_api_key(values.get("api_key_file"))
+                api_key_for(str(values.get("api_base")), values.get("api_key_file"))
             except (OSError, ValueError, RuntimeError) as e:
                 key = "api_key_file" if values.get("api_key_file") else "api_base"
                 problems.append(f"{where(key)}: api_base is {values.get('api_base')!r}: {e}")
