@@ -126,7 +126,8 @@ def vllm_env(kvcache_gib: float = 1.0, in_process: bool = True) -> dict[str, str
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the parent dies (even by kill -9), so an engine
-    never outlives the run that started it."""
+    never outlives the run that started it. (Linux sends it when the starting *thread* ends: start
+    engines from a thread that lives as long as they do, as the main thread does.)"""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
