@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -50,6 +51,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rehearsal_data  # noqa: E402
+
+from draftsmith.datasets import stable_id  # noqa: E402
 
 from draftsmith.emulator import ADMIN_KEY_ENV, KEY_ENV, new_key  # noqa: E402
 from draftsmith.paths import REPO_ROOT, Run  # noqa: E402
@@ -255,7 +258,7 @@ def rehearse(volume: float = 1.0, time_scale: float = 0.1, run_name: str = "rehe
         if plan["tokens_that_fit"] >= plan["output_tokens"]:
             raise RehearsalFailed(f"stage 01 planned ${plan['planned_usd']:.2f}, within the ${credits:g} balance: "
                                   f"the rehearsal must run the balance out")
-        log(f"rehearsal: stage 01 says {plan['sentence']}")
+        log(f"rehearsal: stage 01 says: {plan['sentence']}")
         first = stage("02", expect_ok=False, watch_emulator=True)
         stop = last_session(run)
         if first["rc"] == 0 or stop.get("status") != "balance":
@@ -271,10 +274,21 @@ def rehearse(volume: float = 1.0, time_scale: float = 0.1, run_name: str = "rehe
         emulator_cpu = emu.cpu_s()
     finally:
         emu.close()
-    result = measure(run, stages, plan, top_up, time_scale, params["concurrency"], emulator_cpu)
-    result["real_elapsed_s"] = round(time.monotonic() - t_start, 1)
-    result["volume"], result["budget_per_dataset"], result["initial_balance_usd"] = volume, budget, credits
-    result["figures"] = sorted(str(f.relative_to(run.root)) for f in run.root.glob("*/figures/*.png"))
+    facts = {"stages": stages, "plan": plan, "top_up": top_up, "time_scale": time_scale, "volume": volume,
+             "concurrency": params["concurrency"], "emulator_cpu": emulator_cpu, "budget": budget, "credits": credits,
+             "real_elapsed_s": round(time.monotonic() - t_start, 1)}
+    write_json_atomic(work / "stages.json", facts)       # what measure() needs besides the run's files
+    return report(run, log)
+
+
+def report(run: Run, log=print) -> dict:
+    """The table from a finished rehearsal's files (`--report-only` redoes it)."""
+    work = run.dir("rehearsal")
+    f = json.loads((work / "stages.json").read_text())
+    result = measure(run, f["stages"], f["plan"], f["top_up"], f["time_scale"], f["concurrency"], f["emulator_cpu"])
+    result["real_elapsed_s"] = f["real_elapsed_s"]
+    result["volume"], result["budget_per_dataset"], result["initial_balance_usd"] = f["volume"], f["budget"], f["credits"]
+    result["figures"] = sorted(str(p.relative_to(run.root)) for p in run.root.glob("*/figures/*.png"))
     if "generate/figures/timeline.png" not in result["figures"]:
         raise RehearsalFailed("stage 02's report drew no generate/figures/timeline.png (spend vs balance, in flight)")
     write_json_atomic(work / "result.json", result)
@@ -333,25 +347,28 @@ def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale:
     runs02 = [s for s in stages if s["stage"] == "02"]
     t02 = runs02[0]["t_end"] - runs02[0]["real_s"]     # stage 02's first start: ledger lines before are stage 01's
 
-    saved, dup = {}, 0      # sample id -> generation id of its saved response
+    saved, dup = {}, 0      # sample id -> (generation id, client latency) of its saved response
+    asked = Counter()       # saved samples per prompt (two samples may share a prompt)
     for name in manifest["datasets"]:
         for _, r in read_jsonl(gen / name / "raw_responses.jsonl"):
             dup += r["sample_id"] in saved
-            saved[r["sample_id"]] = r["generation_id"]
-    saved_gens = set(saved.values())
+            saved[r["sample_id"]] = (r["generation_id"], r.get("latency_s"))
+            asked[stable_id(r["messages"])] += 1       # the emulator's prompt_key of that request
+    saved_gens = {g for g, _ in saved.values()}
     lines02 = [r for r in ledger if r["time"] - r["generation_ms"] / 1000 >= t02]
     billed = [r for r in lines02 if r["billed"] and r["cost"] > 0]
     delivered = [r for r in billed if r["error"] is None]
     lost = [r for r in delivered if r["generation_id"] not in saved_gens]
     wire = [r for r in billed if r["error"] is not None]          # billed, then hung or cut by the provider
-    paid: dict[str, list[dict]] = {}
-    for r in billed:
-        paid.setdefault(r["prompt_key"], []).append(r)
-    twice = {k: v for k, v in paid.items() if len(v) > 1}
+    # paid twice: bills beyond one per saved sample of the same prompt; a bill the provider lost on
+    # the wire explains one, a request still in flight when the first session stopped another
+    bills, wire_bills = Counter(r["prompt_key"] for r in billed), Counter(r["prompt_key"] for r in wire)
     stop_t = runs02[0]["t_end"]
-    at_stop = [k for k, v in twice.items() if any(r["error"] is None and r["time"] <= stop_t for r in v)
-               and any(r["time"] > stop_t for r in v)]
-
+    around_stop = Counter(r["prompt_key"] for r in billed if r["error"] is None
+                          and r["time"] - r["generation_ms"] / 1000 <= stop_t <= r["time"] + 5)
+    twice = {k: bills[k] - asked[k] for k in bills if bills[k] > asked[k]}
+    after_wire = sum(min(n, wire_bills[k]) for k, n in twice.items())
+    at_stop = sum(min(n - min(n, wire_bills[k]), around_stop[k]) for k, n in twice.items())
     tokens = {name: d["completion_tokens"] for name, d in manifest["datasets"].items()}
     budgets = {name: d["budget"] for name, d in manifest["datasets"].items()}
     out_tokens = sum(tokens.values())
@@ -363,13 +380,18 @@ def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale:
     cheapest = min(cost_on, key=cost_on.get)
     cheapest_usd = cost_on[cheapest]
     credits = [a for a in account if a.get("type") == "credits"]
-    sessions = [phase(s, concurrency, time_scale) for s in runs02]
+    timeline = [r for _, r in read_jsonl(gen / "timeline.jsonl")]
+    floor = manifest["config"]["balance_floor_usd"]
+    worst = manifest["config"]["request"]["max_tokens"] * max(
+        float(endpoints[t].get("price_out_worst") or endpoints[t]["price_out"]) for t in routing["allowed"]) / 1e6
+    sessions = [phase(s, [p for p in timeline if p["session"] == n], concurrency, floor, worst)
+                for n, s in enumerate(runs02, start=len(manifest["sessions"]) - len(runs02) + 1)]
     tokens_report = json.loads((run.root / "tokens" / "report.json").read_text())
     t = tokens_report["totals"]
     return {
         "time_scale": time_scale, "concurrency": concurrency,
         "simulated_generation_s": round(sum(s["span_s"] for s in sessions) / time_scale, 1) if time_scale else None,
-        "sessions": sessions,
+        "sessions": sessions, "lag_s": lags(saved, lines02),
         "tokens": tokens, "budgets": budgets,
         "overshoot": {n: (tokens[n] - budgets[n]) / budgets[n] for n in tokens},
         # TokenBudget's tolerance: 1% of the budget, or one max_tokens when that is more
@@ -382,8 +404,8 @@ def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale:
         "samples_saved": len(saved), "duplicated": dup, "lost": len(lost),
         "lost_usd": round(sum(r["cost"] for r in lost), 6),
         "billed_lost_on_wire": len(wire), "billed_lost_on_wire_usd": round(sum(r["cost"] for r in wire), 6),
-        "paid_twice": len(twice), "paid_twice_after_wire_fault": sum(any(r["error"] for r in v) for v in twice.values()),
-        "paid_twice_in_flight_at_stop": len(at_stop),
+        "paid_twice": sum(twice.values()), "paid_twice_after_wire_fault": after_wire,
+        "paid_twice_in_flight_at_stop": at_stop,
         "manifest_lost_answers": sum(s.get("lost_answers", 0) for s in manifest["sessions"]),
         "manifest_lost_costed": sum(s.get("lost_answers_costed", 0) for s in manifest["sessions"]),
         "requests_at_providers": len(lines02), "stop_message": manifest["sessions"][0].get("message"),
@@ -398,22 +420,43 @@ def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale:
     }
 
 
-def phase(stage: dict, concurrency: int, time_scale: float) -> dict:
-    """One stage 02 session from the emulator's side: how long requests were at the providers,
-    and how full the slots were while there was work to start (up to the last request's start)."""
-    states = [s for s in stage["states"] if s["in_flight"] > 0]
-    if not states:
-        return {"label": stage["label"], "span_s": 0.0, "utilisation": None, "tail_s": 0.0, "peak_in_flight": 0}
-    t0, t1 = states[0]["t"], states[-1]["t"]
-    # the tail: from when the in-flight count last stood at (nearly) its peak to the last response
-    peak = max(s["in_flight"] for s in states)
-    full_end = max(s["t"] for s in states if s["in_flight"] >= 0.9 * peak)
-    busy = [s["in_flight"] for s in states if s["t"] <= full_end]
-    return {"label": stage["label"], "span_s": round(t1 - t0 + 1.0, 1), "peak_in_flight": peak,
-            "utilisation": sum(busy) / len(busy) / concurrency, "utilisation_all": sum(
-                s["in_flight"] for s in states) / len(states) / concurrency,
-            "tail_s": round(t1 - full_end, 1),
-            "in_flight": [(round(s["t"] - t0, 1), s["in_flight"], round(s["balance"], 4)) for s in stage["states"]]}
+def phase(stage: dict, points: list[dict], concurrency: int, floor: float, worst: float) -> dict:
+    """One stage 02 session, second by second (`points`: the client's timeline.jsonl lines of
+    that session; `stage["states"]`: the emulator's admin/state polls). Each second is one of:
+    slots full (the client holds `concurrency` requests), money-bound (balance - floor - reserved
+    is less than one more request's worst case: the engine may not start it), or winding down
+    (fewer prompts or budget left than slots). Real seconds."""
+    if not points:
+        return {"label": stage["label"], "span_s": 0.0, "full_s": 0, "money_s": 0, "wind_s": 0, "peak_in_flight": 0}
+    full = money = wind = 0
+    full_at = []
+    for pt in points:
+        if pt["in_flight"] >= 0.98 * concurrency:
+            full += 1
+            full_at.append(pt["t"])
+        elif pt["balance"] is not None and pt["balance"] - floor - pt["reserved"] < worst:
+            money += 1
+        else:
+            wind += 1
+    # at the providers (emulator) while the client's slots were full: requests waiting out a retry are not
+    emu = [st["in_flight"] for st in stage["states"] if full_at and full_at[0] <= st["t"] <= full_at[-1]]
+    return {"label": stage["label"], "span_s": round(points[-1]["t"] - points[0]["t"] + 1.0, 1),
+            "full_s": full, "money_s": money, "wind_s": wind,
+            "peak_in_flight": max(pt["in_flight"] for pt in points),
+            "at_providers_when_full": sum(emu) / len(emu) / concurrency if emu else None}
+
+
+def lags(saved: dict, ledger: list[dict]) -> dict:
+    """How long after the emulator finished a response the client had it parsed: the client's
+    latency minus the emulator's time for that generation (real seconds). A client that keeps up
+    shows a lag that is small next to the requests' duration."""
+    took = {r["generation_id"]: r["generation_ms"] / 1000 for r in ledger}
+    d = sorted(lat - took[g] for g, lat in saved.values() if g in took and lat is not None)
+    dur = sorted(took[g] for g, _ in saved.values() if g in took)
+    if not d:
+        return {}
+    q = lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))]  # noqa: E731
+    return {"p50": q(d, 0.5), "p99": q(d, 0.99), "max": d[-1], "duration_p50": q(dur, 0.5)}
 
 
 def _csv(path: Path) -> list[dict]:
@@ -434,9 +477,17 @@ def render(r: dict) -> str:
     s1, s2 = (r["sessions"] + [{}, {}])[:2]
     over = max(r["overshoot"].values())
     per_ds = ", ".join(f"{n} {t / 1e6:.3f}M" for n, t in r["tokens"].items())
-    util = "; ".join(f"{s['label']}: {100 * s['utilisation']:.0f}% until the last start (tail {_dur(s['tail_s'] / r['time_scale'] if r['time_scale'] else None)}), "
-                     f"{100 * s['utilisation_all']:.0f}% overall, peak {s['peak_in_flight']}"
-                     for s in r["sessions"] if s.get("utilisation") is not None)
+    sim = (lambda sec: _dur(sec / r["time_scale"])) if r["time_scale"] else (lambda sec: "n/a")
+    util = "; ".join(
+        f"{x['label']}: slots full {sim(x['full_s'])}"
+        + (f" ({100 * x['at_providers_when_full']:.0f}% of them at a provider, the rest waiting out a retry)"
+           if x.get("at_providers_when_full") is not None else "")
+        + f", money-bound {sim(x['money_s'])}, winding down {sim(x['wind_s'])}, peak {x['peak_in_flight']}"
+        for x in r["sessions"])
+    lag = r.get("lag_s") or {}
+    if lag:
+        util += (f"; the client had each response {lag['p50']:.3f} s (p50) / {lag['p99']:.3f} s (p99) real after "
+                 f"the emulator finished it (responses take {lag['duration_p50']:.1f} s real, p50)")
     c = {x["label"]: x for x in r["client"]}
     cpu = ", ".join(f"{k} {v['cpu_s']:.0f} s / {v['peak_rss_mb']} MB" for k, v in c.items())
     st3 = r["stage03"]
@@ -462,7 +513,7 @@ def render(r: dict) -> str:
          f"{r['paid_twice_after_wire_fault']} after a provider billed and lost the answer: "
          f"{r['billed_lost_on_wire']} such, ${r['billed_lost_on_wire_usd']:.4f}, costed via /generation: "
          f"{r['manifest_lost_costed']} of {r['manifest_lost_answers']})", "0 / 0 / -"),
-        ("slot utilisation (emulator's in-flight / concurrency)", util, ""),
+        ("slots: full / money-bound / winding down (simulated), client lag", util, ""),
         ("client CPU and peak RSS per stage", cpu + f"; emulator CPU {r['emulator_cpu_s']:.0f} s", ""),
         ("stage 03: time, checks, billed vs rebuilt",
          f"{_dur(r['stage03_s'])}; {st3['samples']} samples, {st3['flagged']} flagged, "
@@ -482,13 +533,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--volume", type=float, default=1.0,
                     help="fraction of the real job: token budgets and the $100 balance together (default 1)")
-    ap.add_argument("--time-scale", type=float, default=0.1,
-                    help="emulator seconds per simulated second (default 0.1: ten times faster than real)")
+    ap.add_argument("--time-scale", type=float, default=0.5,
+                    help="emulator seconds per simulated second (default 0.5: twice as fast as real)")
     ap.add_argument("--run-name", default="rehearsal")
     ap.add_argument("--outputs-dir", default="outputs")
+    ap.add_argument("--report-only", action="store_true", help="only redo the table of a finished rehearsal")
     args = ap.parse_args(argv)
     try:
-        rehearse(args.volume, args.time_scale, args.run_name, args.outputs_dir)
+        if args.report_only:
+            report(Run(args.outputs_dir, args.run_name))
+        else:
+            rehearse(args.volume, args.time_scale, args.run_name, args.outputs_dir)
     except RehearsalFailed as e:
         print(f"rehearsal failed: {e}", file=sys.stderr)
         return 1
