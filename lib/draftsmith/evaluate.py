@@ -924,7 +924,8 @@ def plot_positions(report: dict, path: Path):
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("draft position j")
         ax.set_ylabel("P(draft j accepted)")
-        ax.set_title(f"per position, {_label(t)} (dashed: given j-1)", fontsize=10)
+        given = any("position_acceptance_conditional" in s for s in t["methods"].values())
+        ax.set_title(f"per position, {_label(t)}" + (" (dashed: given j-1)" if given else ""), fontsize=10)
     panels[0][0].legend(fontsize=7)
     return _save(fig, path)
 

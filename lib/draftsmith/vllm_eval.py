@@ -22,7 +22,7 @@ Both must be the ids the drafter was trained on, or the stage stops.
 Engines run in a child process (`python -m draftsmith.vllm_eval JOB`, started like stage 04's engine:
 `target_backend.vllm_env`), one after the other in that process. Each decoded
 prompt is one line of `<run>/eval/engine_rounds.jsonl`, keyed by the settings, so a re-run starts no
-engine whose lines are all there.
+engine whose lines are all there. On GPUs with the real target: docs/gpu.md, "Stage 06 on GPUs".
 """
 
 from __future__ import annotations
@@ -295,10 +295,11 @@ def run_job(job: dict) -> None:
             if m["kind"] == "eagle3":
                 live = llm.collective_rpc(_engine_aux_layers)[0]
                 gpu = gpu_runner_layer_ids(llm.llm_engine.vllm_config.speculative_config)
-                if live != m["expect_layers"]:
-                    raise RuntimeError(f"{m['name']}: vLLM captures target layers {live} (its input ids) but the "
-                                       f"drafter was trained on {m['expect_layers']}: the export's "
-                                       f"eagle_aux_hidden_state_layer_ids are not where vLLM reads them")
+                for runner, ids in (("the live engine", live), ("vLLM's GPU model runner", gpu)):
+                    if ids != m["expect_layers"]:
+                        raise RuntimeError(f"{m['name']}: {runner} captures target layers {ids} (input ids) but the "
+                                           f"drafter was trained on {m['expect_layers']}: the export's "
+                                           f"eagle_aux_hidden_state_layer_ids are not where vLLM reads them")
             _say(f"engine {m['name']!r} up in {startup:.0f}s" + (f", captures layers {live}" if live else ""))
             first = job["prompts"][0]["ids"]
             llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
