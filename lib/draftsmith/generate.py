@@ -560,13 +560,7 @@ class Engine:
                 background = [loop.create_task(self._poll_balance(reader)), loop.create_task(self._tick())]
                 self._save_manifest()
                 await self._dispatch()
-                if self.tasks:
-                    _, pending = await asyncio.wait(set(self.tasks), timeout=self.stop_grace_s)
-                    for t in pending:
-                        t.cancel()
-                    if pending:
-                        await asyncio.wait(pending)
-                        self.log(f"gave up on {len(pending)} requests still in flight after {self.stop_grace_s:.0f}s")
+                await self._drain()
                 if self.recoveries:
                     patience = self.opts.recovery_patience_s if self.stop_grace_s else 0.0
                     self.log(f"asking GET /generation what {len(self.recoveries)} lost answers cost "
@@ -598,15 +592,20 @@ class Engine:
         try:
             self._save_manifest()
             await self._dispatch()
-            if self.tasks:
-                _, pending = await asyncio.wait(set(self.tasks), timeout=self.stop_grace_s)
-                for t in pending:
-                    t.cancel()
-                if pending:
-                    await asyncio.wait(pending)
-                    self.log(f"gave up on {len(pending)} requests still in flight after {self.stop_grace_s:.0f}s")
+            await self._drain()
         finally:
             background.cancel()
+
+    async def _drain(self) -> None:
+        """Let the requests in flight finish, for `stop_grace_s` at most; give up on the rest."""
+        if not self.tasks:
+            return
+        _, pending = await asyncio.wait(set(self.tasks), timeout=self.stop_grace_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending)
+            self.log(f"gave up on {len(pending)} requests still in flight after {self.stop_grace_s:.0f}s")
 
     def _apply_policy(self, eps: list[dict]) -> None:
         """No stage-01 routing: route only where the precision policy allows (the `provider`
