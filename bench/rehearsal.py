@@ -480,7 +480,8 @@ def render(r: dict) -> str:
     sim = (lambda sec: _dur(sec / r["time_scale"])) if r["time_scale"] else (lambda sec: "n/a")
     util = "; ".join(
         f"{x['label']}: slots full {sim(x['full_s'])}"
-        + (f" ({100 * x['at_providers_when_full']:.0f}% of them at a provider, the rest waiting out a retry)"
+        + (f" ({100 * x['at_providers_when_full']:.0f}% of them at a provider; the others wait out a retry, "
+           f"or hold an answer the client has not read yet)"
            if x.get("at_providers_when_full") is not None else "")
         + f", money-bound {sim(x['money_s'])}, winding down {sim(x['wind_s'])}, peak {x['peak_in_flight']}"
         for x in r["sessions"])
