@@ -82,6 +82,15 @@ def raw_tensor_bytes(hs: HiddenShards) -> int:
     return n
 
 
+def print_disk_table(disk: dict[str, tuple[int, int]], tokens: int, H: int) -> None:
+    """Bytes per token on disk vs the raw tensors, per storage dtype (target ratio <= 1.02)."""
+    print(f"\n{'bytes per token':18s}{'on disk':>10s}{'raw tensors':>13s}{'ratio':>8s}{'of which hidden':>17s}"
+          "   (target ratio <= 1.02)")
+    for dtype, (on_disk, raw) in disk.items():
+        hid = 8 * H if dtype == "bf16" else 4 * H + 16
+        print(f"{dtype:18s}{on_disk / tokens:10.1f}{raw / tokens:13.1f}{on_disk / raw:8.3f}{hid:17d}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="tiny", help="built-in target name or checkpoint folder")
@@ -133,11 +142,7 @@ def main() -> None:
     print(f"{'naive CausalLM output_hidden_states':36s}{tokens / naive:10,.0f}"
           f"{statistics.median(plain) / naive:10.2f}   (1 pass, vs the median plain)")
 
-    print(f"\n{'bytes per token':18s}{'on disk':>10s}{'raw tensors':>13s}{'ratio':>8s}{'of which hidden':>17s}"
-          "   (target ratio <= 1.02)")
-    for dtype, (on_disk, raw) in disk.items():
-        hid = 8 * H if dtype == "bf16" else 4 * H + 16
-        print(f"{dtype:18s}{on_disk / tokens:10.1f}{raw / tokens:13.1f}{on_disk / raw:8.3f}{hid:17d}")
+    print_disk_table(disk, tokens, H)
 
 
 if __name__ == "__main__":

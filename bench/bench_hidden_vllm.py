@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_hidden import raw_tensor_bytes, synthetic_tokens
+from bench_hidden import print_disk_table, raw_tensor_bytes, synthetic_tokens
 
 from draftsmith import hidden, layers
 from draftsmith.shards import HiddenShards
@@ -117,11 +117,7 @@ def main() -> None:
         ratio = statistics.median(p / t for p, t in zip(base, ts))
         print(f"{name:20s}{tokens / statistics.median(ts):10,.0f}{ratio:10.2f}")
     H = cfg["hidden_size"]
-    print(f"\n{'bytes per token':18s}{'on disk':>10s}{'raw tensors':>13s}{'ratio':>8s}{'of which hidden':>17s}"
-          "   (target ratio <= 1.02)")
-    for dtype, (on_disk, raw) in disk.items():
-        hid = 8 * H if dtype == "bf16" else 4 * H + 16
-        print(f"{dtype:18s}{on_disk / tokens:10.1f}{raw / tokens:13.1f}{on_disk / raw:8.3f}{hid:17d}")
+    print_disk_table(disk, tokens, H)
 
 
 if __name__ == "__main__":

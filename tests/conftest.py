@@ -1,8 +1,11 @@
 """Shared fixtures: the test-sized tiny target (built once into the cache) and a throwaway API key."""
 
+import json
 import os
 import secrets
+import socket
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -69,3 +72,14 @@ def write_token_rows(path: Path, tok, convs: list[list[dict]], prefix: str = "s"
                      "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())

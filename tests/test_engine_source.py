@@ -8,7 +8,6 @@ hidden states and training report every source."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,26 +21,17 @@ from draftsmith import cli, generate, hidden
 from draftsmith.apikey import ApiKey
 from draftsmith.drafter import train
 from draftsmith.emulator import running
-from draftsmith.paths import REPO_ROOT, Run
+from draftsmith.paths import Run
 from draftsmith.shards import HiddenShards
 from draftsmith.target_backend import vllm_env
+
+from conftest import free_port, get_json
 
 pytest.importorskip("vllm")
 
 SERVED = "tiny-test"
 FAST = dict(backoff_base_s=0.05, backoff_cap_s=0.5, request_timeout_s=60.0, stop_grace_s=5.0)
 SETTINGS = dict(max_tokens=40, temperature=1.0, top_p=1.0, seed=0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url: str):
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
 
 
 def post_json(url: str, body: dict):

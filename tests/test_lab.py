@@ -6,7 +6,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,23 +14,13 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from conftest import free_port, get_json
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str):
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
-
-
 def test_make_lab_serves_the_notebooks_with_the_projects_kernel(tmp_path):
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     args = f"--no-browser --port={port} --ServerApp.ip=127.0.0.1 --IdentityProvider.token={token}"
     if os.geteuid() == 0:  # CI containers
         args += " --allow-root"
@@ -44,14 +33,14 @@ def test_make_lab_serves_the_notebooks_with_the_projects_kernel(tmp_path):
         deadline = time.time() + 90
         while True:
             try:
-                contents = _get(f"{base}/api/contents?token={token}")
+                contents = get_json(f"{base}/api/contents?token={token}")
                 break
             except OSError:
                 assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
                 time.sleep(0.5)
         names = {c["name"] for c in contents["content"]}
         assert {p.name for p in (REPO / "notebooks").glob("*.ipynb")} <= names
-        specs = _get(f"{base}/api/kernelspecs?token={token}")
+        specs = get_json(f"{base}/api/kernelspecs?token={token}")
         kernel = specs["kernelspecs"]["python3"]["spec"]
         assert Path(kernel["argv"][0]).resolve().parent == Path(sys.executable).resolve().parent  # .venv's python
         with urllib.request.urlopen(f"{base}/lab?token={token}", timeout=5) as r:

@@ -647,7 +647,7 @@ class Engine:
                          + (" (its prompts ran out below the budget)" if ran_out else "")
                          + (f", {len(d.store.permanent)} failed for good" if d.store.permanent else ""))
         summary = "; ".join(parts)
-        stage_01 = f", stage 01 included" if self.stage_01_usd else ""
+        stage_01 = ", stage 01 included" if self.stage_01_usd else ""
         spent = (f"spent ${self.cost + self.failed_attempts_cost + self.abandoned_reserved:.4f} this session, "
                  f"${self.spend.spent:.4f} in this run{stage_01} (limit ${self.spend.limit:.2f})")
         lost = self.failed_attempts_cost + self.abandoned_reserved

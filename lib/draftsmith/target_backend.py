@@ -124,7 +124,7 @@ def vllm_env(kvcache_gib: float = 1.0, in_process: bool = True) -> dict[str, str
     return env
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGTERM when the parent dies (even by kill -9), so an engine
     never outlives the run that started it. (Linux sends it when the starting *thread* ends: start
     engines from a thread that lives as long as they do, as the main thread does.)"""
@@ -207,7 +207,7 @@ class VllmCapture:
                 [sys.executable, "-m", "draftsmith.vllm_capture", json.dumps(config), str(write_fd)],
                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
                 env=vllm_env(kvcache_gib, in_process=self.tensor_parallel_size == 1),
-                start_new_session=True, preexec_fn=_die_with_parent, text=True)
+                start_new_session=True, preexec_fn=die_with_parent, text=True)
         os.close(write_fd)
         self._replies = os.fdopen(read_fd, "r")
         log(f"starting vLLM on {self.target.name} (layers {self.vllm_ids} in vLLM's numbering, "

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from .store import read_jsonl
-from .target_backend import _die_with_parent, vllm_env
+from .target_backend import die_with_parent, vllm_env
 
 VLLM_VERSION = "0.32.0"
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -106,7 +106,7 @@ def measure(target: str | os.PathLike, methods: list[dict], prompts: list, *, k:
         cmd = [sys.executable, "-m", "draftsmith.vllm_eval", str(job_file)]
         tail: list[str] = []
         with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              preexec_fn=_die_with_parent) as proc:
+                              preexec_fn=die_with_parent) as proc:
             for line in proc.stdout:
                 tail = (tail + [line.rstrip()])[-40:]
                 if line.startswith("[draftsmith] "):
