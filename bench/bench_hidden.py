@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftsmith import hidden
+from draftsmith import hidden, target_backend
 from draftsmith.shards import HiddenShards
 from draftsmith.target import resolve_target
 
@@ -52,7 +52,7 @@ def plain_forward(model, batches) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            ids, _ = hidden.pad_batch(batch, pad)
+            ids, _ = target_backend.pad_batch(batch, pad)
             base(input_ids=ids.to(model.device), use_cache=False)
     return time.perf_counter() - t0
 
@@ -62,7 +62,7 @@ def naive_forward(model, batches) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            ids, keep = hidden.pad_batch(batch, pad)
+            ids, keep = target_backend.pad_batch(batch, pad)
             out = model(input_ids=ids.to(model.device), output_hidden_states=True, use_cache=False)
             [h[keep.to(h.device)].cpu() for h in out.hidden_states]
     return time.perf_counter() - t0
@@ -105,7 +105,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     target = resolve_target(a.target)
-    model = hidden.load_target(target, a.device)
+    model = target_backend.load_target(target, a.device)
     H = model.config.hidden_size
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

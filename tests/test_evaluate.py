@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftsmith import evaluate as ev
-from draftsmith import hidden
+from draftsmith import hidden, target_backend
 from draftsmith.drafter import load_exported
 from draftsmith.drafter.export import export
 from draftsmith.drafter.model import DrafterConfig, target_config, target_tensors
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def target_model(tiny_target):
-    return hidden.load_target(tiny_target, "cpu")
+    return target_backend.load_target(tiny_target, "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_chain_drafts_are_what_training_time_test_predicts_on_the_final_sequence
     full = list(p) + d.output
     sample = hidden.Sample("x", "s", torch.tensor(full, dtype=torch.int32),
                            torch.zeros(len(full), dtype=torch.uint8), "")
-    cap = hidden.Capture(target_model, LAYER_IDS)
+    cap = target_backend.Capture(target_model, LAYER_IDS)
     aux, _ = cap([sample])
     cap.close()
     with torch.no_grad():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith import hidden, layers
+from draftsmith import hidden, layers, target_backend
 from draftsmith.shards import INDEX, HiddenShards
 
 
@@ -58,7 +58,7 @@ def keys_of(hs: HiddenShards) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def model(tiny_target):
-    return hidden.load_target(tiny_target, "cpu")
+    return target_backend.load_target(tiny_target, "cpu")
 
 
 @pytest.mark.parametrize("ids, convention", [(None, "output"), ([3, 5, 6], "input")])

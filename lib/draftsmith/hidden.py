@@ -52,7 +52,7 @@ import torch
 
 from . import layers, shards
 from .progress import Progress
-from .target_backend import BACKENDS, Capture, load_target, open_capture, pad_batch  # noqa: F401 (the seam)
+from .target_backend import BACKENDS, load_target, open_capture
 from .torchrun import torchrun
 
 SHARD_GLOB = "shard-*.safetensors"
