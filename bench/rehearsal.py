@@ -56,7 +56,7 @@ from draftsmith.datasets import stable_id  # noqa: E402
 
 from draftsmith.emulator import ADMIN_KEY_ENV, KEY_ENV, new_key  # noqa: E402
 from draftsmith.paths import REPO_ROOT, Run  # noqa: E402
-from draftsmith.store import read_jsonl, write_json_atomic  # noqa: E402
+from draftsmith.files import read_jsonl, write_json_atomic  # noqa: E402
 
 PARAMS = REPO_ROOT / "params" / "kimi-k2.5.yaml"
 TARGET = "tiny-test"     # built in, cached: its tokenizer stands in for Kimi-K2.5's

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from draftsmith.store import DatasetStore, Manifest, repair_tail
+from draftsmith.files import repair_tail
+from draftsmith.store import DatasetStore, Manifest
 
 
 def line(sid, tokens=10, cost=0.001, provider="P", finish="stop"):

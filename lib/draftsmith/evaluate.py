@@ -39,7 +39,7 @@ import torch
 from . import layers, vllm_eval
 from .paths import Run
 from .progress import Progress
-from .store import read_jsonl
+from .files import read_jsonl
 
 LOOP_NGRAM = 4   # a token whose preceding 4-gram already occurred starts "repeating" text
 ROUNDS_FORMAT = 3   # of a rounds.jsonl line; lines of another format are measured again

@@ -50,7 +50,8 @@ from .pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints, 
 from .progress import Progress
 from .prompt_queue import ContextCheck, DatasetQueue
 from .retry import Aimd, backoff_delay
-from .store import DatasetStore, Manifest, repair_tail
+from .files import repair_tail
+from .store import DatasetStore, Manifest
 
 TODO = {"balance": "top up the balance, then re-run", "spend_limit": "raise spend_limit_usd, then re-run",
         "fatal": "fix that, then re-run", "interrupted": "re-run"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .store import read_jsonl
+from .files import read_jsonl
 
 COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens", "completion_tokens",
            "reasoning_tokens", "cost", "attempts", "latency_s", "started_at", "completed_at"]

@@ -42,7 +42,7 @@ from .datasets import DatasetReader, DatasetSpec
 from .pricing import balance_from, default_prices, lacks_parameters, worst_prices
 from .progress import Progress
 from .retry import backoff_delay
-from .store import write_json_atomic
+from .files import write_json_atomic
 
 BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "mxfp8": 8, "int8": 8, "fp6": 6,
         "int4": 4, "fp4": 4, "mxfp4": 4, "nvfp4": 4}

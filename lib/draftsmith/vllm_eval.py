@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from .store import read_jsonl
+from .files import read_jsonl
 from .target_backend import die_with_parent, vllm_env
 
 VLLM_VERSION = "0.32.0"
