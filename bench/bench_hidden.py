@@ -30,6 +30,7 @@ from safetensors import safe_open
 from draftsmith import hidden, target_backend
 from draftsmith.shards import HiddenShards
 from draftsmith.target import resolve_target
+from draftsmith.tokens import read_tokens
 
 
 def synthetic_tokens(path: Path, vocab: int, total: int, seed: int = 0) -> None:
@@ -110,7 +111,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         synthetic_tokens(tmp / "bench.jsonl", model.config.vocab_size, a.tokens)
-        samples = hidden.read_tokens([tmp / "bench.jsonl"])
+        samples = read_tokens([tmp / "bench.jsonl"])
         tokens = sum(len(s) for s in samples)
         batches = [[samples[i] for i in b]
                    for b in hidden.plan_batches([len(s) for s in samples], a.max_tokens_per_batch)]

@@ -31,6 +31,7 @@ from draftsmith import hidden, layers
 from draftsmith.shards import HiddenShards
 from draftsmith.target import resolve_target
 from draftsmith.target_backend import VllmCapture, vllm_env
+from draftsmith.tokens import read_tokens
 from draftsmith.vllm_capture import engine_kwargs
 
 
@@ -71,7 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         synthetic_tokens(tmp / "bench.jsonl", cfg["vocab_size"], a.tokens)
-        samples = hidden.read_tokens([tmp / "bench.jsonl"])
+        samples = read_tokens([tmp / "bench.jsonl"])
         tokens = sum(len(s) for s in samples)
         longest = max(len(s) for s in samples)
         (tmp / "prompts.json").write_text(json.dumps([s.input_ids.tolist() for s in samples]))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith import cli, generate, hidden
+from draftsmith import cli, generate, hidden, tokens
 from draftsmith.apikey import ApiKey
 from draftsmith.drafter import train
 from draftsmith.emulator import running
@@ -206,7 +206,7 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
         assert ln["input_ids"] == r["prompt_ids"] + ln["output_ids"]
         assert ln["output_ids"][:len(r["output_ids"])] == r["output_ids"]
 
-    files = hidden.token_files(run.root / "tokens", [d["name"] for d in datasets])
+    files = tokens.token_files(run, [d["name"] for d in datasets])
     hidden.extract(tiny_target, files, run.dir("hidden"), log=lambda *a: None)
     assert {s.source for s in HiddenShards(run.dir("hidden")).samples} == set(src)
     s = train.train(train.TrainConfig(hidden_dir=str(run.dir("hidden")), target_path=str(tiny_target),

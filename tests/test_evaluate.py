@@ -14,6 +14,7 @@ from draftsmith.drafter.model import DrafterConfig, target_config, target_tensor
 from draftsmith.drafter.train import TrainConfig, build_drafter, train
 from draftsmith.drafter.vocab import DraftVocab
 from draftsmith.target import chat_examples
+from draftsmith.tokens import Sample
 
 from conftest import write_token_rows
 
@@ -221,7 +222,7 @@ def test_chain_drafts_are_what_training_time_test_predicts_on_the_final_sequence
     p = prompts[1]
     d = ev.decode(ev.Target(target_model, LAYER_IDS), Recorder(drafter), p, 3, 20)
     full = list(p) + d.output
-    sample = hidden.Sample("x", "s", torch.tensor(full, dtype=torch.int32),
+    sample = Sample("x", "s", torch.tensor(full, dtype=torch.int32),
                            torch.zeros(len(full), dtype=torch.uint8), "")
     cap = target_backend.Capture(target_model, LAYER_IDS)
     aux, _ = cap([sample])

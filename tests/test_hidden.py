@@ -245,28 +245,6 @@ def test_disk_check_refuses_before_writing_anything(tiny_target, tokens, tmp_pat
     assert not shard_files(tmp_path)
 
 
-def test_bad_token_lines_are_errors_naming_file_and_line(tmp_path):
-    ok = {"sample_id": "a", "dataset": "d", "input_ids": [0, 5, 1], "loss_mask": [0, 1, 1]}
-    cases = {
-        "{not json": "not valid JSON",
-        json.dumps({**ok, "loss_mask": [0, 1]}): "'loss_mask' must be",
-        json.dumps({**ok, "input_ids": []}): "'input_ids' must be",
-        json.dumps({**ok, "sample_id": ""}): "'sample_id'",
-        json.dumps({**ok, "input_ids": [0, 5, 10**6]}): "outside the target's vocabulary",
-        json.dumps(ok): "sample 'a' of dataset 'd' already appeared at .*:1",
-    }
-    for bad, msg in cases.items():
-        f = tmp_path / "d.jsonl"
-        f.write_text(json.dumps(ok) + "\n" + json.dumps({**ok, "sample_id": "x", "excluded": True, "input_ids": []})
-                     + "\n" + bad + "\n")
-        with pytest.raises(ValueError, match=rf"{f}:3: .*{msg}"):
-            hidden.read_tokens([f], vocab_size=1000)
-    f.write_text(json.dumps(ok) + "\n\n" + json.dumps({**ok, "sample_id": "x", "excluded": True}) + "\n")
-    assert [s.sample_id for s in hidden.read_tokens([f], 1000)] == ["a"]
-    with pytest.raises(FileNotFoundError, match="run stage 03"):
-        hidden.token_files(tmp_path, [{"name": "missing"}])
-
-
 def test_batches_are_longest_first_under_the_token_limit_and_shards_cover_each_once():
     rng = random.Random(0)
     lengths = [rng.randint(1, 300) for _ in range(500)] + [900]

@@ -202,7 +202,7 @@ def test_imports_parameter_errors_name_the_entry(tmp_path):
 @pytest.mark.usefixtures("one_thread")
 def test_source_reaches_the_hidden_index_and_the_drafters_report(merged, tiny_target, tmp_path):
     run, report, lines, tok = merged
-    files = hidden.token_files(run.root / "tokens", [s.name for s in SPECS])
+    files = tokens.token_files(run, [s.name for s in SPECS])
     hidden.extract(tiny_target, files, tmp_path / "hidden", log=lambda *a: None)
     shards = HiddenShards(tmp_path / "hidden")
     got = {(s.dataset, s.sample_id): s.source for s in shards.samples}

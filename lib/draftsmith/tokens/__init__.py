@@ -35,12 +35,13 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from . import sources
-from .datasets import DatasetSpec, stable_id
-from .imports import parse_imports, source_files, to_raw
-from .paths import Run
-from .progress import Progress
-from .templates import Layout, load_chat_template, response_layout
+from .. import sources
+from ..datasets import DatasetSpec, stable_id
+from ..imports import parse_imports, source_files, to_raw
+from ..paths import Run
+from ..progress import Progress
+from ..templates import Layout, load_chat_template, response_layout
+from .outputs import Sample, read_tokens, token_files  # noqa: F401  (stage 04 reads through these)
 
 FORMAT_VERSION = 2
 
@@ -213,7 +214,7 @@ class Reconstructor:
 
     @classmethod
     def from_pretrained(cls, path, chat_template_file=None, trust_remote_code: bool = False) -> "Reconstructor":
-        from .target import load_tokenizer
+        from ..target import load_tokenizer
 
         tok = load_tokenizer(path, trust_remote_code, log=lambda *a: None)
         return cls(tok, load_chat_template(chat_template_file), source=str(path))
@@ -660,7 +661,7 @@ def build(run: Run, datasets: list[DatasetSpec], target_model_path: str, chat_te
           batch_size: int = 256, imports: list[dict] = (), log=print) -> dict:
     """Stage 03 end to end: rebuild every dataset from stage 02's responses and the files in
     `imports` (see `draftsmith.imports`), analyse, write outputs and report.json."""
-    from .target import resolve_target
+    from ..target import resolve_target
 
     specs = parse_imports(list(imports), [s.name for s in datasets])
     rec = load_reconstructor(str(resolve_target(target_model_path, log=log)), chat_template_file, trust_remote_code)
