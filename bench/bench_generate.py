@@ -38,7 +38,9 @@ from pathlib import Path
 
 import psutil
 
+from draftsmith import store
 from draftsmith.emulator import read_ledger
+from draftsmith.paths import Run
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "moonshotai/kimi-k2.5"
@@ -156,7 +158,6 @@ async def run_openai(base, n, conc, path, aio: bool):
 def run_draftsmith(base, n, conc, path, out, budget=None, max_tokens=1024):
     from draftsmith.apikey import ApiKey
     from draftsmith.generate import run_generation
-    from draftsmith.paths import Run
 
     ds = {"name": "bench", "path": path}
     if budget:
@@ -255,7 +256,7 @@ def bench_slots(work: Path, conc: int, seconds: float) -> None:
         ledger = {x["generation_id"]: x for x in read_ledger(emu.state)}
     finally:
         emu.close()
-    rows = [json.loads(x) for x in (out / "bench" / "generate" / "bench" / "raw_responses.jsonl").open()]
+    rows = [r for _, r in store.read_responses(Run(out, "bench"), "bench")]
     last_start = max(x["started_at"] for x in rows)
     first_end = min(x["completed_at"] for x in rows)
     lo, hi = first_end + 2.0, last_start       # every slot busy: after the first responses, before the last dispatch

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
+from draftsmith import store
 from draftsmith.files import repair_tail
+from draftsmith.paths import Run
 from draftsmith.store import DatasetStore, Manifest
 
 
@@ -94,3 +96,47 @@ def test_manifest_marks_a_killed_session_and_counts_its_reservations(tmp_path):
     data = json.loads(path.read_text())
     assert data["errors_by_kind"] == {"http_429": 4, "timeout": 2} and len(data["sessions"]) == 2
     assert not (tmp_path / "manifest.json.tmp").exists()
+
+
+def test_readers_find_what_the_writers_wrote_and_leave_out_a_torn_tail(tmp_path):
+    run = Run(tmp_path, "r")
+    s = store.open_dataset(run, "code")
+    s.write("a", line("a"))
+    s.write_error({"sample_id": "x", "action": "permanent", "kind": "bad_request"})
+    s.close()
+    with open(store.responses_file(run, "code"), "a") as f:
+        f.write(line("b")[:30])                       # stage 02 killed mid-line, or still writing
+    assert [r["sample_id"] for _, r in store.read_responses(run, "code")] == ["a"]
+    assert [e["sample_id"] for _, e in store.read_errors(run, "code")] == ["x"]
+    assert list(store.read_responses(run, "chat")) == [] and store.saved_datasets(run) == ["code"]
+    tl = store.open_timeline(run)
+    tl.append({"t": 1.0, "session": 1})
+    tl.close()
+    with open(run.root / "generate" / "timeline.jsonl", "a") as f:
+        f.write('{"t": 2.')                           # a killed session's last point
+    tl = store.open_timeline(run)
+    tl.append({"t": 3.0, "session": 2})
+    tl.close()
+    assert [p["t"] for p in store.read_timeline(run)] == [1.0, 3.0]
+
+
+def test_damage_inside_a_file_is_named_by_file_and_line(tmp_path):
+    run = Run(tmp_path, "r")
+    path = store.responses_file(run, "code")
+    path.parent.mkdir(parents=True)
+    path.write_text(line("a") + "\n{oops\n" + line("b") + "\n")
+    with pytest.raises(ValueError, match=r"code/raw_responses.jsonl:2: not valid JSON"):
+        list(store.read_responses(run, "code"))
+
+
+def test_manifest_is_read_back_whole_and_a_damaged_one_is_named(tmp_path):
+    run = Run(tmp_path, "r")
+    assert store.read_manifest(run) == {}
+    m = store.open_manifest(run)
+    m.sessions.append({"status": "finished"})
+    m.write({"x": 1}, {"code": {"samples": 1}}, {}, 0.5)
+    got = store.read_manifest(run)
+    assert got["config"] == {"x": 1} and got["spent_usd"] == 0.5 and got["sessions"] == [{"status": "finished"}]
+    (run.root / "generate" / "manifest.json").write_text('{"config": ')
+    with pytest.raises(ValueError, match=r"manifest.json: not valid JSON"):
+        store.read_manifest(run)

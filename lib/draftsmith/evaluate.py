@@ -36,10 +36,9 @@ from pathlib import Path
 
 import torch
 
-from . import layers, vllm_eval
+from . import layers, store, vllm_eval
 from .paths import Run
 from .progress import Progress
-from .files import read_jsonl
 
 LOOP_NGRAM = 4   # a token whose preceding 4-gram already occurred starts "repeating" text
 ROUNDS_FORMAT = 3   # of a rounds.jsonl line; lines of another format are measured again
@@ -661,7 +660,7 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
                       for t in temperatures}}
     final = next(m for m in methods if m.kind == "eagle3" and m.info["final"])
     bench_file = eval_dir / "bench_prompts_sharegpt.json"
-    n_bench = write_bench_prompts(run.dir("generate"), prompts, bench_file)
+    n_bench = write_bench_prompts(run, prompts, bench_file)
     report = {
         "engine": engine, "hf_crosscheck": ours,
         "target": str(target_path), "target_fingerprint": fingerprint, "drafter_dir": str(drafter_dir),
@@ -952,7 +951,7 @@ def plot_speedup(report: dict, path: Path):
 
 # ---- serving: how to measure the export on GPUs with the real target ----------------------------
 
-def write_bench_prompts(generate_dir: str | os.PathLike, prompts: list[Prompt], path: Path) -> int:
+def write_bench_prompts(run: Run, prompts: list[Prompt], path: Path) -> int:
     """The evaluated held-out prompts as a ShareGPT file (`[{id, conversations}]`, the last user
     turn and the sampled answer) for `sglang.bench_serving` / `vllm bench serve`
     (`--dataset-name sharegpt --dataset-path FILE`). Returns how many were found in stage 02's
@@ -960,7 +959,7 @@ def write_bench_prompts(generate_dir: str | os.PathLike, prompts: list[Prompt], 
     wanted = {(p.dataset, p.sample_id) for p in prompts}
     rows = []
     for ds in sorted({p.dataset for p in prompts}):
-        for _, r in read_jsonl(Path(generate_dir) / ds / "raw_responses.jsonl"):
+        for _, r in store.read_responses(run, ds):
             if (ds, r.get("sample_id")) not in wanted:
                 continue
             users = [m["content"] for m in r.get("messages", []) if m.get("role") == "user"]

@@ -7,7 +7,12 @@ and on close (a power cut loses at most the last interval). On open, a torn last
 loaded: those samples are never requested again. `errors.jsonl` next to it records samples that
 failed for good in a session (permanent failures are skipped on resume, exhausted retries are
 tried again). `<run>/generate/manifest.json` is rewritten atomically: the run's config without
-secrets, totals, and one entry per session (start, resume, how it ended).
+secrets, totals, and one entry per session (start, resume, how it ended). `<run>/generate/timeline.jsonl`
+gets a line every second of every session (money, slots, tokens).
+
+This module is the only one that knows these files' names: other stages, the report and the
+benches read them through `read_responses`, `read_errors`, `read_manifest` and `read_timeline`
+(a torn last line is left out, any other damage is an error naming file:line).
 """
 
 from __future__ import annotations
@@ -19,6 +24,60 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .files import read_jsonl, repair_tail, write_json_atomic
+from .paths import Run
+
+RESPONSES, ERRORS = "raw_responses.jsonl", "errors.jsonl"        # per dataset
+MANIFEST, TIMELINE = "manifest.json", "timeline.jsonl"           # per run
+
+
+def responses_file(run: Run, dataset: str) -> Path:
+    """Where stage 02 saves the responses of `dataset` (it may not exist yet)."""
+    return run.root / "generate" / dataset / RESPONSES
+
+
+def read_responses(run: Run, dataset: str):
+    """(line number, response) for every saved response of `dataset`; nothing if none was saved."""
+    return read_jsonl(responses_file(run, dataset))
+
+
+def read_errors(run: Run, dataset: str):
+    """(line number, entry) for every sample of `dataset` that failed for good or ran out of attempts."""
+    return read_jsonl(run.root / "generate" / dataset / ERRORS)
+
+
+def saved_datasets(run: Run) -> list[str]:
+    """The datasets that have a responses file, by name."""
+    return sorted(p.parent.name for p in (run.root / "generate").glob(f"*/{RESPONSES}"))
+
+
+def read_manifest(run: Run) -> dict:
+    """The run's `manifest.json`; {} before stage 02 first ran."""
+    path = run.root / "generate" / MANIFEST
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); it is written whole by stage 02, so it was edited "
+                         f"or damaged by hand: fix it, or remove it and re-run stage 02 (totals are rebuilt)") from None
+
+
+def read_timeline(run: Run) -> list[dict]:
+    """Every line of `timeline.jsonl`, all sessions, in order."""
+    return [r for _, r in read_jsonl(run.root / "generate" / TIMELINE)]
+
+
+def open_dataset(run: Run, dataset: str, fsync_s: float = 5.0) -> "DatasetStore":
+    """The response and error files of `dataset`, opened for appending (what is there is loaded)."""
+    return DatasetStore(run.dir("generate") / dataset, fsync_s)
+
+
+def open_manifest(run: Run) -> "Manifest":
+    return Manifest.open(run.dir("generate") / MANIFEST)
+
+
+def open_timeline(run: Run) -> "Timeline":
+    return Timeline(run.dir("generate") / TIMELINE)
 
 
 @dataclass
@@ -50,8 +109,8 @@ class DatasetStore:
     def __init__(self, folder: Path, fsync_s: float = 5.0):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.raw_path = self.folder / "raw_responses.jsonl"
-        self.err_path = self.folder / "errors.jsonl"
+        self.raw_path = self.folder / RESPONSES
+        self.err_path = self.folder / ERRORS
         self.fsync_s = fsync_s
         self.notes = [n for n in (repair_tail(self.raw_path), repair_tail(self.err_path)) if n]
         self.done: set[str] = set()
@@ -154,3 +213,23 @@ class Manifest:
         write_json_atomic(self.path, {
             "config": config, "spent_usd": round(spent_usd, 8), "datasets": datasets, "providers": providers,
             "errors_by_kind": errors, "sessions": self.sessions})
+
+
+class Timeline:
+    """`timeline.jsonl`, appended a line at a time; opened at the first line (a session that never
+    started writes none), a killed session's torn last line cut off first."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._f = None
+
+    def append(self, point: dict) -> None:
+        if self._f is None:
+            repair_tail(self.path)
+            self._f = open(self.path, "a", encoding="utf-8")
+        self._f.write(json.dumps(point) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
