@@ -214,7 +214,7 @@ class Reconstructor:
 
     @classmethod
     def from_pretrained(cls, path, chat_template_file=None, trust_remote_code: bool = False) -> "Reconstructor":
-        from ..target import load_tokenizer
+        from ..target.checkpoint import load_tokenizer
 
         tok = load_tokenizer(path, trust_remote_code, log=lambda *a: None)
         return cls(tok, load_chat_template(chat_template_file), source=str(path))
@@ -661,7 +661,7 @@ def build(run: Run, datasets: list[DatasetSpec], target_model_path: str, chat_te
           batch_size: int = 256, imports: list[dict] = (), log=print) -> dict:
     """Stage 03 end to end: rebuild every dataset from stage 02's responses and the files in
     `imports` (see `draftsmith.imports`), analyse, write outputs and report.json."""
-    from ..target import resolve_target
+    from ..target.checkpoint import resolve_target
 
     specs = parse_imports(list(imports), [s.name for s in datasets])
     rec = load_reconstructor(str(resolve_target(target_model_path, log=log)), chat_template_file, trust_remote_code)
@@ -669,7 +669,7 @@ def build(run: Run, datasets: list[DatasetSpec], target_model_path: str, chat_te
     parts, problems = {}, {}
     for spec in datasets:
         parts[spec.name], problems[spec.name] = [], []
-        for unit, src in source_files(run.root, spec.name, specs):
+        for unit, src in source_files(run, spec.name, specs):
             work = _Work(out_dir, f"{spec.name}.{unit}", _fingerprint(src, rec, thresholds))
             rows_, probs = rebuild_dataset(rec, spec.name, src, work, thresholds, batch_size, unit != "generate")
             parts[spec.name].append((rows_, work))
