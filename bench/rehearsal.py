@@ -320,16 +320,15 @@ def last_session(run: Run) -> dict:
 
 
 def topup_amount(run: Run, plan: dict, emu: Emulator, floor: float) -> float:
-    """What a user would add: the planned cost of the tokens still to do, plus a quarter or the
-    worst case of 20 requests if more (the last requests in flight are reserved at their worst
-    case), less what is left above the floor; whole dollars from $10 up, else cents."""
+    """What a user would add: what stage 02's stop message says (the expected cost of what is left,
+    plus a worst case per slot the rest needs, so every slot stays busy, less the money left); if it said
+    nothing, the planned cost of the tokens still to do plus a quarter. Whole dollars from $10 up."""
     manifest = json.loads((run.root / "generate" / "manifest.json").read_text())
-    done = sum(d["completion_tokens"] for d in manifest["datasets"].values())
-    left = max(0.0, plan["planned_usd"] * (1 - done / plan["output_tokens"]))
-    routing = json.loads((run.root / "providers" / "routing.json").read_text())
-    allowed = [e for e in _csv(run.root / "providers" / "endpoints.csv") if e["tag"] in routing["allowed"]]
-    worst = manifest["config"]["request"]["max_tokens"] * max(float(e["price_out"]) for e in allowed) / 1e6
-    usd = max(0.01, max(1.25 * left, left + 20 * worst) - (emu.admin("state")["balance"] - floor))
+    usd = manifest["sessions"][-1].get("top_up_usd") if manifest.get("sessions") else None
+    if not usd:
+        done = sum(d["completion_tokens"] for d in manifest["datasets"].values())
+        left = max(0.0, plan["planned_usd"] * (1 - done / plan["output_tokens"]))
+        usd = max(0.01, 1.25 * left - (emu.admin("state")["balance"] - floor))
     return float(math.ceil(usd)) if usd >= 10 else math.ceil(usd * 100) / 100
 
 

@@ -408,3 +408,35 @@ def test_the_429_storm_answers_every_prompt_in_one_run(tmp_path):
         assert kinds.get("http_429", 0) > 200 and kinds.get("timeout", 0) > 0
         assert "GIVEN UP" not in r.message
         assert r.spent_usd == pytest.approx(sum(x["cost"] for x in emu.ledger_lines()), abs=1e-9)
+
+
+def test_money_bound_tail_stops_for_a_top_up_and_the_top_up_finishes(tmp_path):
+    """Once the money left cannot finish the budgets and keeps fewer than half the slots busy, stage 02
+    starts nothing new, lets what is in flight finish (nothing paid is lost), stops with how much to
+    top up; topping up that much finishes every budget. With the fraction at 0 it spends down further."""
+    def job(fraction, name):
+        with running(emu_config(credits=0.01, fault_scale=0.0), state_dir=tmp_path / f"emu-{name}") as emu:
+            path = prompts_file(tmp_path / f"{name}.jsonl", 400, "tail")
+            ds = [{"name": "p", "path": str(path), "output_token_budget": 6000}]
+            r = generate(emu, tmp_path / name, ds, concurrency=16, money_bound_stop_fraction=fraction)
+            assert r.reason == "balance" and not r.complete, r.message
+            rows = saved(tmp_path / name, "p")
+            assert_whole_and_unique(rows)
+            keys = prompt_keys(path, "p")
+            assert sorted(billed(emu).elements()) == sorted(keys[x["sample_id"]] for x in rows)  # nothing paid is lost
+            spent = sum(x["cost"] for x in emu.ledger_lines())
+            if fraction:
+                assert "keeps only" in r.message and "top up about $" in r.message, r.message
+                assert any("winding down" in line for line in r.logs), r.logs
+                top_up = r.session["top_up_usd"]
+                assert top_up > 0
+                emu.top_up(top_up)
+                r2 = generate(emu, tmp_path / name, ds, concurrency=16, money_bound_stop_fraction=fraction)
+                assert r2.complete, r2.message
+                assert sum(x["usage"]["completion_tokens"] for x in saved(tmp_path / name, "p")) >= 6000
+                assert max(billed(emu).values()) == 1
+            return spent
+
+    early = job(0.5, "half")
+    late = job(0.0, "none")
+    assert early < late <= 0.01

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import threading
 import time
@@ -72,6 +73,9 @@ class Options:
     concurrency: int
     spend_limit_usd: float
     balance_floor_usd: float = 0.0
+    # Stop for a top-up once money keeps fewer than this share of the slots busy and cannot finish
+    # the job anyway (0: spend down to the floor first, however few requests that keeps in flight).
+    money_bound_stop_fraction: float = 0.5
     max_attempts: int = 6
     request_timeout_s: float = 600.0     # no byte for this long: a hung connection
     stop_grace_s: float = 30.0
@@ -89,6 +93,8 @@ class Options:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if not self.request_timeout_s or self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s!r}")
+        if not 0 <= self.money_bound_stop_fraction <= 1:
+            raise ValueError(f"money_bound_stop_fraction must be between 0 and 1, got {self.money_bound_stop_fraction!r}")
 
 
 @dataclass
@@ -173,6 +179,7 @@ class Engine:
         self.reason: str | None = None       # why the session ended (None while running)
         self.message = ""
         self.blocked: tuple[str, float] | None = None   # (spend_limit | balance, worst cost) if dollars stopped a start
+        self.winding_down: tuple[str, str] | None = None  # (reason, message): stopping for a top-up once in flight ends
         self.errors: dict[str, int] = {}
         self.attempts = self.samples = self.tokens = 0
         self.exhausted_samples = self.permanent_samples = 0
@@ -189,7 +196,7 @@ class Engine:
     def _take(self) -> tuple | None:
         """Claim a slot and the next job for it: round robin over the datasets that can start one,
         its dollars reserved. None if nothing can start now."""
-        if self.reason is not None or self.in_flight >= self.aimd.limit:
+        if self.reason is not None or self.winding_down or self.in_flight >= self.aimd.limit:
             return None
         n = len(self.datasets)
         for i in range(n):
@@ -203,6 +210,7 @@ class Engine:
             worst = self.spend.worst_cost(bound, d.budget.worst)
             if not self.spend.try_reserve(worst):
                 self._block(worst)
+                self._maybe_wind_down()
                 return None
             self.blocked = None
             d.take()
@@ -222,6 +230,9 @@ class Engine:
                 self.tasks.add(t)
                 t.add_done_callback(self.tasks.discard)
             if self.in_flight == 0 and self.reason is None:
+                if self.winding_down:
+                    self.request_stop(*self.winding_down)
+                    break
                 if not (self.blocked and any(d.budget.can_start() and d.peek(self.check) for d in self.datasets)):
                     self.request_stop("finished")
                     break
@@ -261,12 +272,75 @@ class Engine:
 
     def _blocked_message(self) -> str:
         why, worst = self.blocked
+        top_up = self._top_up_usd(worst)
         if why == "balance":
             floor = f" (balance_floor_usd ${self.spend.floor:.2f})" if self.spend.floor else ""
             return (f"the balance ran out: ${self.spend.balance_left:.4f} left{floor}, less than the next "
-                    f"request could cost (${worst:.4f} at max_tokens on the dearest allowed provider)")
+                    f"request could cost (${worst:.4f} at max_tokens on the dearest allowed provider)"
+                    + (f"; top up about ${top_up:,.2f} to finish" if top_up else ""))
         return (f"spend_limit_usd ${self.spend.limit:.2f} reached: spent ${self.spend.spent:.4f}, and the next "
-                f"request could cost ${worst:.4f}, more than the ${self.spend.limit - self.spend.spent:.4f} left")
+                f"request could cost ${worst:.4f}, more than the ${self.spend.limit - self.spend.spent:.4f} left"
+                + (f"; raise it by about ${top_up:,.2f} to finish" if top_up else ""))
+
+    # -- the money-bound tail -----------------------------------------------------------------
+    # Each request is reserved at its worst case (about 3x an average one), so once the money left is
+    # less than `concurrency` worst cases, fewer requests fit in flight, and the last of the balance
+    # is spent at a trickle. When the money cannot finish the job anyway, that trickle only delays
+    # the top-up the job needs: below `money_bound_stop_fraction` of the slots, stop starting
+    # requests, let those in flight finish (they are paid for), and stop with what to top up.
+    def _money_left(self) -> float:
+        left = self.spend.limit - self.spend.spent
+        if self.spend.balance_left is not None:
+            left = min(left, self.spend.balance_left - self.spend.floor)
+        return max(0.0, left)
+
+    def _left_to_finish(self) -> tuple[float, int] | None:
+        """(expected dollars, requests) to finish every dataset's budget, in flight included, at the
+        run's cost and length per response so far; None if unknown (nothing paid yet, or a dataset
+        without a budget that still has prompts)."""
+        done = sum(d.budget.done for d in self.datasets)
+        samples = sum(d.store.totals.samples for d in self.datasets)
+        if done <= 0 or samples <= 0 or self.spend.spent <= 0:
+            return None
+        left = 0
+        for d in self.datasets:
+            if d.spec.output_token_budget is None:
+                if d.exhausted:
+                    continue
+                return None
+            left += max(0, d.spec.output_token_budget - d.budget.done)
+        return left * self.spend.spent / done, math.ceil(left * samples / done)
+
+    def _top_up_usd(self, worst: float) -> float:
+        """About what to add to finish with every slot busy to the end: the expected cost of what is
+        left, plus a worst case for each slot it will use, less the money left."""
+        left = self._left_to_finish()
+        if left is None:
+            return 0.0
+        usd, requests = left
+        return max(0.0, usd + min(self.opts.concurrency, requests) * worst - self._money_left())
+
+    def _maybe_wind_down(self) -> None:
+        fraction = self.opts.money_bound_stop_fraction
+        if self.winding_down or not fraction or self.in_flight >= fraction * min(self.opts.concurrency, self.aimd.limit):
+            return
+        left = self._left_to_finish()
+        if left is None or left[0] <= self._money_left():
+            return
+        need = left[0]
+        why, worst = self.blocked
+        top_up = self._top_up_usd(worst)
+        money = (f"${self.spend.balance_left - self.spend.floor:.2f} above the balance floor" if why == "balance"
+                 else f"${self.spend.limit - self.spend.spent:.2f} below spend_limit_usd")
+        action = "top up" if why == "balance" else "raise spend_limit_usd by"
+        message = (f"money keeps only {self.in_flight} of {self.opts.concurrency} requests in flight ({money}; each "
+                   f"is reserved at its worst case, ${worst:.4f}) and cannot finish the job (about ${need:,.2f} "
+                   f"more at the cost per token so far): {action} about ${top_up:,.2f} (what is left, plus a worst "
+                   f"case per slot it needs, so every slot stays busy) and re-run stage 02 "
+                   f"(money_bound_stop_fraction: 0 spends the rest first)")
+        self.winding_down = (why, message)
+        self.entry["top_up_usd"] = round(top_up, 2)
+        self.log(f"winding down: {message}; starting nothing new, letting the {self.in_flight} requests in flight finish")
 
     # -- one sample -------------------------------------------------------------------------
     async def _sample(self, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) -> None:
