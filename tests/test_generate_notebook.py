@@ -25,7 +25,8 @@ def test_stage_02_runs_from_params_and_never_writes_the_key(tmp_path, api_key_fi
         assert rows and len({r["sample_id"] for r in rows}) == len(rows)
     manifest = json.loads((run / "generate" / "manifest.json").read_text())
     assert manifest["sessions"][-1]["status"] == "finished"
-    assert (run / "generate" / "figures" / "overview.png").stat().st_size > 10_000
+    for figure in ("overview.png", "timeline.png"):
+        assert (run / "generate" / "figures" / figure).stat().st_size > 10_000
     files = [f for f in out.rglob("*") if f.is_file()]
     assert any(f.suffix == ".ipynb" for f in files) and any(f.name == "ledger.jsonl" for f in files)
     leaks = [str(f) for f in files if key.encode() in f.read_bytes()]

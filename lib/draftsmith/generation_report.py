@@ -4,22 +4,20 @@ latency and length distributions, the providers that served, and the errors met.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pandas as pd
 
-from .files import read_jsonl
+from . import store
+from .paths import Run
 
 COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens", "completion_tokens",
            "reasoning_tokens", "cost", "attempts", "latency_s", "started_at", "completed_at"]
 
 
-def load_responses(folder: Path) -> pd.DataFrame:
-    """One row per saved sample (text left out), from every `<dataset>/raw_responses.jsonl`."""
+def load_responses(run: Run) -> pd.DataFrame:
+    """One row per saved sample (text left out), every dataset."""
     rows = []
-    for path in sorted(Path(folder).glob("*/raw_responses.jsonl")):
-        for _, r in read_jsonl(path):
+    for name in store.saved_datasets(run):
+        for _, r in store.read_responses(run, name):
             u = r.get("usage") or {}
             rows.append((r["dataset"], r["sample_id"], r.get("provider") or "unknown", r.get("finish_reason"),
                          u.get("prompt_tokens"), u.get("completion_tokens"), u.get("reasoning_tokens"),
@@ -31,23 +29,19 @@ def load_responses(folder: Path) -> pd.DataFrame:
     return df
 
 
-def load_errors(folder: Path) -> pd.DataFrame:
+def load_errors(run: Run) -> pd.DataFrame:
+    """One row per sample that failed for good or ran out of attempts, every dataset."""
     rows = []
-    for path in sorted(Path(folder).glob("*/errors.jsonl")):
-        rows.extend(e for _, e in read_jsonl(path))
+    for name in store.saved_datasets(run):
+        rows.extend(e for _, e in store.read_errors(run, name))
     return pd.DataFrame(rows, columns=["dataset", "sample_id", "action", "kind", "status", "message", "attempts"])
 
 
-def load_timeline(folder: Path) -> pd.DataFrame:
-    """`timeline.jsonl`: one row per second of every session (time, session, in flight and the
-    concurrency limit, spent, reserved, balance left, output tokens per dataset as `tokens.<name>`)."""
-    rows = [r for _, r in read_jsonl(Path(folder) / "timeline.jsonl")]
+def load_timeline(run: Run) -> pd.DataFrame:
+    """One row per second of every session (time, session, in flight and the concurrency limit,
+    spent, reserved, balance left, output tokens per dataset as `tokens.<name>`)."""
+    rows = store.read_timeline(run)
     return pd.json_normalize(rows) if rows else pd.DataFrame()
-
-
-def load_manifest(folder: Path) -> dict:
-    path = Path(folder) / "manifest.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
 def dataset_table(manifest: dict) -> pd.DataFrame:
@@ -92,7 +86,7 @@ def sessions_table(manifest: dict) -> pd.DataFrame:
     return pd.DataFrame([{k: s.get(k) for k in keep} for s in manifest.get("sessions", [])])
 
 
-def plot_overview(df: pd.DataFrame, manifest: dict, spend_limit_usd: float, path: Path | None = None):
+def plot_overview(df: pd.DataFrame, manifest: dict, spend_limit_usd: float):
     """Six panels: tokens over time per dataset, spend vs the limit, latency and length
     distributions, provider share, errors by kind."""
     import matplotlib.pyplot as plt
@@ -130,12 +124,10 @@ def plot_overview(df: pd.DataFrame, manifest: dict, spend_limit_usd: float, path
         ax[5].barh(errs.index, errs.values)
     ax[5].set(title="failed attempts by kind (retried unless final)", xlabel="attempts")
     fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
     return fig
 
 
-def plot_timeline(tl: pd.DataFrame, manifest: dict, spend_limit_usd: float, path: Path | None = None):
+def plot_timeline(tl: pd.DataFrame, manifest: dict, spend_limit_usd: float):
     """Two panels over the run's sessions: spend against the account balance (each session's end
     marked with how it ended; a top-up between sessions shows as the balance jumping), and requests
     in flight against the concurrency limit."""
@@ -167,6 +159,4 @@ def plot_timeline(tl: pd.DataFrame, manifest: dict, spend_limit_usd: float, path
     ax[1].set(title="requests in flight", xlabel=f"{unit} since the first session", ylabel="requests")
     ax[1].legend(fontsize=8)
     fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
     return fig
