@@ -52,11 +52,13 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rehearsal_data  # noqa: E402
 
+from draftsmith import store  # noqa: E402
 from draftsmith.datasets import stable_id  # noqa: E402
 
 from draftsmith.emulator import ADMIN_KEY_ENV, KEY_ENV, new_key  # noqa: E402
 from draftsmith.paths import REPO_ROOT, Run  # noqa: E402
 from draftsmith.files import read_jsonl, write_json_atomic  # noqa: E402
+from draftsmith.tokens import read_report  # noqa: E402
 
 PARAMS = REPO_ROOT / "params" / "kimi-k2.5.yaml"
 TARGET = "tiny-test"     # built in, cached: its tokenizer stands in for Kimi-K2.5's
@@ -202,7 +204,7 @@ def derived_params(run: Run, base_url: str, datasets: list[dict], volume: float)
                "datasets": [{**d, "output_token_budget": scaled_budget(params, volume)} for d in datasets]}
     if volume != 1.0:
         changed |= {k: params[k] * volume for k in ("spend_limit_usd", "balance_floor_usd")}
-    unknown = set(changed) - set(params)
+    unknown = set(changed) - set(params) - {"outputs_dir"}  # kimi-k2.5.yaml keeps the default outputs_dir
     if unknown:
         raise RehearsalFailed(f"{PARAMS} lacks {sorted(unknown)}: the rehearsal only changes existing keys")
     path = run.dir("rehearsal") / "params.yaml"
@@ -315,7 +317,7 @@ def stage_01_plan(run: Run, balance: float, spend_limit: float) -> dict:
 
 
 def last_session(run: Run) -> dict:
-    manifest = json.loads((run.root / "generate" / "manifest.json").read_text())
+    manifest = store.read_manifest(run)
     return manifest["sessions"][-1] if manifest.get("sessions") else {}
 
 
@@ -323,7 +325,7 @@ def topup_amount(run: Run, plan: dict, emu: Emulator, floor: float) -> float:
     """What a user would add: what stage 02's stop message says (the expected cost of what is left,
     plus a worst case per slot the rest needs, so every slot stays busy, less the money left); if it said
     nothing, the planned cost of the tokens still to do plus a quarter. Whole dollars from $10 up."""
-    manifest = json.loads((run.root / "generate" / "manifest.json").read_text())
+    manifest = store.read_manifest(run)
     usd = manifest["sessions"][-1].get("top_up_usd") if manifest.get("sessions") else None
     if not usd:
         done = sum(d["completion_tokens"] for d in manifest["datasets"].values())
@@ -336,8 +338,7 @@ def topup_amount(run: Run, plan: dict, emu: Emulator, floor: float) -> float:
 
 def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale: float, concurrency: int,
             emulator_cpu: float) -> dict:
-    gen = run.root / "generate"
-    manifest = json.loads((gen / "manifest.json").read_text())
+    manifest = store.read_manifest(run)
     routing = json.loads((run.root / "providers" / "routing.json").read_text())
     endpoints = {r["tag"]: r for r in _csv(run.root / "providers" / "endpoints.csv")}
     keep = ("generation_id", "time", "generation_ms", "prompt_key", "billed", "cost", "error")
@@ -349,7 +350,7 @@ def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale:
     saved, dup = {}, 0      # sample id -> (generation id, client latency) of its saved response
     asked = Counter()       # saved samples per prompt (two samples may share a prompt)
     for name in manifest["datasets"]:
-        for _, r in read_jsonl(gen / name / "raw_responses.jsonl"):
+        for _, r in store.read_responses(run, name):
             dup += r["sample_id"] in saved
             saved[r["sample_id"]] = (r["generation_id"], r.get("latency_s"))
             asked[stable_id(r["messages"])] += 1       # the emulator's prompt_key of that request
@@ -379,13 +380,13 @@ def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale:
     cheapest = min(cost_on, key=cost_on.get)
     cheapest_usd = cost_on[cheapest]
     credits = [a for a in account if a.get("type") == "credits"]
-    timeline = [r for _, r in read_jsonl(gen / "timeline.jsonl")]
+    timeline = store.read_timeline(run)
     floor = manifest["config"]["balance_floor_usd"]
     worst = manifest["config"]["request"]["max_tokens"] * max(
         float(endpoints[t].get("price_out_worst") or endpoints[t]["price_out"]) for t in routing["allowed"]) / 1e6
     sessions = [phase(s, [p for p in timeline if p["session"] == n], concurrency, floor, worst)
                 for n, s in enumerate(runs02, start=len(manifest["sessions"]) - len(runs02) + 1)]
-    tokens_report = json.loads((run.root / "tokens" / "report.json").read_text())
+    tokens_report = read_report(run)
     t = tokens_report["totals"]
     return {
         "time_scale": time_scale, "concurrency": concurrency,

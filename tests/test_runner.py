@@ -217,9 +217,12 @@ def test_ctrl_c_stops_the_run_with_one_line_and_exit_130(toy_stages, tmp_path):
 def test_notebooks_opened_by_hand_run_the_demos_datasets_and_budgets():
     """Run All in Lab with the defaults and `make demo` generate the same samples into the same run."""
     demo = yaml.safe_load((REPO_ROOT / "params" / "demo.yaml").read_text())
-    for stage in runner.discover():
-        for key in ("run_name", "outputs_dir", "datasets", "model", "max_tokens"):
+    stages = runner.discover()
+    known = runner.declared(stages)  # the default the runner uses for a key no params file sets
+    for key in ("run_name", "outputs_dir", "datasets", "model", "max_tokens"):
+        assert key not in demo, key
+        for stage in stages:
             if key in stage.params and stage.params[key].default != []:  # 04: [] = every dataset
-                assert stage.params[key].default == demo[key], (stage.title, key)
-    budgets = {d["name"]: d["output_token_budget"] for d in demo["datasets"]}
+                assert stage.params[key].default == known[key].default, (stage.title, key)
+    budgets = {d["name"]: d["output_token_budget"] for d in known["datasets"].default}
     assert budgets == {"code": 8000, "chat": 20000}  # code stops at its budget, chat runs out of prompts

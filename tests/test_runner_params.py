@@ -1,0 +1,66 @@
+"""Params files: one default per setting (the notebook's), a params file holds only overrides, and
+the demo still runs on exactly the values it ran on before the files were trimmed."""
+
+import yaml
+
+from draftsmith import runner
+from draftsmith.paths import REPO_ROOT
+
+PARAMS = sorted((REPO_ROOT / "params").glob("*.yaml"))
+
+# What every stage of `make demo` ran on at commit 0fec386, when params/demo.yaml restated 76 keys:
+# that file over the notebooks' defaults, written down once by hand. The demo's figures depend on them.
+DEMO_0FEC386 = {
+    "run_name": "demo", "outputs_dir": "outputs", "api_base": "local", "api_key_file": None,
+    "model": "moonshotai/kimi-k2.5", "native_precision": "int4", "target_model_path": "tiny",
+    "trust_remote_code": False, "emulator": {"time_scale": 0.05, "hang_s": 5.0, "credits": 10.0},
+    "datasets": [{"name": "code", "path": "data/demo/code.jsonl", "output_token_budget": 8000},
+                 {"name": "chat", "path": "data/demo/chat.jsonl", "output_token_budget": 20000}],
+    "imports": [], "concurrency": 64, "max_tokens": 192, "temperature": 1.0, "top_p": 1.0, "seed": 0,
+    "provider": {}, "reasoning": {}, "spend_limit_usd": 1.0,
+    # stage 01
+    "allow_unknown_quantization": False, "expected_output_tokens": 0, "pilot_samples": 4, "probe_prompts": 4,
+    "probe_max_tokens": 32, "probe_min_agreement": 0.5, "probe_reference": "", "exclude_probe_outliers": True,
+    "refresh_providers": False,
+    # stage 02
+    "stream": False, "max_attempts": 6, "request_timeout_s": 60.0, "balance_floor_usd": 0.0, "stop_grace_s": 30.0,
+    # stage 03
+    "chat_template_file": None, "sample_tolerance": 0.01, "min_clean_rate": 0.95, "max_relative_error": 0.005,
+    "exclude_flagged": False,
+    # stage 04
+    "hidden_dtype": "bf16", "layer_ids": [], "layer_convention": "output", "max_tokens_per_batch": 8192,
+    "shard_mb": 8.0, "nproc_per_node": 1, "device": "auto", "target_backend": "vllm", "tensor_parallel_size": 1,
+    "gpu_memory_utilization": None, "max_num_batched_tokens": None, "verify_with_hf": True,
+    # stage 05
+    "draft_vocab_size": 2048, "ttt_steps": 7, "train_epochs": 2.0, "train_batch_size": 8,
+    "train_micro_batch_size": 8, "train_max_len": 1024, "train_lr": 0.01, "train_warmup_fraction": 0.015,
+    "train_grad_clip": 0.5, "train_weight_decay": 0.0, "train_holdout_fraction": 0.05, "train_eval_every": 20,
+    "train_checkpoint_every": 50, "train_nproc": 1, "train_fsdp": False, "train_resume": True,
+    "export_fractions": [0.25, 0.5, 1.0], "export_engine": "sglang", "export_dtype": "bfloat16",
+    # stage 06
+    "drafter_dir": "", "eval_prompts_per_dataset": 4, "eval_max_new_tokens": 40, "draft_tokens": 3,
+    "eval_temperatures": [0.0, 1.0], "lookup_max_ngram": 3, "lookup_min_ngram": 1, "draft_cost_ratio": 0.05,
+    "eval_backend": "vllm", "eval_hf_crosscheck": True, "eval_engine_dtype": "float32", "eval_tensor_parallel": 1,
+}
+
+
+def test_params_files_hold_only_overrides_of_what_the_notebooks_declare():
+    known = runner.declared(runner.discover())
+    for f in PARAMS:
+        for key, value in yaml.safe_load(f.read_text()).items():
+            assert key in known, f"{f.name}: {key!r} is declared by no notebook"
+            assert value != known[key].default, \
+                f"{f.name}: {key}: {value!r} is already the default of {known[key].notebook}: leave it out"
+
+
+def test_every_stage_of_the_demo_runs_on_the_values_it_ran_on_before_the_trim():
+    stages = runner.discover()
+    values = runner.effective_params(stages, str(REPO_ROOT / "params" / "demo.yaml"), [], REPO_ROOT)
+    before = runner.absolutize(DEMO_0FEC386, REPO_ROOT)
+    for stage in stages:
+        given = {k: values[k] for k in stage.params if k in before}
+        assert given == {k: before[k] for k in given}, stage.title
+    for key in ("emulator", "datasets", "max_tokens", "request_timeout_s", "shard_mb", "draft_vocab_size",
+                "train_batch_size", "eval_temperatures", "target_backend", "eval_backend"):
+        assert any(key in s.params for s in stages), f"{key} is declared by no notebook any more"
+
