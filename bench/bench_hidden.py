@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftsmith import hidden, target_backend
+from draftsmith import hidden
 from draftsmith.shards import HiddenShards
-from draftsmith.target import resolve_target
+from draftsmith.target.checkpoint import load_target, resolve_target
+from draftsmith.target.hf import pad_batch
 from draftsmith.tokens import read_tokens
 
 
@@ -53,7 +54,7 @@ def plain_forward(model, batches) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            ids, _ = target_backend.pad_batch(batch, pad)
+            ids, _ = pad_batch(batch, pad)
             base(input_ids=ids.to(model.device), use_cache=False)
     return time.perf_counter() - t0
 
@@ -63,7 +64,7 @@ def naive_forward(model, batches) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            ids, keep = target_backend.pad_batch(batch, pad)
+            ids, keep = pad_batch(batch, pad)
             out = model(input_ids=ids.to(model.device), output_hidden_states=True, use_cache=False)
             [h[keep.to(h.device)].cpu() for h in out.hidden_states]
     return time.perf_counter() - t0
@@ -106,7 +107,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     target = resolve_target(a.target)
-    model = target_backend.load_target(target, a.device)
+    model = load_target(target, a.device)
     H = model.config.hidden_size
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -29,10 +29,10 @@ from bench_hidden import print_disk_table, raw_tensor_bytes, synthetic_tokens
 
 from draftsmith import hidden, layers
 from draftsmith.shards import HiddenShards
-from draftsmith.target import resolve_target
-from draftsmith.target_backend import VllmCapture, vllm_env
+from draftsmith.target.checkpoint import resolve_target
+from draftsmith.target.vllm import VllmCapture, vllm_env
+from draftsmith.target.vllm_capture import engine_kwargs
 from draftsmith.tokens import read_tokens
-from draftsmith.vllm_capture import engine_kwargs
 
 
 def plain_engine_child(kwargs: dict, prompts_file: str) -> None:

@@ -20,7 +20,8 @@ import argparse
 import random
 import time
 
-from draftsmith import target, tokens
+from draftsmith import tokens
+from draftsmith.target.checkpoint import resolve_target
 from draftsmith.tokens import Response, Thresholds
 
 
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="samples per rebuild call (the stage's batch)")
     args = ap.parse_args()
 
-    rec = tokens.load_reconstructor(str(target.resolve_target("tiny-test")))
+    rec = tokens.load_reconstructor(str(resolve_target("tiny-test")))
     samples = make_samples(args.samples)
     layout = rec.layout
     full = [rec.prompt_text(s.messages) + s.reasoning + layout.think_end + s.content + layout.end_of_turn

@@ -23,9 +23,9 @@ import torch
 
 from draftsmith import hidden
 from draftsmith.drafter import data, train
-from draftsmith.drafter.model import DrafterConfig, target_config, target_tensors
+from draftsmith.drafter.model import DrafterConfig
 from draftsmith.shards import HiddenShards
-from draftsmith.target import resolve_target
+from draftsmith.target.checkpoint import resolve_target, target_config, target_tensors
 
 WORDS = ("the function returns a list of values from the given file path and raises an error when the "
          "object is not found so the caller can retry with another name or default").split()

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def tiny_target() -> Path:
     """Folder of the `tiny-test` target (same architecture as the demo target, built in seconds)."""
-    from draftsmith.target import resolve_target
+    from draftsmith.target.checkpoint import resolve_target
 
     return resolve_target("tiny-test", log=lambda *a: None)
 

@@ -23,7 +23,7 @@ from draftsmith.drafter import train
 from draftsmith.emulator import running
 from draftsmith.paths import Run
 from draftsmith.shards import HiddenShards
-from draftsmith.target_backend import vllm_env
+from draftsmith.target.vllm import vllm_env
 
 from conftest import free_port, get_json
 

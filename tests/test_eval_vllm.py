@@ -16,10 +16,11 @@ import torch
 
 from draftsmith import hidden, layers, vllm_eval
 from draftsmith.drafter.export import export, for_engine
-from draftsmith.drafter.model import DrafterConfig, target_config, target_tensors
+from draftsmith.drafter.model import DrafterConfig
 from draftsmith.drafter.train import TrainConfig, build_drafter, train
 from draftsmith.drafter.vocab import DraftVocab
-from draftsmith.target import chat_examples
+from draftsmith.target.checkpoint import target_config, target_tensors
+from draftsmith.target.corpus import chat_examples
 
 from conftest import write_token_rows
 

@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from draftsmith import evaluate as ev
-from draftsmith import hidden, target_backend
+from draftsmith import hidden
 from draftsmith.drafter import load_exported
 from draftsmith.drafter.export import export
-from draftsmith.drafter.model import DrafterConfig, target_config, target_tensors
+from draftsmith.drafter.model import DrafterConfig
 from draftsmith.drafter.train import TrainConfig, build_drafter, train
 from draftsmith.drafter.vocab import DraftVocab
-from draftsmith.target import chat_examples
+from draftsmith.target.checkpoint import load_target, target_config, target_tensors
+from draftsmith.target.corpus import chat_examples
+from draftsmith.target.hf import Capture
 from draftsmith.tokens import Sample
 
 from conftest import write_token_rows
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def target_model(tiny_target):
-    return target_backend.load_target(tiny_target, "cpu")
+    return load_target(tiny_target, "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +226,7 @@ def test_chain_drafts_are_what_training_time_test_predicts_on_the_final_sequence
     full = list(p) + d.output
     sample = Sample("x", "s", torch.tensor(full, dtype=torch.int32),
                            torch.zeros(len(full), dtype=torch.uint8), "")
-    cap = target_backend.Capture(target_model, LAYER_IDS)
+    cap = Capture(target_model, LAYER_IDS)
     aux, _ = cap([sample])
     cap.close()
     with torch.no_grad():

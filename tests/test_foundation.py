@@ -5,9 +5,11 @@ import pickle
 
 import pytest
 
-from draftsmith import apikey, datasets, progress, target
+from draftsmith import apikey, datasets, progress
 from draftsmith.datasets import DatasetReader, DatasetSpec
 from draftsmith.paths import REPO_ROOT as REPO
+from draftsmith.target import tiny
+from draftsmith.target.checkpoint import resolve_target
 
 
 def write_jsonl(path, rows):
@@ -114,7 +116,7 @@ def test_tiny_target_round_trips_through_from_pretrained(tiny_target):
     tok = AutoTokenizer.from_pretrained(tiny_target)
     assert model.config.vocab_size == len(tok) == 129280
     assert model.config.num_hidden_layers == 8
-    assert tok.chat_template == target.CHAT_TEMPLATE
+    assert tok.chat_template == tiny.CHAT_TEMPLATE
     assert (tok.bos_token_id, tok.eos_token_id) == (0, 1)
     meta = json.loads((tiny_target / "draftsmith_target.json").read_text())
     assert meta["variant"] == "tiny-test"
@@ -140,7 +142,7 @@ def test_chat_template_renders_multi_turn_with_thinking_exactly(target_tokenizer
     full = tok.apply_chat_template([{"role": "user", "content": "Q"},
                                     {"role": "assistant", "content": "A", "reasoning_content": "R"}],
                                    tokenize=False)
-    assert full == (f"<｜begin▁of▁sentence｜>{target.DEFAULT_SYSTEM}<｜User｜>Q<｜Assistant｜>"
+    assert full == (f"<｜begin▁of▁sentence｜>{tiny.DEFAULT_SYSTEM}<｜User｜>Q<｜Assistant｜>"
                     "<think>R</think>A<｜end▁of▁sentence｜>")
 
 
@@ -149,15 +151,15 @@ def test_target_build_is_deterministic_for_a_seed(tmp_path, monkeypatch):
 
     from safetensors.torch import load_file
 
-    monkeypatch.setitem(target.VARIANTS, "tiny-test",
-                        dataclasses.replace(target.VARIANTS["tiny-test"], steps=2, seq_len=32))
-    a = target.build_tiny_target("tiny-test", root=tmp_path / "a", log=lambda *x: None)
-    b = target.build_tiny_target("tiny-test", root=tmp_path / "b", log=lambda *x: None)
+    monkeypatch.setitem(tiny.VARIANTS, "tiny-test",
+                        dataclasses.replace(tiny.VARIANTS["tiny-test"], steps=2, seq_len=32))
+    a = tiny.build_tiny_target("tiny-test", root=tmp_path / "a", log=lambda *x: None)
+    b = tiny.build_tiny_target("tiny-test", root=tmp_path / "b", log=lambda *x: None)
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
-    assert target.resolve_target("tiny-test") != a  # the cache is separate from explicit roots
+    assert resolve_target("tiny-test") != a  # the cache is separate from explicit roots
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        target.resolve_target(tmp_path / "nowhere")
+        resolve_target(tmp_path / "nowhere")
 
 
 def test_waiting_for_another_process_building_the_target_is_never_silent(tmp_path):
@@ -167,12 +169,12 @@ def test_waiting_for_another_process_building_the_target_is_never_silent(tmp_pat
     import threading
     import time
 
-    out = tmp_path / target.variant_key("tiny-test")
+    out = tmp_path / tiny.variant_key("tiny-test")
     lines: list[str] = []
     with open(tmp_path / f".{out.name}.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # the other process, mid-build
         waiter = threading.Thread(target=lambda: lines.append(
-            target.build_tiny_target("tiny-test", root=tmp_path, log=lines.append)))
+            tiny.build_tiny_target("tiny-test", root=tmp_path, log=lines.append)))
         waiter.start()
         time.sleep(1.5)
         out.mkdir()

@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith import hidden, layers, target_backend
+from draftsmith import hidden, layers
 from draftsmith.shards import INDEX, HiddenShards
+from draftsmith.target.checkpoint import load_target
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,7 +59,7 @@ def keys_of(hs: HiddenShards) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def model(tiny_target):
-    return target_backend.load_target(tiny_target, "cpu")
+    return load_target(tiny_target, "cpu")
 
 
 @pytest.mark.parametrize("ids, convention", [(None, "output"), ([3, 5, 6], "input")])

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from draftsmith import hidden, target, tokens
+from draftsmith import hidden, tokens
+from draftsmith.target.corpus import chat_examples
 from draftsmith.datasets import DatasetSpec
 from draftsmith.drafter import train
 from draftsmith.imports import parse_imports
@@ -21,7 +22,7 @@ SPECS = [DatasetSpec("code", "unused"), DatasetSpec("chat", "unused"), DatasetSp
 
 @functools.lru_cache(maxsize=1)
 def EXAMPLES():
-    return target.chat_examples(limit=120)
+    return chat_examples(limit=120)
 
 
 def true_ids(tok, messages, reasoning, content) -> tuple[list[int], list[int]]:

@@ -3,7 +3,9 @@ the response format; the loss mask's first response position; the Kimi-K2.5 temp
 
 import pytest
 
-from draftsmith import target, tokens
+from draftsmith import tokens
+from draftsmith.target import tiny
+from draftsmith.target.corpus import chat_examples
 from draftsmith.templates import KIMI_K25_CHAT_TEMPLATE, load_chat_template, response_layout
 from draftsmith.tokens import Reconstructor, Response, Thresholds
 
@@ -41,9 +43,9 @@ def added_ids(rec):
 
 
 def test_layout_is_read_off_the_targets_template(rec):
-    assert rec.layout.think_end == target.END_THINK and rec.layout.end_of_turn == target.EOS
+    assert rec.layout.think_end == tiny.END_THINK and rec.layout.end_of_turn == tiny.EOS
     assert rec.think_end_ids == [END_THINK] and rec.end_of_turn_ids == [EOS]
-    assert rec.layout.think_markers == (target.THINK, target.END_THINK)
+    assert rec.layout.think_markers == (tiny.THINK, tiny.END_THINK)
     assert rec.encoder.kind == "fast"
 
 
@@ -57,7 +59,7 @@ CONVERSATIONS = [
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_rebuilt_ids_equal_the_templates_own_tokenization(rec, messages):
-    examples = target.chat_examples(limit=40)[:5]
+    examples = chat_examples(limit=40)[:5]
     for conv in examples:
         reasoning, content = conv[1]["reasoning_content"], conv[1]["content"]
         _, b, _ = rebuild(rec, raw(messages, reasoning, content))
@@ -94,7 +96,7 @@ def test_multi_turn_supervises_only_the_final_turn(rec):
 
 
 def test_special_token_strings_in_content_encode_as_plain_text(rec):
-    content = (f"Write {target.EOS} or {target.USER} then {target.THINK}x{target.END_THINK} and "
+    content = (f"Write {tiny.EOS} or {tiny.USER} then {tiny.THINK}x{tiny.END_THINK} and "
                "<|im_end|>, literally.")
     _, b, checks = rebuild(rec, raw(content=content))
     k = b.output_ids.index(END_THINK)
@@ -108,7 +110,7 @@ def test_special_token_strings_in_content_encode_as_plain_text(rec):
 def test_special_token_strings_in_a_prompt_are_read_as_serving_engines_read_them(rec):
     # vLLM/SGLang render the template to text and tokenize it whole: a marker typed in a user message
     # becomes the token, and that is what the target read (the billed prompt count checks it)
-    messages = [{"role": "user", "content": f"Quote {target.USER} please"}]
+    messages = [{"role": "user", "content": f"Quote {tiny.USER} please"}]
     _, b, _ = rebuild(rec, raw(messages))
     assert b.prompt_ids.count(128803) == 2
     assert b.prompt_ids == rec.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -194,7 +196,7 @@ def test_structural_checks(rec):
     assert "empty_content" in c["issues"]
     _, _, c = rebuild(rec, raw(finish="content_filter"))
     assert "finish_reason:content_filter" in c["issues"]
-    _, _, c = rebuild(rec, raw(reasoning=f"a{target.END_THINK}b"))
+    _, _, c = rebuild(rec, raw(reasoning=f"a{tiny.END_THINK}b"))
     assert "think_marker_in_reasoning" in c["issues"]
     r = Response.parse({k: v for k, v in raw().items() if k != "usage"})
     assert "no_usage" in tokens.check(r, rec.rebuild([r])[0], rec.layout, Thresholds())["issues"]
@@ -228,8 +230,8 @@ def test_kimi_k25_template_renders_exactly_as_documented(rec):
 
 
 def test_a_template_whose_prompt_does_not_open_reasoning_is_refused(rec):
-    bad = rec.chat_template.replace("{% if add_generation_prompt %}" + target.ASSISTANT + target.THINK,
-                                    "{% if add_generation_prompt %}" + target.ASSISTANT)
+    bad = rec.chat_template.replace("{% if add_generation_prompt %}" + tiny.ASSISTANT + tiny.THINK,
+                                    "{% if add_generation_prompt %}" + tiny.ASSISTANT)
     with pytest.raises(ValueError, match="does not end by opening a reasoning block"):
         Reconstructor(rec.tokenizer, bad)
 

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from draftsmith import target, tokens
+from draftsmith import tokens
+from draftsmith.target.corpus import chat_examples
 from draftsmith.datasets import DatasetSpec
 from draftsmith.paths import Run
 
@@ -19,7 +20,7 @@ EXPECTED_CAUSE = {"Strip": "stripped_whitespace", "OtherTok": "other_tokenizer",
 
 @functools.lru_cache(maxsize=1)
 def EXAMPLES():
-    return target.chat_examples(limit=300)
+    return chat_examples(limit=300)
 
 
 def synthetic_rows(tok, dataset: str, n_per_provider: int, offset: int = 0) -> list[dict]:

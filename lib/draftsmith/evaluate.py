@@ -39,6 +39,8 @@ import torch
 from . import layers, store, vllm_eval
 from .paths import Run
 from .progress import Progress
+from .target.hooks import LayerOutputs
+from .target.identity import fingerprint
 
 LOOP_NGRAM = 4   # a token whose preceding 4-gram already occurred starts "repeating" text
 ROUNDS_FORMAT = 3   # of a rounds.jsonl line; lines of another format are measured again
@@ -112,17 +114,10 @@ class Target:
         self._new_cache = lambda: DynamicCache(config=model.config)
         self.cache = self._new_cache()
         self.layer_ids = list(layer_ids or [])
-        self._out: dict[int, torch.Tensor] = {}
-        decoder_layers = model.get_decoder().layers
-        self._hooks = [decoder_layers[k].register_forward_hook(self._keeper(k)) for k in self.layer_ids]
+        self._layers = LayerOutputs(model, self.layer_ids)
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
             else model.config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-
-    def _keeper(self, k: int):
-        def hook(module, args, output):
-            self._out[k] = output[0] if isinstance(output, tuple) else output
-        return hook
 
     def reset(self) -> None:
         self.cache = self._new_cache()
@@ -135,8 +130,8 @@ class Target:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         self.cache = out.past_key_values
-        aux = torch.cat([self._out[k][0] for k in self.layer_ids], dim=-1).float() if self.layer_ids else None
-        self._out.clear()
+        outputs = self._layers.take()
+        aux = torch.cat([h[0] for h in outputs], dim=-1).float() if outputs else None
         return out.logits[0].float().cpu(), aux   # logits on the CPU: sampling uses a CPU generator
 
     def truncate(self, n: int) -> None:
@@ -148,9 +143,7 @@ class Target:
             self.cache.crop(-drop)
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._layers.close()
 
 
 # ---- proposers: reset(prompt), advance(new tokens, their aux), propose(k) -----------------------
@@ -387,15 +380,6 @@ class Method:
     info: dict = field(default_factory=dict)
 
 
-def export_fingerprint(export_dir: Path) -> str:
-    h = hashlib.sha256((export_dir / "config.json").read_bytes())
-    w = export_dir / "model.safetensors"
-    h.update(str(w.stat().st_size).encode())
-    with open(w, "rb") as f:
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
-
-
 def drafter_exports(drafter_dir: str | os.PathLike) -> list[dict]:
     """The drafter's exports in training order ({step, fraction, dir}) from stage 05's
     exports.json; a folder that moved with its run is found beside exports.json."""
@@ -449,7 +433,7 @@ def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, 
 
         def make(d=e["dir"]):
             return Eagle3Proposer(load_exported(d, target_path, device=device))
-        ms.append(Method(name, "eagle3", export_fingerprint(e["dir"]), make,
+        ms.append(Method(name, "eagle3", fingerprint(e["dir"]), make,
                          {"step": e["step"], "fraction": e["fraction"], "dir": str(e["dir"]), "final": final}))
     return ms, layer_ids
 
@@ -469,7 +453,7 @@ def engine_methods_for(methods: list[Method], layer_ids: list[int], k: int, look
     for m in methods:
         if m.kind == "eagle3":
             d = for_engine(m.info["dir"], "vllm")
-            out.append({"name": m.name, "kind": "eagle3", "fingerprint": "vllm-" + export_fingerprint(d),
+            out.append({"name": m.name, "kind": "eagle3", "fingerprint": "vllm-" + fingerprint(d),
                         "hf_fingerprint": m.fingerprint, "speculative_config": vllm_eval.speculative_config("eagle3", k, d),
                         "expect_layers": layers.engine_layer_ids(layer_ids, "vllm"),
                         "info": {"step": m.info["step"], "fraction": m.info["fraction"], "dir": str(d),
@@ -598,8 +582,8 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
     `backend` vllm: measured inside vLLM serving every export (`vllm_eval`), then, with
     `hf_crosscheck`, by our decoder over transformers beside it (a target that fits one device);
     hf: our decoder only."""
-    from .hidden import load_target, target_identity
-    from .target import resolve_target
+    from .target.checkpoint import load_target, resolve_target
+    from .target.identity import target_identity
 
     if k < 1:
         raise ValueError(f"draft_tokens must be at least 1, got {k}")

@@ -51,7 +51,9 @@ import torch
 
 from . import layers, shards
 from .progress import Progress
-from .target_backend import BACKENDS, load_target, open_capture
+from .target.backends import BACKENDS, open_capture
+from .target.checkpoint import load_target
+from .target.identity import target_identity
 from .tokens.outputs import Sample, read_tokens
 from .torchrun import torchrun
 
@@ -118,27 +120,6 @@ def check_disk(directory: Path, tokens: int, per_token: int, dtype: str) -> None
         raise OSError(f"{directory}: hidden states need about {need / 2**30:,.2f} GiB ({tokens:,} tokens x "
                       f"{per_token:,} bytes, dtype {dtype}) but only {free / 2**30:,.2f} GiB is free; free "
                       f"space, point outputs_dir at a bigger disk{hint}")
-
-
-# ---- the target -------------------------------------------------------------------------------
-
-def target_identity(path: str | os.PathLike, trust_remote_code: bool = False) -> dict:
-    """What names the target in the index: its config, and a fingerprint of config + weight files
-    (names, sizes, first MiB) so features of two different checkpoints are never mixed."""
-    from transformers import AutoConfig
-
-    path = Path(path)
-    raw = (path / "config.json").read_bytes()
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
-    fp = hashlib.sha256(raw)
-    for f in sorted(path.glob("*.safetensors")):
-        fp.update(f"{f.name}:{f.stat().st_size}".encode())
-        with open(f, "rb") as fh:
-            fp.update(fh.read(1 << 20))
-    return {"path": str(path), "model_type": cfg.model_type,
-            "config_sha256": hashlib.sha256(raw).hexdigest(), "fingerprint": fp.hexdigest()[:16],
-            "num_hidden_layers": int(cfg.num_hidden_layers), "hidden_size": int(cfg.hidden_size),
-            "vocab_size": int(cfg.vocab_size), "pad_token_id": cfg.pad_token_id}
 
 
 # ---- resume: what the shards already on disk hold ------------------------------------------------
@@ -466,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-options", default="{}", help="JSON object (backend vllm), e.g. "
                     '\'{"tensor_parallel_size": 8, "trust_remote_code": true}\'')
     a = ap.parse_args(argv)
-    from .target import resolve_target
+    from .target.checkpoint import resolve_target
 
     ids = [int(x) for x in a.layer_ids.split(",") if x.strip()]
     extract(resolve_target(a.target, log=lambda *m: None), a.tokens, a.out, layer_ids=ids, convention=a.convention,

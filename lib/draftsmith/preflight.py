@@ -99,12 +99,10 @@ def check_outputs(values: dict, source: str) -> str | None:
 
 
 def _target(path: str, where: str) -> list[str]:
-    from .target import VARIANTS
+    from .target.checkpoint import checkpoint_problem
 
-    if path in VARIANTS or (Path(path).expanduser() / "config.json").is_file():
-        return []
-    return [f"{where}: target_model_path {path!r}: no config.json there; give a checkpoint folder or "
-            f"one of the built-in targets {sorted(VARIANTS)}"]
+    problem = checkpoint_problem(path)
+    return [f"{where}: {problem}"] if problem else []
 
 
 def _datasets(datasets: list, where: str) -> list[str]:

@@ -201,7 +201,7 @@ def _check_known(key, known: dict[str, Param], source: str) -> None:
 
 def absolutize(values: dict, base: Path) -> dict:
     """Relative paths (keys ending in _dir/_file/_path, and datasets[].path) made absolute."""
-    from .target import VARIANTS
+    from .target.tiny import VARIANTS
 
     def fix(v):
         if isinstance(v, str) and v and v not in VARIANTS and not os.path.isabs(os.path.expanduser(v)):

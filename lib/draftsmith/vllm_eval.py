@@ -20,7 +20,7 @@ unlike the CPU build's V1 runner, ignores `eagle_config.eagle_aux_hidden_state_l
 Both must be the ids the drafter was trained on, or the stage stops.
 
 Engines run in a child process (`python -m draftsmith.vllm_eval JOB`, started like stage 04's engine:
-`target_backend.vllm_env`), one after the other in that process. Each decoded
+`target.vllm.vllm_env`), one after the other in that process. Each decoded
 prompt is one line of `<run>/eval/engine_rounds.jsonl`, keyed by the settings, so a re-run starts no
 engine whose lines are all there. On GPUs with the real target: docs/gpu.md, "Stage 06 on GPUs".
 """
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from .files import read_jsonl
-from .target_backend import die_with_parent, vllm_env
+from .target.vllm import die_with_parent, vllm_env
 
 VLLM_VERSION = "0.32.0"
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",

@@ -25,7 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import layers
-from .model import DrafterConfig, Eagle3Drafter, target_tensors
+from ..target.checkpoint import target_tensors
+from .model import DrafterConfig, Eagle3Drafter
 from .vocab import DraftVocab
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

@@ -31,14 +31,11 @@ Two ways to run it:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 
@@ -283,50 +280,3 @@ class Eagle3Drafter(nn.Module):
         positions = torch.arange(len(cache), len(cache) + input_ids.shape[1], device=input_ids.device)
         out = self.midlayer(self.embed(input_ids), hidden.to(self.fc.weight.dtype), positions, cache)
         return out, self.logits(out)
-
-
-# -- the target's tensors ----------------------------------------------------------------------
-
-def target_config(target_path: str | Path) -> dict:
-    path = Path(target_path) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: not a checkpoint folder (no config.json)")
-    return json.loads(path.read_text())
-
-
-def _weight_files(target_path: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file of a checkpoint (single file or sharded with an index)."""
-    index = target_path / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: target_path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    single = target_path / "model.safetensors"
-    if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {k: single for k in f.keys()}
-    raise FileNotFoundError(f"{target_path}: no model.safetensors or model.safetensors.index.json")
-
-
-def _pick(names: list[str], suffix: str) -> str | None:
-    hits = sorted((n for n in names if n == suffix or n.endswith("." + suffix)), key=len)
-    return hits[0] if hits else None
-
-
-def target_tensors(target_path: str | Path) -> dict[str, torch.Tensor]:
-    """Only the target's input embedding and lm_head ([V, H] each, checkpoint dtype), read from its
-    safetensors without building the model. Tied embeddings give the same tensor for both."""
-    target_path = Path(target_path)
-    files = _weight_files(target_path)
-    names = list(files)
-    embed_key = _pick(names, "embed_tokens.weight")
-    if embed_key is None:
-        raise KeyError(f"{target_path}: no '*embed_tokens.weight' tensor in the checkpoint")
-    head_key = _pick(names, "lm_head.weight")
-    cfg = target_config(target_path)
-    tied = cfg.get("text_config", cfg).get("tie_word_embeddings", False)
-    if head_key is None and not tied:
-        raise KeyError(f"{target_path}: no 'lm_head.weight' and tie_word_embeddings is not set")
-    out = {}
-    for name, key in (("embed", embed_key), ("lm_head", head_key or embed_key)):
-        with safe_open(str(files[key]), framework="pt") as f:
-            out[name] = f.get_tensor(key)
-    return out

@@ -37,12 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import layers
+from ..distributed import Dist, init_dist
 from ..progress import Progress
 from ..shards import HiddenShards
+from ..target.checkpoint import target_config, target_tensors
 from ..torchrun import torchrun
 from . import data
 from .export import export
-from .model import DrafterConfig, Eagle3Drafter, target_config, target_tensors
+from .model import DrafterConfig, Eagle3Drafter
 from .vocab import DraftVocab, token_counts
 
 
@@ -109,39 +111,6 @@ class TrainConfig:
 
 
 # -- processes -------------------------------------------------------------------------------
-
-@dataclass
-class Dist:
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            t = t.to(self.device)
-            dist.all_reduce(t)
-        return t.cpu()
-
-
-def init_dist() -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank() if world > 1 else 0
-    return Dist(rank, world, torch.device(f"cuda:{local}" if cuda else "cpu"))
-
 
 # -- the objective -----------------------------------------------------------------------------
 

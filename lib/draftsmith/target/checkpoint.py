@@ -1,0 +1,154 @@
+"""The target's checkpoint: where it is, its config, tokenizer and weights, and the model itself.
+
+`target_model_path` names either a built-in tiny target (built once into the cache,
+`draftsmith.target.tiny`) or a Hugging Face checkpoint folder; `resolve_target` turns it into the
+folder. Everything else here reads that folder: the config (`target_config`), the tokenizer, single
+tensors straight from its safetensors without building the model (`target_tensors`, `final_norm`),
+and the whole model through transformers (`load_target`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .tiny import VARIANTS, build_tiny_target
+
+
+def checkpoint_problem(target_model_path: str | os.PathLike) -> str | None:
+    """Why `target_model_path` names no target (None when it does), without building anything."""
+    name = str(target_model_path)
+    if name in VARIANTS or (Path(name).expanduser() / "config.json").is_file():
+        return None
+    return (f"target_model_path {name!r}: no config.json there; give a Hugging Face checkpoint folder or "
+            f"one of the built-in targets {sorted(VARIANTS)}")
+
+
+def resolve_target(target_model_path: str | os.PathLike, log=print) -> Path:
+    """The folder of the target checkpoint: a built-in variant name (built and cached on first use)
+    or the path of an existing checkpoint."""
+    problem = checkpoint_problem(target_model_path)
+    if problem:
+        raise FileNotFoundError(problem)
+    name = str(target_model_path)
+    return build_tiny_target(name, log=log) if name in VARIANTS else Path(name).expanduser()
+
+
+def target_config(target_path: str | os.PathLike) -> dict:
+    """The checkpoint's config.json as written (multimodal checkpoints nest the text model's under
+    `text_config`)."""
+    path = Path(target_path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not a checkpoint folder (no config.json)")
+    return json.loads(path.read_text())
+
+
+_PLAIN_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_tokenizer(target_model_path: str | os.PathLike, trust_remote_code: bool = False, log=print):
+    """The tokenizer of the target (built-in name or checkpoint folder). A checkpoint with a plain
+    tokenizer.json (the built-in targets) loads without importing torch, seconds faster than
+    AutoTokenizer; any other goes through AutoTokenizer (`trust_remote_code` is opt-in: Kimi-K2.5's
+    tiktoken tokenizer needs it)."""
+    path = resolve_target(target_model_path, log=log)
+    config = path / "tokenizer_config.json"
+    if (path / "tokenizer.json").is_file() and config.is_file() and \
+            json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") in _PLAIN_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+# ---- single tensors, read from the safetensors files --------------------------------------------
+
+def weight_files(target_path: str | os.PathLike) -> dict[str, Path]:
+    """tensor name -> safetensors file of a checkpoint (sharded with an index, or plain files)."""
+    from safetensors import safe_open
+
+    target_path = Path(target_path)
+    index = target_path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: target_path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    where: dict[str, Path] = {}
+    for f in sorted(target_path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            where.update(dict.fromkeys(h.keys(), f))
+    if not where:
+        raise FileNotFoundError(f"{target_path}: no model.safetensors or model.safetensors.index.json")
+    return where
+
+
+def _named(names, suffix: str) -> list[str]:
+    """Tensor names equal to `suffix` or ending in `.suffix` (nested models prefix theirs), shortest first."""
+    return sorted((n for n in names if n == suffix or n.endswith("." + suffix)), key=len)
+
+
+def _read(files: dict[str, Path], name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(files[name]), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def target_tensors(target_path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Only the target's input embedding and lm_head ([V, H] each, checkpoint dtype), read from its
+    safetensors without building the model. Tied embeddings give the same tensor for both."""
+    target_path = Path(target_path)
+    files = weight_files(target_path)
+    embed = _named(files, "embed_tokens.weight")
+    if not embed:
+        raise KeyError(f"{target_path}: no '*embed_tokens.weight' tensor in the checkpoint")
+    head = _named(files, "lm_head.weight")
+    cfg = target_config(target_path)
+    tied = cfg.get("text_config", cfg).get("tie_word_embeddings", False)
+    if not head and not tied:
+        raise KeyError(f"{target_path}: no 'lm_head.weight' and tie_word_embeddings is not set")
+    return {"embed": _read(files, embed[0]), "lm_head": _read(files, (head or embed)[0])}
+
+
+def final_norm(target_path: str | os.PathLike) -> tuple[torch.Tensor, float]:
+    """The final RMSNorm of a checkpoint: its weight (float32) and eps. Found as the one tensor named
+    `model.norm.weight` (or ending in `.model.norm.weight`, e.g. under `language_model.`)."""
+    target_path = Path(target_path)
+    cfg = target_config(target_path)
+    eps = (cfg.get("text_config") or cfg).get("rms_norm_eps", cfg.get("rms_norm_eps"))
+    if eps is None:
+        raise ValueError(f"{target_path / 'config.json'}: no rms_norm_eps; the vllm backend applies the final "
+                         f"norm itself and supports RMSNorm targets only")
+    files = weight_files(target_path)
+    names = _named(files, "model.norm.weight")
+    if len(names) != 1:
+        raise ValueError(f"{target_path}: expected one final norm weight named like 'model.norm.weight', found "
+                         f"{names or 'none'}")
+    return _read(files, names[0]).float(), float(eps)
+
+
+# ---- the whole model ----------------------------------------------------------------------------
+
+def load_target(path: str | os.PathLike, device: str = "auto"):
+    """The target in eval mode (transformers). `auto`: bf16 on GPU (one GPU per torchrun rank when
+    several ranks share a node, else `device_map="auto"` over all visible GPUs), float32 on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        kw = {"dtype": torch.float32}
+    elif device == "cuda":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if local_world > 1:
+            kw = {"device_map": {"": f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"}}
+        else:
+            kw = {"device_map": "auto" if torch.cuda.device_count() > 1 else {"": "cuda:0"}}
+        kw["dtype"] = torch.bfloat16
+    else:
+        kw = {"device_map": {"": device}, "dtype": torch.bfloat16}
+    return AutoModelForCausalLM.from_pretrained(path, **kw).eval()

@@ -1,0 +1,50 @@
+"""Stage 04's `hf` backend: the target in transformers in this process, features read by hooks.
+
+The reference: exact on tiny targets and for cross-checks, one process per GPU under torchrun.
+Samples are right-padded into one batch and run without an attention mask: under a causal mask a
+real token never sees the padding after it, and the padded rows are dropped before returning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hooks import LayerOutputs
+
+
+def pad_batch(batch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [n, L] (int64) and the mask of real tokens [n, L]."""
+    n, width = len(batch), max(len(s) for s in batch)
+    ids = torch.full((n, width), pad_id, dtype=torch.int64)
+    keep = torch.zeros((n, width), dtype=torch.bool)
+    for r, s in enumerate(batch):
+        ids[r, :len(s)] = s.input_ids
+        keep[r, :len(s)] = True
+    return ids, keep
+
+
+class Capture:
+    """Calling it runs the decoder (not the lm_head) on a batch and returns aux [T, 3H] (the outputs
+    of decoder layers `output_ids`, side by side) and last [T, H] (the final hidden state after the
+    final norm) of the real tokens, sample after sample, on the CPU."""
+
+    backend = "hf"
+    scratch_dir = None  # unused: features come back in memory
+
+    def __init__(self, model, output_ids: list[int]):
+        self.base = model.get_decoder()
+        self.ids = list(output_ids)
+        self.device = model.get_input_embeddings().weight.device
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self._layers = LayerOutputs(model, self.ids)
+
+    @torch.inference_mode()
+    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, keep = pad_batch(batch, self.pad_id)
+        last = self.base(input_ids=ids.to(self.device), use_cache=False).last_hidden_state
+        keep = keep.to(last.device)
+        aux = torch.cat([h[keep.to(h.device)].to(last.device) for h in self._layers.take()], dim=-1)
+        return aux.cpu(), last[keep].cpu()
+
+    def close(self) -> None:
+        self._layers.close()
