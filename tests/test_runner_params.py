@@ -3,7 +3,7 @@ the demo still runs on exactly the values it ran on before the files were trimme
 
 import yaml
 
-from draftsmith import runner
+from draftsmith import cli, runner
 from draftsmith.paths import REPO_ROOT
 
 PARAMS = sorted((REPO_ROOT / "params").glob("*.yaml"))
@@ -64,3 +64,15 @@ def test_every_stage_of_the_demo_runs_on_the_values_it_ran_on_before_the_trim():
                 "train_batch_size", "eval_temperatures", "target_backend", "eval_backend"):
         assert any(key in s.params for s in stages), f"{key} is declared by no notebook any more"
 
+
+def test_check_prints_every_value_a_stage_uses_and_where_it_comes_from(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    demo = str(REPO_ROOT / "params" / "demo.yaml")
+    assert cli.main(["run", "04", "-f", demo, "--check", "-p", "outputs_dir", "out"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split("=")[0].strip(): line for line in out.splitlines() if " = " in line}
+    assert set(lines) == set(runner.select(runner.discover(), "04")[0].params)
+    assert lines["shard_mb"].split("#")[1].strip() == demo and "8.0" in lines["shard_mb"]
+    assert lines["hidden_dtype"].endswith("# default of 04_hidden_states.ipynb") and "'bf16'" in lines["hidden_dtype"]
+    assert lines["outputs_dir"] == f"    outputs_dir = {str(tmp_path / 'out')!r}  # -p outputs_dir"  # made absolute
+    assert "parameters of 04_hidden_states: ok" in out

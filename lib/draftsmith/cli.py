@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                    help="override one parameter (VALUE is read as YAML)")
     r.add_argument("--check", action="store_true",
-                   help="check the parameters and read the prompt files, run nothing")
+                   help="check the parameters and read the prompt files, print every value the stages "
+                        "would get and where it comes from, run nothing")
     r.add_argument("--list", action="store_true", help="list the stages and their parameters")
     args = ap.parse_args(argv)
 
@@ -44,13 +45,16 @@ def main(argv: list[str] | None = None) -> int:
                                     "notebooks' own defaults (the demo) on purpose" if not args.file else
                                     "give -f or --defaults, not both")
         chosen = runner.select(stages, args.stage)
-        values = runner.prepare(stages, chosen, args.file, [tuple(p) for p in args.param])
+        sources: dict[str, str] = {}
+        values = runner.prepare(stages, chosen, args.file, [tuple(p) for p in args.param], sources=sources)
         if args.check:
             from .preflight import dataset_summaries
 
             if any("api_base" in s.params for s in chosen):
                 for line in dataset_summaries(values):
                     print(line)
+            for name in dict.fromkeys(k for s in chosen for k in s.params):
+                print(f"    {name} = {values[name]!r}  # {sources[name]}")
             print(f"parameters of {', '.join(s.title for s in chosen)}: ok")
             return 0
         run = runner.run_stages(chosen, values)

@@ -411,12 +411,14 @@ def effective_params(stages_all: list[Stage], file: str | None, overrides: list[
 
 
 def prepare(stages_all: list[Stage], chosen: list[Stage], file: str | None,
-            overrides: list[tuple[str, str]], base: Path | None = None) -> dict:
+            overrides: list[tuple[str, str]], base: Path | None = None,
+            sources: dict[str, str] | None = None) -> dict:
     """`effective_params`, then every value check of the chosen stages and a writable run folder:
-    one ParamError listing every problem, before anything starts or pays."""
+    one ParamError listing every problem, before anything starts or pays. `sources`, when given,
+    maps each key to where its value came from."""
     from . import preflight
 
-    sources: dict[str, str] = {}
+    sources = {} if sources is None else sources
     values = effective_params(stages_all, file, overrides, base, sources)
     problems = preflight.check(chosen, values, sources)
     if not problems:
