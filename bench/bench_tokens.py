@@ -23,6 +23,7 @@ import time
 from draftsmith import tokens
 from draftsmith.target.checkpoint import resolve_target
 from draftsmith.tokens import Response, Thresholds
+from draftsmith.tokens.outputs import check_row, ids_line
 
 
 def make_samples(n: int, seed: int = 0) -> list[Response]:
@@ -74,8 +75,8 @@ def main() -> None:
         n = 0
         for batch in batches:
             for r, b in zip(batch, rec.rebuild(batch)):
-                row = tokens._row(r, b, tokens.check(r, b, layout, Thresholds()))
-                line = tokens._ids_line(b)
+                row = check_row(r, b, tokens.check(r, b, layout, Thresholds()))
+                line = ids_line(b)
                 n += len(b.prompt_ids) + len(b.output_ids) + 0 * len(line) * len(row)
         return n
 

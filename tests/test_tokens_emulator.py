@@ -59,7 +59,12 @@ def generate_and_validate(tmp_path, backend: str, budget: int, max_tokens: int, 
         log = (run.root / "logs" / "03_validate_tokens.log").read_text()
     else:
         log = tokens.summary(tokens.build(run, parse_datasets(datasets), "tiny-test", log=lambda *a: None))
-    report = json.loads((run.root / "tokens" / "report.json").read_text())
+    report = tokens.read_report(run)
+    if notebook:  # the notebook saves and shows the figures `tokens.figures` makes
+        for name in ("delta_hist.png", "provider_deltas.png", "lengths.png"):
+            assert run.figure("tokens", name).stat().st_size > 1000
+        executed = json.loads((run.root / "notebooks" / "03_validate_tokens.ipynb").read_text())
+        assert sum("image/png" in o.get("data", {}) for c in executed["cells"] for o in c.get("outputs", [])) == 3
     report["_root"] = run.root / "tokens"
     rows = [json.loads(x) for n in names for x in (run.root / "tokens" / f"{n}.jsonl").open()]
     return report, rows, ledger, log

@@ -1,8 +1,15 @@
-"""Stage 03's outputs: where they live, and reading them back (the one reader stage 04 uses).
+"""Stage 03's files: the only module that knows their names. It writes them and reads them back.
 
-`tokens/<dataset>.jsonl` holds the ids of every kept sample: `input_ids` (prompt + response),
-`loss_mask` (1 on response tokens), `source` and the sample's checks. A sample marked
-`"excluded": true` is left out by `read_tokens`.
+  tokens/<dataset>.jsonl         every kept sample: its checks and `input_ids` (prompt + response),
+                                 `loss_mask` (1 on response tokens), `output_ids`; what stage 04 reads
+                                 (`token_files`, `read_tokens`)
+  tokens/checks/<dataset>.jsonl  the checks of every sample, kept or not (`read_checks`)
+  tokens/report.json             per dataset, provider and source (`write_report`, `read_report`)
+  tokens/.work/                  pass-1 results per source file, so an interrupted stage resumes
+                                 (`Work`); removed once the stage is done
+
+The two JSONL files of a dataset are streamed to temporary names and renamed once whole (they
+are too large to hold as one string); report.json is written atomically.
 """
 
 from __future__ import annotations
@@ -10,13 +17,123 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..datasets import stable_id
+from ..files import read_jsonl, write_json_atomic
 from ..paths import Run
 from ..progress import Progress
+from .rebuild import Rebuilt
+from .responses import Response
+
+FORMAT_VERSION = 2
+REPORT = "report.json"
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+def check_row(r: Response, b: Rebuilt, checks: dict) -> dict:
+    """The line of tokens/checks/<dataset>.jsonl for one sample (its ids are added for the kept ones)."""
+    return {"sample_id": r.sample_id, "dataset": r.dataset, "source": r.source, "provider": r.provider,
+            "prompt_hash": stable_id(r.messages),
+            "generation_id": r.generation_id, "finish_reason": r.finish_reason,
+            "billed_completion_tokens": r.billed_completion, "reconstructed_completion_tokens": len(b.output_ids),
+            "billed_prompt_tokens": r.billed_prompt, "reconstructed_prompt_tokens": len(b.prompt_ids),
+            "flagged": False, "excluded": False, "checks": checks}
+
+
+def ids_line(b: Rebuilt) -> str:
+    """The ids part of an output line, built from string pieces (JSON of 60M ints is the stage's
+    second cost after tokenizing)."""
+    prompt, output = json.dumps(b.prompt_ids), json.dumps(b.output_ids)
+    inputs = prompt[:-1] + ", " + output[1:] if b.prompt_ids and b.output_ids else (output if b.output_ids else prompt)
+    mask = "[" + ("0, " * len(b.prompt_ids) + "1, " * len(b.output_ids))[:-2] + "]"
+    return f'{{"input_ids": {inputs}, "loss_mask": {mask}, "output_ids": {output}}}\n'
+
+
+class Work:
+    """Pass-1 results of one source file of a dataset (`name` = dataset.unit) under tokens/.work/:
+    ids lines and check rows in step, and a fingerprint written last. A rerun with the same file
+    and settings reuses them, so an interrupted stage redoes only the files it had not finished."""
+
+    def __init__(self, run: Run, name: str, fingerprint: dict):
+        d = run.dir("tokens/.work")
+        self.ids, self.rows, self.done = d / f"{name}.ids.jsonl", d / f"{name}.rows.jsonl", d / f"{name}.done.json"
+        self.fingerprint = fingerprint
+
+    def finished(self) -> bool:
+        try:
+            done = json.loads(self.done.read_text())
+            done.pop("problems", None)
+            return done == self.fingerprint and self.ids.is_file() and self.rows.is_file()
+        except (OSError, ValueError):
+            return False
+
+    @contextmanager
+    def writer(self):
+        """A function that writes one sample's check row and ids to the work files, in step."""
+        with open(self.ids, "w", encoding="utf-8") as ids_f, open(self.rows, "w", encoding="utf-8") as rows_f:
+            def write(row: dict, b: Rebuilt) -> None:
+                ids_f.write(ids_line(b))
+                rows_f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+            yield write
+
+    def finish(self, problems: list[str]) -> None:
+        write_json_atomic(self.done, {**self.fingerprint, "problems": problems})
+
+    def load_rows(self) -> tuple[list[dict], list[str]]:
+        data = json.loads(self.done.read_text())
+        return [row for _, row in read_jsonl(self.rows)], data.get("problems", [])
+
+    def remove(self) -> None:
+        for p in (self.ids, self.rows, self.done):
+            p.unlink(missing_ok=True)
+
+
+def write_dataset(run: Run, name: str, parts: list[tuple[list[dict], Work]]) -> Path:
+    """tokens/<name>.jsonl (kept samples: checks + ids) and tokens/checks/<name>.jsonl (every
+    sample, kept or not) from the (rows, work) of each source file of the dataset, each written
+    whole under a temporary name, then renamed."""
+    out_dir = run.dir("tokens")
+    (out_dir / "checks").mkdir(exist_ok=True)
+    final, checks = out_dir / f"{name}.jsonl", out_dir / "checks" / f"{name}.jsonl"
+    tmp, tmp_checks = out_dir / f".{name}.jsonl.tmp", out_dir / "checks" / f".{name}.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as out, open(tmp_checks, "w", encoding="utf-8") as out_checks:
+        for rows, work in parts:
+            with open(work.ids, encoding="utf-8") as ids_f:
+                for row, ids in zip(rows, ids_f, strict=True):
+                    meta = json.dumps({k: v for k, v in row.items() if k != "excluded"}, ensure_ascii=False)
+                    out_checks.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    if not row["excluded"]:
+                        out.write(meta[:-1] + ", " + ids[1:])  # two JSON objects' members, one object
+    os.replace(tmp, final)
+    os.replace(tmp_checks, checks)
+    return final
+
+
+def write_report(run: Run, report: dict) -> None:
+    write_json_atomic(run.dir("tokens") / REPORT, report)
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+
+def read_report(run: Run) -> dict:
+    """tokens/report.json of `run`."""
+    path = run.root / "tokens" / REPORT
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (run stage 03 first)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_checks(run: Run, datasets: list[str]) -> list[dict]:
+    """The check rows of every sample of `datasets`, kept or not, in dataset then file order."""
+    return [row for name in datasets for _, row in read_jsonl(run.dir("tokens") / "checks" / f"{name}.jsonl")]
 
 
 @dataclass(frozen=True)
