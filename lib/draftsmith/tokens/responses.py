@@ -1,4 +1,4 @@
-"""The responses stage 03 rebuilds: a line of stage 02's `raw_responses.jsonl` or of an import file,
+"""The responses stage 03 rebuilds: a line of stage 02's saved responses or of an import file,
 parsed into the fields reconstruction and checks use. A line that cannot be used becomes a `BadLine`
 whose message names the field; the stage skips it and reports it as file:line.
 """
@@ -15,12 +15,12 @@ from ..paths import Run
 
 
 class BadLine(ValueError):
-    """A raw_responses line that cannot be used; the message names the field."""
+    """A response line that cannot be used; the message names the field."""
 
 
 @dataclass
 class Response:
-    """The fields of a raw_responses line that reconstruction and checks use."""
+    """The fields of a response line that reconstruction and checks use."""
 
     sample_id: str
     dataset: str
