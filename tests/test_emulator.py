@@ -291,7 +291,7 @@ def test_402_when_max_tokens_exceed_what_the_balance_affords_then_top_up(tmp_pat
     ep = {"slug": "a", "name": "A", "quantization": "int4", "prompt_price": 1.0, "completion_price": 10.0}
     with running({**QUIET, "credits": 0.001, "providers": [ep], "admin_key": "adm"}, state_dir=tmp_path) as emu:
         c = httpx.Client(base_url=emu.base_url, headers=emu.key.header())
-        prompt_tokens = len(emu.emulator._prompt_ids(msgs(), True))
+        prompt_tokens = len(emu.emulator.chat.prompt_ids(msgs(), True))
         r = c.post("/chat/completions", json=body(max_tokens=1000))
         assert r.status_code == 402
         afford = math.floor((0.001 - prompt_tokens * 1e-6) / 1e-5)

@@ -313,7 +313,7 @@ def wait_lines(path: Path, n: int, timeout: float = 30) -> None:
 def wait_idle(emu, timeout: float = 10) -> None:
     """Until the emulator has finished (and billed) every request of the dead client."""
     t0 = time.time()
-    while emu.emulator.in_flight and time.time() - t0 < timeout:
+    while emu.emulator.accounts.in_flight and time.time() - t0 < timeout:
         time.sleep(0.05)
     time.sleep(0.1)
 

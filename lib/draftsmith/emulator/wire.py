@@ -7,6 +7,7 @@ and send whitespace every `interval` as keep-alive, so the JSON body (or an erro
 status 200) follows leading whitespace. Every response carries the `headers` it was given (the
 server passes `X-Generation-Id`). `cut` sends the headers and part of the body, then closes the
 connection (a response lost on the wire). A client gone away shows up as ConnectionResetError.
+Errors go out in OpenRouter's envelope, `{"error": {code, message, metadata}, "user_id"}`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,20 @@ import json
 
 from aiohttp import web
 
+API = "/api/v1"  # every path the emulator serves starts with it
 PROCESSING = b": OPENROUTER PROCESSING\n\n"
+USER_ID = "user_emulator"
+
+
+def error_body(code: int, message: str, metadata: dict | None = None) -> dict:
+    err = {"code": code, "message": message}
+    if metadata is not None:
+        err["metadata"] = metadata
+    return {"error": err, "user_id": USER_ID}
+
+
+def error_response(code: int, message: str, metadata: dict | None = None, headers: dict | None = None):
+    return web.json_response(error_body(code, message, metadata), status=code, headers=headers)
 
 
 def _dumps(obj) -> bytes:

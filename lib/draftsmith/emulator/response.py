@@ -1,0 +1,271 @@
+"""One chat response from the endpoint chosen for it, as that provider would send it.
+
+The backend generates the ids; they go out paced by the endpoint's time to first token and
+tokens/s (scaled by `time_scale`), as SSE chunks or one JSON body; the endpoint's fault for this
+request is acted out (a hang, an error mid-stream, an empty or error body with status 200, an
+answer billed but cut on the wire), its quirks applied (`Output`), its bill counted by its own
+tokenizer (`Billing`), and the ledger line written before the client has the last byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import secrets
+import time
+from collections import Counter
+
+from aiohttp import web
+
+from .backends import Job, Vocab
+from .catalogue import Endpoint
+from .config import EmulatorConfig
+from .faults import uniform
+from .ledger import Ledger
+from .output import Output
+from .quirks import Billing
+from .synthetic import SyntheticBackend
+from .wire import PROCESSING, JSONWriter, SSEWriter, error_body
+
+MAX_CHUNK_TOKENS = 16  # a stream chunk carries at most this many tokens
+
+
+class Responses:
+    """Generates, writes, bills and records the responses of one emulator."""
+
+    def __init__(self, cfg: EmulatorConfig, vocab: Vocab, backend, ledger: Ledger, stats: Counter):
+        self.cfg, self.vocab, self.backend, self.ledger, self.stats = cfg, vocab, backend, ledger, stats
+        self._billing: dict[str, Billing] = {}
+
+    def billing(self, ep: Endpoint) -> Billing:
+        """How `ep` counts billed tokens (its other tokenizer is built on first use)."""
+        kind = ep.quirks.billing_tokenizer
+        if kind not in self._billing:
+            self._billing[kind] = Billing(self.vocab.tokenizer, kind)
+        return self._billing[kind]
+
+    def _job(self, req, prompt_ids, ep: Endpoint, nth: int) -> Job:
+        # sampling parameters the endpoint does not support are silently dropped, as on OpenRouter
+        # (unless the request set provider.require_parameters, which routed around such endpoints)
+        supported = set(ep.supported_parameters)
+        temperature = req["temperature"] if "temperature" in supported else 1.0
+        top_p = req["top_p"] if "top_p" in supported else 1.0
+        seed = req["seed"] if "seed" in supported else None
+        key = req["prompt_key"]
+        if temperature > 0:
+            key += f"|seed={seed}" if seed is not None else f"|draw={nth}|{secrets.token_hex(4)}"
+        return Job(prompt_ids=prompt_ids, max_tokens=req["max_tokens"], temperature=temperature,
+                   top_p=top_p, seed=seed, key=key, reasoning_max_tokens=req["reasoning_max_tokens"],
+                   perturbed=ep.quirks.perturbed_model, noncanonical_rate=ep.quirks.noncanonical_rate)
+
+    async def _tokens(self, job: Job):
+        """(ids, texts) lists as the backend produces them: all at once (synthetic) or one by one."""
+        if isinstance(self.backend, SyntheticBackend):
+            yield self.backend.tokens(job)
+        else:
+            async for i, t in self.backend.stream(job):
+                yield [i], [t]
+
+    async def generate(self, request, req, prompt_ids, ep, fault, gen_id, attempts, nth, t_start):
+        """Run the backend for `ep`, paced and written as OpenRouter would; bill and record it.
+
+        A stream the client closes (or `cut_after_billing` cuts) stops being written; the endpoint
+        stops generating and billing there if it `supports_cancellation`, else it finishes and bills
+        the whole response. A non-streamed response is always generated and billed in full."""
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        rng = random.Random(f"{cfg.seed}|{gen_id}")
+        ttft = rng.lognormvariate(math.log(ep.latency_s.median), ep.latency_s.sigma)
+        tps = rng.lognormvariate(math.log(ep.tokens_per_s.median), ep.tokens_per_s.sigma)
+        t0, scale, stream = loop.time(), cfg.time_scale, req["stream"]
+
+        def due(n: int) -> float:  # when the n-th id (from 0) is produced, on the loop's clock
+            return t0 + (ttft + n / tps) * scale
+
+        out = Output(self.vocab, req, ep, gen_id, cfg.model, uniform("quirk", cfg.seed, gen_id),
+                     byok_fee_rate=cfg.byok_fee_rate if cfg.byok else None)
+        headers = {"X-Generation-Id": gen_id}
+        writer = SSEWriter(request, cfg.padding_interval_s, headers) if stream else \
+            JSONWriter(request, cfg.padding_interval_s, headers)
+        if fault == "hang":
+            return await self._hang(writer, req, ep, out, attempts, prompt_ids, nth, t_start, due)
+        stop_after = {"mid_stream": max(1, int(rng.random() * min(req["max_tokens"], 64))),
+                      "error_200": 0, "empty_200": 0}.get(fault)
+        cut_at = max(1, int(rng.random() * min(req["max_tokens"], 64))) \
+            if fault == "cut_after_billing" and stream else None
+        job = self._job(req, prompt_ids, ep, nth)
+        t_first = None
+        gone = False  # the stream's connection is closed: nothing more is written
+
+        async def send() -> bool:
+            nonlocal gone
+            try:
+                await writer.flush()
+            except ConnectionResetError:
+                gone = True
+            if not gone and cut_at is not None and len(out.ids) >= cut_at:
+                writer.close_connection()
+                gone = True
+            return not (gone and ep.supports_cancellation)
+
+        try:
+            await writer.open()
+            tokens = self._tokens(job)
+            try:
+                going = True
+                async for ids, texts in tokens:
+                    pos = 0
+                    while going and pos < len(ids) and not out.stopped:
+                        end = len(ids)
+                        if stop_after is not None:
+                            end = min(end, pos + stop_after - len(out.ids))
+                            if end <= pos:
+                                break
+                        if cut_at is not None and not gone:
+                            end = min(end, pos + max(1, cut_at - len(out.ids)))
+                        if stream:  # a chunk: the ids due by now (paced), at most MAX_CHUNK_TOKENS of them
+                            if scale > 0:
+                                n_due = int(((loop.time() - t0) / scale - ttft) * tps) + 1
+                                if n_due <= len(out.ids):
+                                    if not gone:
+                                        self._chunk(writer, out)
+                                        going = await send()
+                                    next_write = writer._last + cfg.stream_interval_s * scale if not gone else 0.0
+                                    await asyncio.sleep(max(due(len(out.ids)), next_write) - loop.time())
+                                    continue
+                                end = min(end, pos + n_due - len(out.ids))
+                            end = min(end, pos + MAX_CHUNK_TOKENS)
+                        pos += out.extend(ids[pos:end], texts[pos:end])
+                        t_first = t_first or loop.time()
+                        if stream and not gone:
+                            self._chunk(writer, out)
+                            if cut_at is not None and len(out.ids) >= cut_at:
+                                going = await send()
+                    if stream and not gone:
+                        going = await send()
+                    if not going or out.stopped or (stop_after is not None and len(out.ids) >= stop_after):
+                        break
+            finally:
+                job.cancelled = True
+                await tokens.aclose()
+            if stream and cut_at is not None and not gone:  # a response shorter than the cut: cut before its end
+                writer.close_connection()
+                gone = True
+            # the response (or its failure) is complete when its last id is due
+            if not (gone and ep.supports_cancellation):
+                await asyncio.sleep(max(0.0, due(len(out.ids)) - loop.time()))
+        except ConnectionResetError:  # gone before the first byte
+            gone = True
+        writer.stop_keepalive()
+        cancelled = gone and ep.supports_cancellation
+        if cancelled:
+            self.stats["cancelled"] += 1
+        billed = fault in (None, "cut_after_billing")
+        finish = None if fault in ("empty_200",) else "error" if fault not in (None, "cut_after_billing") \
+            else out.finish_reason
+        # the ledger line exists before the client has the last byte (as /generation would)
+        self.record(gen_id, ep, req, out, 200, attempts, finish=finish, billed=billed, error=fault,
+                     t_start=t_start, prompt_ids=prompt_ids, cancelled=cancelled,
+                     ttft_s=(t_first - t0) if t_first else None)
+        self.stats["served" if fault is None else f"fault_{fault}"] += 1
+        if gone:
+            return writer.resp or web.Response(status=499)
+        if fault == "cut_after_billing":  # non-streaming: billed in full, lost on the wire
+            return await writer.cut(out.message(out.usage(self.billing(ep), prompt_ids, True), finish))
+        try:
+            return await self._finish(writer, out, fault, prompt_ids, ep)
+        except ConnectionResetError:  # gone at the very end: billed in full, it was all generated
+            return writer.resp or web.Response(status=499)
+
+    def _chunk(self, writer: SSEWriter, out: Output) -> None:
+        r, c = out.take_delta()
+        if r or c:
+            writer.event(out.chunk(r, c))
+
+    async def _finish(self, writer, out: Output, fault: str | None, prompt_ids, ep: Endpoint):
+        billing = self.billing(ep)
+        err = {"code": 502, "message": "Provider returned error",
+               "metadata": {"raw": "upstream connection lost", "provider_name": ep.name,
+                            "error_type": "provider_unavailable"}}
+        if isinstance(writer, SSEWriter):
+            if fault in ("error_200", "mid_stream"):
+                r, c = out.take_delta()
+                writer.event(out.chunk(r, c, finish="error", error=err))
+                await writer.end()
+                return writer.resp
+            finish = out.finish_reason if fault is None else None
+            if fault is None:
+                writer.event(out.chunk("", "", finish=finish))
+            writer.event(out.usage_chunk(out.usage(billing, prompt_ids, billed=fault is None), finish))
+            await writer.done()
+            return writer.resp
+        if fault == "error_200":
+            return await writer.body(error_body(502, "Provider returned error", err["metadata"]))
+        usage = out.usage(billing, prompt_ids, billed=fault is None)
+        if fault == "mid_stream":
+            return await writer.body(out.message(usage, "error", error=err))
+        if fault == "empty_200":
+            out.content, out.reasoning = "", ""
+            return await writer.body(out.message(usage | {"cost": 0.0}, None))
+        return await writer.body(out.message(usage, out.finish_reason))
+
+    async def _hang(self, writer, req, ep, out: Output, attempts, prompt_ids, nth, t_start, due):
+        """The provider generates and bills the response, but the client gets only the headers
+        (a stream also its first comment); silence for `hang_s`, then the connection closes."""
+        loop = asyncio.get_running_loop()
+        t_hang = loop.time()
+        try:
+            if isinstance(writer, SSEWriter):
+                await writer._write(PROCESSING)
+            else:
+                await writer.send_headers()
+        except ConnectionResetError:
+            pass
+        job = self._job(req, prompt_ids, ep, nth)
+        tokens = self._tokens(job)
+        try:
+            async for ids, texts in tokens:
+                out.extend(ids, texts)
+                if out.stopped:
+                    break
+        finally:
+            job.cancelled = True
+            await tokens.aclose()
+        await asyncio.sleep(max(0.0, due(len(out.ids)) - loop.time()))
+        self.record(out.gen_id, ep, req, out, 200, attempts, finish=out.finish_reason, billed=True, error="hang",
+                     t_start=t_start, prompt_ids=prompt_ids, cancelled=False, ttft_s=None)
+        self.stats["fault_hang"] += 1
+        await asyncio.sleep(max(0.0, t_hang + self.cfg.hang_s - loop.time()))
+        writer.close_connection()
+        return writer.resp or web.Response(status=200)
+
+    def record(self, gen_id, ep: Endpoint, req, out, status, attempts, *, finish, billed, error, t_start,
+                prompt_ids, cancelled=False, ttft_s=None) -> None:
+        ids = out.ids if out is not None else []
+        if out is not None:
+            usage = out.usage(self.billing(ep), prompt_ids, billed)
+        else:
+            usage = {"prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0,
+                     "completion_tokens_details": {"reasoning_tokens": 0}}
+        now = time.monotonic()
+        quirks = list(out.quirks) if out is not None else []
+        if out is not None and ep.quirks.noncanonical_rate:
+            quirks.append(f"noncanonical:{ep.quirks.noncanonical_rate}")
+        upstream = usage["cost_details"]["upstream_inference_cost"] if out is not None else None
+        self.ledger.record({
+            "is_byok": self.cfg.byok, "upstream_inference_cost": upstream,
+            "generation_id": gen_id, "time": time.time(), "status": status, "provider": ep.slug,
+            "endpoint": ep.tag, "provider_name": ep.name, "model": self.cfg.model, "prompt_key": req["prompt_key"],
+            "prompt_tokens": usage["prompt_tokens"] if out is not None else 0,
+            "completion_tokens": usage["completion_tokens"],
+            "reasoning_tokens": usage["completion_tokens_details"]["reasoning_tokens"],
+            "cost": usage["cost"], "output_ids": ids, "finish_reason": finish, "native_finish_reason": finish,
+            "cancelled": cancelled, "billed": billed, "stream": req["stream"], "attempts": attempts,
+            "quirks": quirks, "error": error,
+            "prompt_ids": prompt_ids, "true_prompt_tokens": len(prompt_ids), "true_completion_tokens": len(ids),
+            "true_reasoning_tokens": out.n_reasoning if out is not None else 0,
+            "request": {k: req[k] for k in ("max_tokens", "temperature", "top_p", "seed")},
+            "latency_ms": round(1000 * ttft_s) if ttft_s is not None else None,
+            "generation_ms": round(1000 * (now - t_start)),
+        }, visible_after_s=self.cfg.generation_delay_s)
