@@ -22,7 +22,7 @@ engine can ask `GET /generation` what they cost. With the user's own provider ke
 the cost kept here is their sum.
 
 Bodies may start with whitespace padding (json.loads skips it); streams carry `:` comment lines
-and the usage in a final chunk with no choices. A bare vLLM or SGLang server (bare_server.py) is
+and the usage in a final chunk with no choices. A bare vLLM or SGLang server (generate/bare_server.py) is
 read the same way; its reasoning may come as `reasoning_content`, and vLLM's sampled ids
 (`choices[i].token_ids`, `prompt_token_ids`) are kept on the Reply. Nothing here ever formats the
 API key: it lives only in the prepared headers.

@@ -6,7 +6,10 @@
   attempts.py     one sample's attempts, and what its failures and lost answers cost
   money.py        when money stops a start, and the stop for a top-up in the money-bound tail
   bookkeeping.py  progress, the timeline, the manifest, the closing message
-Prompts are read lazily (prompt_queue.py); what is saved and how a re-run resumes: store.py.
+  prompt_queue.py the prompts still to do, per dataset, read lazily from the files
+  bare_server.py  the user's own vLLM or SGLang server in place of OpenRouter
+  report.py       tables and figures of what the stage wrote (notebook 02)
+What is saved, and how a re-run resumes without paying twice: draftsmith.store.
 
 Routing: stage 01's `providers/routing.json` merged with the `provider` parameter; without it,
 the same precision policy (providers.endpoints.policy_routing) is applied here over the live

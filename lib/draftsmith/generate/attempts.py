@@ -18,8 +18,8 @@ import time
 from .. import client
 from ..datasets import Prompt
 from ..pricing import generation_cost
-from ..prompt_queue import DatasetQueue
 from ..retry import backoff_delay
+from .prompt_queue import DatasetQueue
 
 HINTS = {
     "unauthorized": "check api_key_file / OPENROUTER_API_KEY",

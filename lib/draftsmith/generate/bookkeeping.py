@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from .. import store
 from .options import GenerationResult
 
 TODO = {"balance": "top up the balance, then re-run", "spend_limit": "raise spend_limit_usd, then re-run",
@@ -115,7 +116,7 @@ def result(eng) -> GenerationResult:
         msg = f"{head}{summary}; {spent}. {paid}."
         if eng.exhausted_samples:
             msg += (f" {eng.exhausted_samples} samples were GIVEN UP after {eng.opts.max_attempts} failed "
-                    f"attempts each (errors.jsonl); a re-run tries them again.")
+                    f"attempts each ({store.ERRORS}); a re-run tries them again.")
     else:
         msg = (f"stopped: {eng.message}. Done so far: {summary}; {spent}. {paid}; every saved response is "
                f"kept: {TODO.get(eng.reason, 're-run')} and it resumes where it stopped.")

@@ -16,18 +16,18 @@ import json
 
 import aiohttp
 
-from .. import bare_server, client, store
+from .. import client, store
 from ..budget import SpendBudget, TokenBudget
 from ..datasets import DatasetSpec
 from ..paths import Run
 from ..pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints
 from ..progress import Progress
-from ..prompt_queue import ContextCheck, DatasetQueue
 from ..providers import outputs as stage_01
 from ..providers.endpoints import policy_routing
 from ..retry import Aimd
-from . import attempts, bookkeeping, money
+from . import attempts, bare_server, bookkeeping, money
 from .options import Options
+from .prompt_queue import ContextCheck, DatasetQueue
 
 
 class Engine:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from . import store
-from .paths import Run
+from .. import store
+from ..paths import Run
 
 COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens", "completion_tokens",
            "reasoning_tokens", "cost", "attempts", "latency_s", "started_at", "completed_at"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from .budget import TokenBudget, prompt_tokens_bound
-from .datasets import DatasetReader, DatasetSpec, Prompt, stable_id
-from .store import DatasetStore
+from ..budget import TokenBudget, prompt_tokens_bound
+from ..datasets import DatasetReader, DatasetSpec, Prompt, stable_id
+from ..store import DatasetStore
 
 
 class ContextCheck:
@@ -39,7 +39,7 @@ class ContextCheck:
     def _count(self, messages: list[dict]) -> int | None:
         if self._tok is None and self.path:
             try:
-                from .target.checkpoint import load_tokenizer
+                from ..target.checkpoint import load_tokenizer
 
                 self._tok = load_tokenizer(self.path, self.trust_remote_code, log=lambda *a: None)
             except Exception as e:  # noqa: BLE001 - any failure means: let the API decide
