@@ -22,12 +22,13 @@ import time
 
 from draftsmith import tokens
 from draftsmith.target.checkpoint import resolve_target
+from draftsmith.target.corpus import stdlib_docstrings
 from draftsmith.tokens import Response, Thresholds
 from draftsmith.tokens.outputs import check_row, ids_line
 
 
 def make_samples(n: int, seed: int = 0) -> list[Response]:
-    docs = [d for _, _, d in target.stdlib_docstrings(3000)]
+    docs = [d for _, _, d in stdlib_docstrings(3000)]
     rng = random.Random(seed)
 
     def text(chars: int) -> str:
