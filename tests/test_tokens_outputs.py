@@ -5,7 +5,7 @@ import json
 import pytest
 
 from draftsmith.paths import Run
-from draftsmith.tokens import read_tokens, token_files
+from draftsmith.tokens import read_report, read_tokens, token_files
 
 
 def test_bad_token_lines_are_errors_naming_file_and_line(tmp_path):
@@ -38,3 +38,8 @@ def test_token_files_name_the_missing_dataset_and_the_stage_to_run(tmp_path):
     (run.dir("tokens") / "a.jsonl").write_text("")
     assert [f.name for f in token_files(run)] == ["a.jsonl", "b.jsonl"]
     assert [f.name for f in token_files(run, ["b"])] == ["b.jsonl"]
+
+
+def test_a_missing_report_names_the_file_and_the_stage_to_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"tokens/report\.json: not found \(run stage 03"):
+        read_report(Run(tmp_path, "r"))

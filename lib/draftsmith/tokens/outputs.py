@@ -98,7 +98,7 @@ class Work:
 def write_dataset(run: Run, name: str, parts: list[tuple[list[dict], Work]]) -> Path:
     """tokens/<name>.jsonl (kept samples: checks + ids) and tokens/checks/<name>.jsonl (every
     sample, kept or not) from the (rows, work) of each source file of the dataset, each written
-    whole under a temporary name, then renamed."""
+    whole under a temporary name, synced, then renamed."""
     out_dir = run.dir("tokens")
     (out_dir / "checks").mkdir(exist_ok=True)
     final, checks = out_dir / f"{name}.jsonl", out_dir / "checks" / f"{name}.jsonl"
@@ -111,6 +111,9 @@ def write_dataset(run: Run, name: str, parts: list[tuple[list[dict], Work]]) -> 
                     out_checks.write(json.dumps(row, ensure_ascii=False) + "\n")
                     if not row["excluded"]:
                         out.write(meta[:-1] + ", " + ids[1:])  # two JSON objects' members, one object
+        for f in (out, out_checks):
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, final)
     os.replace(tmp_checks, checks)
     return final
