@@ -57,6 +57,8 @@ from draftsmith.datasets import stable_id  # noqa: E402
 
 from draftsmith.emulator import ADMIN_KEY_ENV, KEY_ENV, new_key  # noqa: E402
 from draftsmith.paths import REPO_ROOT, Run  # noqa: E402
+from draftsmith.providers import outputs as stage_01  # noqa: E402
+from draftsmith.providers.cost_plan import plan_verdict  # noqa: E402
 from draftsmith.files import read_jsonl, write_json_atomic  # noqa: E402
 from draftsmith.tokens import read_report  # noqa: E402
 
@@ -302,13 +304,9 @@ def report(run: Run, log=print) -> dict:
 
 
 def stage_01_plan(run: Run, balance: float, spend_limit: float) -> dict:
-    """What stage 01's cost plan (providers/cost_plan.csv) says about the balance, and whether its
-    log said so before stage 02 ran."""
-    import pandas as pd
-
-    from draftsmith.providers import plan_verdict
-
-    plan = pd.read_csv(run.root / "providers" / "cost_plan.csv")
+    """What stage 01's cost plan says about the balance, and whether its log said so before stage
+    02 ran."""
+    plan = stage_01.read_cost_plan(run)
     sentence = plan_verdict(plan, balance, spend_limit)
     if sentence not in (run.root / "logs" / "01_providers.log").read_text():
         raise RehearsalFailed(f"stage 01's log does not say: {sentence}")
@@ -339,8 +337,8 @@ def topup_amount(run: Run, plan: dict, emu: Emulator, floor: float) -> float:
 def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale: float, concurrency: int,
             emulator_cpu: float) -> dict:
     manifest = store.read_manifest(run)
-    routing = json.loads((run.root / "providers" / "routing.json").read_text())
-    endpoints = {r["tag"]: r for r in _csv(run.root / "providers" / "endpoints.csv")}
+    allowed = stage_01.read_routing(run)["only"]
+    endpoints = {r["tag"]: r for r in stage_01.read_endpoints(run).to_dict("records")}
     keep = ("generation_id", "time", "generation_ms", "prompt_key", "billed", "cost", "error")
     ledger = [{k: r.get(k) for k in keep} for _, r in read_jsonl(run.root / "emulator" / "ledger.jsonl")]
     account = [r for _, r in read_jsonl(run.root / "emulator" / "account.jsonl")]
@@ -376,14 +374,14 @@ def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale:
     spent02 = sum(r["cost"] for r in lines02)
     # the least these tokens could have cost: all of them on the one allowed endpoint cheapest for them
     cost_on = {t: (in_tokens * float(endpoints[t]["price_in"]) + out_tokens * float(endpoints[t]["price_out"])) / 1e6
-               for t in routing["allowed"]}
+               for t in allowed}
     cheapest = min(cost_on, key=cost_on.get)
     cheapest_usd = cost_on[cheapest]
     credits = [a for a in account if a.get("type") == "credits"]
     timeline = store.read_timeline(run)
     floor = manifest["config"]["balance_floor_usd"]
     worst = manifest["config"]["request"]["max_tokens"] * max(
-        float(endpoints[t].get("price_out_worst") or endpoints[t]["price_out"]) for t in routing["allowed"]) / 1e6
+        float(endpoints[t].get("price_out_worst") or endpoints[t]["price_out"]) for t in allowed) / 1e6
     sessions = [phase(s, [p for p in timeline if p["session"] == n], concurrency, floor, worst)
                 for n, s in enumerate(runs02, start=len(manifest["sessions"]) - len(runs02) + 1)]
     tokens_report = read_report(run)
@@ -457,13 +455,6 @@ def lags(saved: dict, ledger: list[dict]) -> dict:
         return {}
     q = lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))]  # noqa: E731
     return {"p50": q(d, 0.5), "p99": q(d, 0.99), "max": d[-1], "duration_p50": q(dur, 0.5)}
-
-
-def _csv(path: Path) -> list[dict]:
-    import csv
-
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _dur(seconds: float | None) -> str:

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from draftsmith import pricing, providers
+from draftsmith import pricing
 from draftsmith.apikey import ApiKey
 from draftsmith.generate import run_generation
 from draftsmith.paths import Run
+from draftsmith.providers import endpoints, outputs
 
 MODEL = "moonshotai/kimi-k2.5"
 PRICE_IN, PRICE_OUT = 0.5e-6, 2.0e-6
@@ -294,7 +295,7 @@ def test_endpoints_lacking_a_sent_parameter_are_excluded_and_not_priced():
     eps = [endpoint("moonshotai/int4"), endpoint("cheapseed/int4", params=["max_tokens", "temperature"],
                                                  completion=str(50 * PRICE_OUT))]
     sent = {"max_tokens", "temperature", "top_p", "seed"}
-    policy = providers.apply_policy(providers.endpoint_table(eps), "int4", sent=sent).set_index("tag")
+    policy = endpoints.apply_policy(endpoints.endpoint_table(eps), "int4", sent=sent).set_index("tag")
     assert policy.loc["moonshotai/int4", "allowed"] and not policy.loc["cheapseed/int4", "allowed"]
     assert "seed" in policy.loc["cheapseed/int4", "reason"]
     cat = pricing.catalogue(eps, MODEL, {"require_parameters": True}, sent)
@@ -333,7 +334,7 @@ def test_stages_01_and_02_read_the_same_balance(tmp_path):
                        {"scope": "key_limit", "limit_usd": 10.0, "spend_usd": 1.0, "remaining_usd": 9.0}],
            "effective_budget": {"scope": "workspace", "limit_usd": 5.0, "spend_usd": 1.5, "remaining_usd": 3.5}}
     with Stub(lambda stub, body, n: stub.ok(), key=key, credits={"total_credits": 20.0, "total_usage": 13.0}) as stub:
-        usd, source = providers.balance(providers.Api(stub.base_url, ApiKey("sk-or-v1-test", "t")))
+        usd, source = pricing.balance_now(stub.base_url, ApiKey("sk-or-v1-test", "t").header())
 
         async def stage_02():
             import aiohttp
@@ -343,7 +344,7 @@ def test_stages_01_and_02_read_the_same_balance(tmp_path):
         assert usd == asyncio.run(stage_02()) == 3.5 and "budget" in source
         stub.key["effective_budget"] = None
         stub.key["budgets"] = []
-        assert providers.balance(providers.Api(stub.base_url, ApiKey("sk-or-v1-test", "t")))[0] == 7.0   # /credits
+        assert pricing.balance_now(stub.base_url, ApiKey("sk-or-v1-test", "t").header())[0] == 7.0   # /credits
 
 
 # --- 7: the worst case includes every documented price ----------------------------------------
@@ -404,10 +405,10 @@ def test_stage_02_without_stage_01_applies_the_precision_policy(tmp_path):
 # --- stage 01's spend counts in the run's spend limit -----------------------------------------
 
 def test_stage_01_spend_counts_against_the_run_limit(tmp_path):
-    folder = Run(tmp_path, "r").dir("providers")
-    assert providers.record_spend(folder, "pilot", 0.003) == 0.003
-    assert providers.record_spend(folder, "probe", 0.001) == pytest.approx(0.004)
-    assert providers.spent(folder) == pytest.approx(0.004)
+    run = Run(tmp_path, "r")
+    assert outputs.record_spend(run, "pilot", 0.003) == 0.003
+    assert outputs.record_spend(run, "probe", 0.001) == pytest.approx(0.004)
+    assert outputs.spent(run) == pytest.approx(0.004)
     with Stub(lambda stub, body, n: stub.ok()) as stub:
         r = generate(stub, tmp_path, prompts(tmp_path, 300), spend_limit_usd=0.006)
         assert r.reason == "spend_limit"

@@ -1,4 +1,4 @@
-"""Stage 01: quantization policy, routing object, cost plan, balance, probe; and the stage end to end."""
+"""Stage 01: quantization policy, routing object, cost plan, probe, its files; and the stage end to end."""
 
 import json
 import subprocess
@@ -7,8 +7,11 @@ import sys
 import pandas as pd
 import pytest
 
-from draftsmith import providers as pv
+from draftsmith.client import BodyMaker, messages_json, request_settings
 from draftsmith.emulator import running
+from draftsmith.paths import Run
+from draftsmith.providers import cost_plan, endpoints, outputs, probe
+from draftsmith.providers.api import Api, ApiError
 
 MODEL = "moonshotai/kimi-k2.5"
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -18,6 +21,10 @@ def _table(rows):
     cols = ["provider", "tag", "quantization", "price_in", "price_out", "status", "uptime", "latency_p50_s",
             "throughput_p50"]
     return pd.DataFrame([dict(zip(cols, r)) for r in rows])
+
+
+def _body(model, text):
+    return BodyMaker(request_settings(model, 5)).body(messages_json([{"role": "user", "content": text}]))
 
 
 def test_policy_excludes_below_native_unknown_and_down_with_reasons():
@@ -30,69 +37,56 @@ def test_policy_excludes_below_native_unknown_and_down_with_reasons():
         ("F", "f/unknown", "unknown", 0.5, 2.0, 0, 99, 1, 40),
         ("G", "g/int4", "int4", 0.5, 2.0, -2, 10, 1, 40),
     ])
-    p = pv.apply_policy(t, "int4").set_index("tag")
+    p = endpoints.apply_policy(t, "int4").set_index("tag")
     assert p.loc["a/int4", "allowed"] and p.loc["e/fp8", "allowed"]  # fp8 holds int4 weights exactly
     for tag in ("b/fp4", "c/nvfp4", "d/mxfp4"):
         assert not p.loc[tag, "allowed"] and "below the native int4" in p.loc[tag, "reason"]
     assert not p.loc["f/unknown", "allowed"] and "unknown" in p.loc["f/unknown", "reason"]
     assert not p.loc["g/int4", "allowed"] and "down" in p.loc["g/int4", "reason"]
-    assert pv.apply_policy(t, "int4", allow_unknown=True).set_index("tag").loc["f/unknown", "allowed"]
+    assert endpoints.apply_policy(t, "int4", allow_unknown=True).set_index("tag").loc["f/unknown", "allowed"]
     # a bf16 model: fp8 and int4 are below it
-    p16 = pv.apply_policy(t, "bf16").set_index("tag")
+    p16 = endpoints.apply_policy(t, "bf16").set_index("tag")
     assert not p16.loc["e/fp8", "allowed"] and not p16.loc["a/int4", "allowed"]
     with pytest.raises(ValueError, match="native_precision"):
-        pv.apply_policy(t, "int3")
-    r = pv.routing_object(pv.apply_policy(t, "int4"), "int4", False)
+        endpoints.apply_policy(t, "int3")
+    r = endpoints.routing_object(endpoints.apply_policy(t, "int4"), "int4", False)
     assert r == {"only": ["a/int4", "e/fp8"], "quantizations": ["fp8", "int4"], "allow_fallbacks": True,
                  "require_parameters": True}
-    assert {x["tag"] for x in pv.exclusions(pv.apply_policy(t, "int4"))} == {"b/fp4", "c/nvfp4", "d/mxfp4", "f/unknown", "g/int4"}
+    assert {x["tag"] for x in endpoints.exclusions(endpoints.apply_policy(t, "int4"))} == {"b/fp4", "c/nvfp4", "d/mxfp4", "f/unknown", "g/int4"}
 
 
 def test_cost_plan_arithmetic():
     allowed = _table([("A", "a/int4", "int4", 1.0, 2.0, 0, 99, 1, 40),
                       ("B", "b/int4", "int4", 2.0, 4.0, 0, 99, 1, 40)])
-    tokens = [pv.DatasetTokens("d1", prompts=100, prompt_tokens=5000, output_token_budget=2000, skipped=0),
-              pv.DatasetTokens("d2", prompts=10, prompt_tokens=1000, output_token_budget=100000, skipped=0)]
-    plan = pv.cost_plan(tokens, allowed, expected_output=100, usable_usd=None, max_tokens=500).set_index("dataset")
+    tokens = [cost_plan.DatasetTokens("d1", prompts=100, prompt_tokens=5000, output_token_budget=2000, skipped=0),
+              cost_plan.DatasetTokens("d2", prompts=10, prompt_tokens=1000, output_token_budget=100000, skipped=0)]
+    plan = cost_plan.cost_plan(tokens, allowed, expected_output=100, usable_usd=None, max_tokens=500).set_index("dataset")
     d1 = plan.loc["d1"]
     assert d1["samples_needed"] == 20 and d1["input_tokens"] == 1000 and d1["output_tokens"] == 2000
     assert d1["cost_cheapest"] == pytest.approx((1000 * 1 + 2000 * 2) / 1e6)
     assert d1["cost_most_expensive"] == pytest.approx((1000 * 2 + 2000 * 4) / 1e6)
-    w = pv.mix_weights(allowed)  # 1/price^2: 1/9 vs 1/36 -> 0.8 / 0.2
+    w = cost_plan.mix_weights(allowed)  # 1/price^2: 1/9 vs 1/36 -> 0.8 / 0.2
     assert list(w) == pytest.approx([0.8, 0.2])
     assert d1["cost_mix"] == pytest.approx((1000 * 1.2 + 2000 * 2.4) / 1e6)
     d2 = plan.loc["d2"]  # only 10 prompts: the budget cannot be reached
     assert d2["samples_needed"] == 10 and d2["output_tokens"] == 1000
     assert (plan["output_tokens_that_fit"] == plan["output_tokens"]).all()
     half = plan["cost_mix"].sum() / 2
-    small = pv.cost_plan(tokens, allowed, 100, half, 500).set_index("dataset")
+    small = cost_plan.cost_plan(tokens, allowed, 100, half, 500).set_index("dataset")
     assert small["fits_fraction"].iloc[0] == pytest.approx(0.5)
     assert small.loc["d1", "output_tokens_that_fit"] == 1000
-
-
-def test_balance_from_key_then_credits_then_unknown(tmp_path):
-    with running({"fault_scale": 0, "credits": 4.0}, state_dir=tmp_path / "a") as emu:
-        api = pv.Api(emu.base_url, emu.key)
-        assert pv.balance(api) == (4.0, "/key limit_remaining")
-    with running({"fault_scale": 0, "credits": 4.0, "key_capped": False}, state_dir=tmp_path / "b") as emu:
-        usd, src = pv.balance(pv.Api(emu.base_url, emu.key))
-        assert usd == 4.0 and src.startswith("/credits")
-    with running({"fault_scale": 0, "key_capped": False, "credits_need_management_key": True},
-                 state_dir=tmp_path / "c") as emu:
-        usd, src = pv.balance(pv.Api(emu.base_url, emu.key))
-        assert usd is None and "403" in src
 
 
 def test_probe_flags_the_provider_that_answers_differently(tmp_path, target_tokenizer):
     # synthetic backend: fast; its perturbed provider answers with other text, like noisy weights would
     with running({"fault_scale": 0.5, "seed": 1}, state_dir=tmp_path) as emu:
-        api = pv.Api(emu.base_url, emu.key)
-        _, table = pv.fetch_endpoints(api, MODEL)
-        policy = pv.apply_policy(table, "int4")
+        api = Api(emu.base_url, emu.key)
+        _, table = endpoints.fetch_endpoints(api, MODEL)
+        policy = endpoints.apply_policy(table, "int4")
         candidates = policy[policy["allowed"]]
         prompts = [[{"role": "user", "content": f"probe {i}"}] for i in range(3)]
-        per_prompt = pv.probe(api, MODEL, candidates, prompts, target_tokenizer, 24, 0, "moonshotai")
-        s = pv.probe_summary(per_prompt, 0.5).set_index("tag")
+        per_prompt = probe.probe(api, MODEL, candidates, prompts, target_tokenizer, 24, 0, "moonshotai")
+        s = probe.probe_summary(per_prompt, 0.5).set_index("tag")
     assert s.loc["moonshotai/int4", "agreement"] == 1.0
     assert s["outlier"].sum() == 1 and s.loc["chutes/int4", "outlier"]
     # stripped whitespace, other billing, truncated reasoning and rare splits are not a different model
@@ -107,13 +101,13 @@ def test_probe_does_not_flag_a_provider_that_only_cuts_or_drops_its_reasoning(tm
             {"slug": "drop", "name": "Drop", **base, "quirks": {"reasoning_drop_rate": 1.0}},
             {"slug": "noisy", "name": "Noisy", **base, "quirks": {"perturbed_model": 0.5}}]
     with running({"providers": prov, "fault_scale": 0, "synthetic_tokens": 120}, state_dir=tmp_path) as emu:
-        api = pv.Api(emu.base_url, emu.key)
-        _, table = pv.fetch_endpoints(api, MODEL)
+        api = Api(emu.base_url, emu.key)
+        _, table = endpoints.fetch_endpoints(api, MODEL)
         prompts = [[{"role": "user", "content": f"probe {i}"}] for i in range(3)]
-        per_prompt = pv.probe(api, MODEL, table, prompts, target_tokenizer, 96, 0, "moonshotai")
+        per_prompt = probe.probe(api, MODEL, table, prompts, target_tokenizer, 96, 0, "moonshotai")
         quirks = {x["provider"]: set(x["quirks"]) for x in emu.ledger_lines()}
     assert quirks["cut"] == {"reasoning_truncated"} and quirks["drop"] == {"reasoning_dropped"}
-    s = pv.probe_summary(per_prompt, 0.5).set_index("tag")
+    s = probe.probe_summary(per_prompt, 0.5).set_index("tag")
     assert s.loc["cut/int4", "agreement"] == s.loc["drop/int4", "agreement"] == 1.0
     assert s.loc["cut/int4", "length_ratio"] < 1 and s.loc["drop/int4", "length_ratio"] < 1  # they did return less
     assert list(s.index[s["outlier"]]) == ["noisy/int4"]
@@ -123,13 +117,13 @@ def test_api_retries_faults_and_stops_on_permanent_errors(tmp_path):
     prov = [{"slug": "a", "name": "A", "quantization": "int4", "prompt_price": 1, "completion_price": 2,
              "faults": {"rate_limit": 0.3, "error_200": 0.2, "empty_200": 0.2}}]
     with running({"providers": prov, "seed": 2}, state_dir=tmp_path) as emu:
-        api = pv.Api(emu.base_url, emu.key, attempts=20)
+        api = Api(emu.base_url, emu.key, attempts=20)
         for i in range(10):
-            reply = api.chat({"model": MODEL, "messages": [{"role": "user", "content": f"x{i}"}], "max_tokens": 5})
+            reply = api.chat(_body(MODEL, f"x{i}"))
             assert reply.finish_reason in ("stop", "length")
         assert sum(1 for x in emu.ledger_lines() if x["error"] or x["status"] != 200) > 0
-        with pytest.raises(pv.ApiError) as e:
-            api.chat({"model": "no/such", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5})
+        with pytest.raises(ApiError) as e:
+            api.chat(_body("no/such", "x"))
         assert e.value.status == 400
 
 
@@ -163,17 +157,38 @@ def test_stage_01_end_to_end_excludes_fp4_and_flags_the_perturbed_provider(tmp_p
 
 
 def test_paid_tables_are_reused_unless_refreshed_and_their_spend_is_checked(tmp_path):
-    folder = tmp_path / "providers"
-    folder.mkdir()
-    assert pv.reuse(folder, "pilot", refresh=False) is None
-    pd.DataFrame([{"dataset": "d", "provider": "A", "completion_tokens": 10, "cost": 0.002}]).to_csv(
-        folder / "pilot.csv", index=False)
-    assert pv.reuse(folder, "pilot", refresh=False)["cost"].sum() == pytest.approx(0.002)
-    assert pv.reuse(folder, "pilot", refresh=True) is None
-    pv.record_spend(folder, "pilot", 0.002)
-    pv.check_spend(folder, 0.003, spend_limit_usd=0.01)
+    run = Run(tmp_path, "r")
+    assert outputs.reuse(run, "pilot", refresh=False) is None and outputs.spent(run) == 0.0
+    outputs.keep_paid(run, "pilot", pd.DataFrame([{"dataset": "d", "provider": "A", "completion_tokens": 10,
+                                                   "cost": 0.002}]))
+    assert outputs.reuse(run, "pilot", refresh=False)["cost"].sum() == pytest.approx(0.002)
+    assert outputs.reuse(run, "pilot", refresh=True) is None
+    assert outputs.spent(run) == pytest.approx(0.002)
+    outputs.check_spend(run, 0.003, spend_limit_usd=0.01)
     with pytest.raises(RuntimeError, match="spend_limit_usd"):
-        pv.check_spend(folder, 0.009, spend_limit_usd=0.01)
-    (folder / "spend.json").write_text("{not json")
+        outputs.check_spend(run, 0.009, spend_limit_usd=0.01)
+    (run.dir("providers") / "spend.json").write_text("{not json")
     with pytest.raises(ValueError, match="spend.json"):
-        pv.spent(folder)
+        outputs.spent(run)
+    with pytest.raises(ValueError, match="spend.json"):      # nor is it written over
+        outputs.record_spend(run, "probe", 0.001)
+
+
+def test_the_routing_written_is_the_routing_stage_02_reads(tmp_path):
+    run = Run(tmp_path, "r")
+    assert outputs.read_routing(run) is None                     # stage 01 did not run
+    t = _table([("A", "a/int4", "int4", 0.5, 2.0, 0, 99, 1, 40), ("B", "b/fp4", "fp4", 0.4, 1.9, 0, 99, 1, 40)])
+    policy = endpoints.apply_policy(t, "int4")
+    routing = endpoints.routing_object(policy, "int4", False)
+    plan = pd.DataFrame([{"dataset": "d", "cost_mix": 0.5, "fits_fraction": 1.0}])
+    outputs.write_outputs(run, MODEL, "int4", policy, routing, plan,
+                          outputs.stage_summary(run, (3.0, "/key limit_remaining"), 40, routing, plan, []))
+    assert outputs.read_routing(run) == routing
+    assert list(outputs.read_endpoints(run)["allowed"]) == [True, False]
+    assert outputs.read_cost_plan(run)["cost_mix"].sum() == 0.5
+    path = outputs.routing_file(run)
+    path.write_text(json.dumps({"only": ["a/int4"]}))            # a provider object written by hand
+    assert outputs.read_routing(run) == {"only": ["a/int4"]}
+    path.write_text('{"provider": ')
+    with pytest.raises(ValueError, match="routing.json"):
+        outputs.read_routing(run)

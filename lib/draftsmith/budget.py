@@ -29,6 +29,8 @@ import math
 import time
 from collections import deque
 
+from .pricing import Prices
+
 MIN_SAMPLES = 30
 
 
@@ -194,7 +196,8 @@ class SpendBudget:
             self.request_price = float(request)
 
     def worst_cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return prompt_tokens * self.prompt_price + completion_tokens * self.completion_price + self.request_price
+        return Prices(self.prompt_price, self.completion_price, self.request_price).cost(prompt_tokens,
+                                                                                         completion_tokens)
 
     def set_balance(self, balance: float | None) -> None:
         self.balance = balance

@@ -1,4 +1,5 @@
-"""What the API says a request may cost, what a lost request did cost, and how much money is left.
+"""Money questions, answered once for stages 01 and 02: what a request may cost, what a lost
+request did cost, and how much money is left.
 
 Prices come from `GET /models/{model}/endpoints`, over the endpoints the `provider` routing object
 lets serve (only, ignore, order without fallbacks, quantizations, max_price, and with
@@ -6,28 +7,31 @@ lets serve (only, ignore, order without fallbacks, quantizations, max_price, and
 token is the highest of its default price, each of its `overrides` (long-context and time-based
 prices may start to apply mid-run) and, for completion tokens, `internal_reasoning`; `request` is
 added once per request. `discount` is left out of the worst case: a discount can end while
-requests are in flight, and a bill above the reservation would break the spend limit.
+requests are in flight, and a bill above the reservation would break the spend limit. A request
+routed among several endpoints may cost the highest of their prices (`highest`), and `Prices.cost`
+is the one worst-case rule: stage 02's reservations and stage 01's paid pilot and probe use it.
 
 `generation_cost` asks `GET /generation?id=` the bill of a request whose answer was lost (it is
 404 for a moment after the request ends, so it is asked again with backoff).
 
-`balance` is the one reading of the money left, for stages 01 and 02 alike: the lowest of the
-account's credits (`/credits`, when the key may read it), the key's own limit
-(`/key` `limit_remaining`) and every budget layer the key is held to (`/key` `budgets`, of which
-`effective_budget` blocks first).
+`BalanceReader` is the one reading of the money left (`balance_now` for stage 01's synchronous
+code): the lowest of the account's credits (`/credits`, when the key may read it), the key's own
+limit (`/key` `limit_remaining`) and every budget layer the key is held to (`/key` `budgets`, of
+which `effective_budget` blocks first). When it cannot tell, it says why in `source`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterable, NamedTuple
 
 import aiohttp
 
+from .quantization import routed
 from .retry import backoff_delay
-
-_FP4 = {"fp4", "mxfp4", "nvfp4"}
 
 
 class CatalogueError(RuntimeError):
@@ -50,8 +54,25 @@ def _usd(x) -> float:
         return 0.0
 
 
-def worst_prices(ep: dict) -> tuple[float, float, float]:
-    """(prompt, completion, request) USD: the most this endpoint can charge per token / per request."""
+class Prices(NamedTuple):
+    prompt: float        # USD per prompt token
+    completion: float    # USD per completion token
+    request: float       # USD per request
+
+    def cost(self, prompt_tokens: float, completion_tokens: float, requests: float = 1) -> float:
+        """USD of `requests` requests holding these tokens in all."""
+        return prompt_tokens * self.prompt + completion_tokens * self.completion + requests * self.request
+
+
+def highest(prices: Iterable[Prices]) -> Prices:
+    """The most any of these endpoints charges per token and per request: the worst case of a
+    request that routing may send to any of them."""
+    prices = list(prices)
+    return Prices(*(max(p[i] for p in prices) for i in range(3)))
+
+
+def worst_prices(ep: dict) -> Prices:
+    """The most this endpoint can charge per token / per request."""
     pricing = ep.get("pricing") or {}
     prompt, completion = _usd(pricing.get("prompt")), _usd(pricing.get("completion"))
     completion = max(completion, _usd(pricing.get("internal_reasoning")))
@@ -59,16 +80,16 @@ def worst_prices(ep: dict) -> tuple[float, float, float]:
         if isinstance(o, dict):
             prompt = max(prompt, _usd(o.get("prompt")))
             completion = max(completion, _usd(o.get("completion")))
-    return prompt, completion, _usd(pricing.get("request"))
+    return Prices(prompt, completion, _usd(pricing.get("request")))
 
 
-def default_prices(ep: dict) -> tuple[float, float, float]:
+def default_prices(ep: dict) -> Prices:
     """(prompt, completion, request) USD at the default conditions, after the endpoint's discount:
     what a typical request pays (for plans, not for reservations)."""
     pricing = ep.get("pricing") or {}
     keep = 1.0 - min(1.0, max(0.0, _usd(pricing.get("discount"))))
-    return (keep * _usd(pricing.get("prompt")), keep * _usd(pricing.get("completion")),
-            keep * _usd(pricing.get("request")))
+    return Prices(keep * _usd(pricing.get("prompt")), keep * _usd(pricing.get("completion")),
+                  keep * _usd(pricing.get("request")))
 
 
 def lacks_parameters(ep: dict, sent: set[str]) -> list[str]:
@@ -91,14 +112,9 @@ def endpoint_allowed(ep: dict, provider: dict, sent: set[str] = frozenset()) -> 
         return False
     if slugs & {s.lower() for s in provider.get("ignore") or []}:
         return False
-    quants = set(provider.get("quantizations") or [])
-    if quants:
-        if "fp4" in quants:
-            quants |= _FP4
-        if "fp8" in quants:
-            quants.add("mxfp8")
-        if ep.get("quantization") not in quants:
-            return False
+    quants = provider.get("quantizations")
+    if quants and ep.get("quantization") not in routed(quants):
+        return False
     if provider.get("require_parameters") and lacks_parameters(ep, sent):
         return False
     max_price = provider.get("max_price") or {}
@@ -138,10 +154,9 @@ def catalogue(eps: list[dict], model: str, provider: dict, sent: set[str] = froz
         raise CatalogueError(f"no endpoint of {model} satisfies the routing {json.dumps(provider)}{hint}. "
                              f"Every request would be refused (no_provider, 404/503): check `provider`, `seed` "
                              f"and providers/routing.json from stage 01")
-    worst = [worst_prices(e) for e in allowed]
+    worst = highest(worst_prices(e) for e in allowed)
     ctx = [e["context_length"] for e in allowed if isinstance(e.get("context_length"), int)]
-    return Catalogue(max(w[0] for w in worst), max(w[1] for w in worst), max(w[2] for w in worst),
-                     max(ctx) if ctx else None, len(allowed))
+    return Catalogue(worst.prompt, worst.completion, worst.request, max(ctx) if ctx else None, len(allowed))
 
 
 def balance_from(key: dict | None, credits: dict | None) -> tuple[float | None, str]:
@@ -191,27 +206,53 @@ async def generation_cost(session: aiohttp.ClientSession, base: str, generation_
 
 class BalanceReader:
     """`balance_from` over the live API (stage 02 polls it); remembers that a plain key may not read
-    /credits."""
+    /credits. `source` says where the last figure came from, or why there was none."""
 
     def __init__(self, session: aiohttp.ClientSession, base: str):
         self.session, self.base = session, base
         self.use_credits = True
         self.source = ""
+        self._refused = ""      # why /credits is not asked any more
+
+    async def _get(self, path: str) -> tuple[int, dict]:
+        async with self.session.get(self.base + path) as r:
+            body = await r.json(content_type=None) if r.status == 200 else await r.read()
+            if r.status != 200:
+                try:
+                    body = json.loads(body or b"{}").get("error") or {}
+                except (ValueError, AttributeError):
+                    body = {}
+            return r.status, body if isinstance(body, dict) else {}
 
     async def read(self) -> float | None:
         credits = None
         try:
-            async with self.session.get(f"{self.base}/key") as r:
-                key = (await r.json(content_type=None)).get("data") or {} if r.status == 200 else None
-            if key is None:
+            status, key = await self._get("/key")
+            if status != 200:
+                self.source = f"/key unreadable: HTTP {status}: {str(key.get('message', ''))[:200]}"
                 return None
             if self.use_credits:
-                async with self.session.get(f"{self.base}/credits") as r:
-                    if r.status == 200:
-                        credits = (await r.json(content_type=None)).get("data") or {}
-                    elif r.status in (401, 403, 404):
-                        self.use_credits = False      # a plain key: /key is all there is
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+                status, body = await self._get("/credits")
+                if status == 200:
+                    credits = body.get("data") or {}
+                elif status in (401, 403, 404):
+                    self.use_credits = False      # a plain key: /key is all there is
+                    self._refused = f" (/credits refused: HTTP {status}: {str(body.get('message', ''))[:200]})"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
+            self.source = f"unreadable: {type(e).__name__}"
             return None
-        usd, self.source = balance_from(key, credits)
+        usd, source = balance_from(key.get("data") or {}, credits)
+        self.source = source + self._refused
         return usd
+
+
+def balance_now(base: str, headers: dict) -> tuple[float | None, str]:
+    """USD left and where that figure comes from, read once by `BalanceReader` from synchronous code
+    (stage 01); its event loop runs in a worker thread, as Jupyter may already run one here."""
+    async def once() -> tuple[float | None, str]:
+        async with aiohttp.ClientSession(headers=headers) as session:
+            reader = BalanceReader(session, base.rstrip("/"))
+            return await reader.read(), reader.source
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, once()).result()
