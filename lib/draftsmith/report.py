@@ -11,13 +11,15 @@ from pathlib import Path
 
 import nbformat
 
+from .files import write_text_atomic
 from .paths import Run
+from .runner import executed_notebooks
 
 
 def write_report(run: Run) -> Path | None:
     from nbconvert import HTMLExporter
 
-    notebooks = sorted((run.root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    notebooks = executed_notebooks(run)
     if not notebooks:
         return None
     merged = nbformat.v4.new_notebook()
@@ -25,7 +27,7 @@ def write_report(run: Run) -> Path | None:
     merged.cells.append(nbformat.v4.new_markdown_cell(
         f"# draftsmith run `{run.name}`\n\nStages: " + ", ".join(p.stem for p in notebooks) +
         ".\n\nEach section is an executed stage notebook with its code hidden; the notebooks "
-        f"themselves are in `{run.root / 'notebooks'}`."))
+        f"themselves are in `{notebooks[0].parent}`."))
     for p in notebooks:
         nb = nbformat.read(p, as_version=4)
         merged.cells.append(nbformat.v4.new_markdown_cell(f"---\n\n<a id='{p.stem}'></a>\n*stage {p.stem}*"))
@@ -37,7 +39,5 @@ def write_report(run: Run) -> Path | None:
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(merged)
     out = run.root / "report.html"
-    tmp = out.with_suffix(".html.tmp")
-    tmp.write_text(body, encoding="utf-8")
-    tmp.replace(out)
+    write_text_atomic(out, body)
     return out

@@ -29,9 +29,11 @@ from pathlib import Path
 import nbformat
 import yaml
 
+from .files import write_text_atomic
 from .paths import NOTEBOOKS_DIR, Run
 
 PATH_SUFFIXES = ("_dir", "_file", "_path")
+_EXECUTED = "notebooks"  # <run>/notebooks/: the executed copies
 
 
 class ParamError(ValueError):
@@ -231,6 +233,16 @@ def _kernel_env() -> None:
         os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in (share, paths) if p)
 
 
+def stage_log(run: Run, title: str) -> Path:
+    """The log of stage `title` (e.g. 01_providers) in `run`: its output and, on failure, the traceback."""
+    return run.dir("logs") / f"{title}.log"
+
+
+def executed_notebooks(run: Run) -> list[Path]:
+    """The executed copies of the stage notebooks saved in `run`, in stage order."""
+    return sorted((run.root / _EXECUTED).glob("[0-9][0-9]_*.ipynb"))
+
+
 def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
     """Execute the stages in order, then (re)write the run's report.html from every executed
     notebook of the run, also when a stage failed. Raise StageFailed naming the notebook and cell."""
@@ -250,14 +262,14 @@ def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
-    nb_dir, log_dir = run.dir("notebooks"), run.dir("logs")
-    (run.root / "run_params.yaml").write_text(yaml.safe_dump(values, sort_keys=False, allow_unicode=True))
+    nb_dir = run.dir(_EXECUTED)
+    write_text_atomic(run.root / "run_params.yaml", yaml.safe_dump(values, sort_keys=False, allow_unicode=True))
     _kernel_env()
     logger = logging.getLogger("papermill")
     logger.setLevel(logging.INFO)
     for stage in stages:
         params = {k: v for k, v in values.items() if k in stage.params}
-        out_nb, log_path = nb_dir / stage.path.name, log_dir / f"{stage.title}.log"
+        out_nb, log_path = nb_dir / stage.path.name, stage_log(run, stage.title)
         log_path.write_text("")  # every writer below appends: papermill, the kernel, the failure
         handlers = [logging.FileHandler(log_path, mode="a", encoding="utf-8")]
         if echo:
