@@ -2,7 +2,7 @@
 
 Rows, measured in one run over the same length-bucketed batches of the same samples:
   plain forward     the decoder alone over the padded batches, results thrown away: the limit
-  extraction bf16   `hidden.extract`: hooks, un-padding, copies, shard writes (fsync'd), index
+  extraction bf16   `hidden.extract.extract`: hooks, un-padding, copies, shard writes (fsync'd), index
   extraction fp8    the same with fp8 storage (per-token scales computed while writing)
   naive             HF CausalLM with output_hidden_states=True (computes logits it does not need)
 Each round runs every row once, back to back; a row's ratio is the median over rounds of its speed
@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftsmith import hidden
+from draftsmith.hidden.extract import extract
+from draftsmith.hidden.plan import plan_batches
 from draftsmith.shards import HiddenShards
 from draftsmith.target.checkpoint import load_target, resolve_target
 from draftsmith.target.hf import pad_batch
@@ -115,7 +116,7 @@ def main() -> None:
         samples = read_tokens([tmp / "bench.jsonl"])
         tokens = sum(len(s) for s in samples)
         batches = [[samples[i] for i in b]
-                   for b in hidden.plan_batches([len(s) for s in samples], a.max_tokens_per_batch)]
+                   for b in plan_batches([len(s) for s in samples], a.max_tokens_per_batch)]
         padded = sum(len(b) * len(b[0]) for b in batches)
         print(f"target {target.name}: hidden {H}, {model.config.num_hidden_layers} layers, "
               f"{torch.get_num_threads()} threads; {len(samples)} samples, {tokens:,} tokens, "
@@ -128,7 +129,7 @@ def main() -> None:
             times["plain forward"].append(plain_forward(model, batches))
             for dtype in ("bf16", "fp8"):
                 out = tmp / f"{dtype}-{r}"
-                s = hidden.extract(target, [tmp / "bench.jsonl"], out, dtype=dtype, device=a.device,
+                s = extract(target, [tmp / "bench.jsonl"], out, dtype=dtype, device=a.device,
                                    max_tokens_per_batch=a.max_tokens_per_batch, shard_mb=a.shard_mb,
                                    log=lambda m: None)
                 assert s["tokens_extracted"] == tokens

@@ -2,7 +2,7 @@
 
 Rows, measured in one run over the same samples, each engine started once (start-up not counted):
   plain prefill      vLLM alone, each sample a prompt with max_tokens=1, no capture: the limit
-  capture bf16       `hidden.extract(backend="vllm")` end to end: the engine's capture, the files
+  capture bf16       `hidden.extract.extract(backend="vllm")` end to end: the engine's capture, the files
                      it hands over, the final norm, shard writes (fsync'd), index
   capture fp8        the same with fp8 storage
 Each round runs every row once, back to back; a row's ratio is the median over rounds of its speed
@@ -27,7 +27,8 @@ from pathlib import Path
 
 from bench_hidden import print_disk_table, raw_tensor_bytes, synthetic_tokens
 
-from draftsmith import hidden, layers
+from draftsmith import layers
+from draftsmith.hidden.extract import extract
 from draftsmith.shards import HiddenShards
 from draftsmith.target.checkpoint import resolve_target
 from draftsmith.target.vllm import VllmCapture, vllm_env
@@ -101,7 +102,7 @@ def main() -> None:
                 times["plain prefill"].append(plain_round())
                 for dtype in ("bf16", "fp8"):
                     out = tmp / f"{dtype}-{r}"
-                    s = hidden.extract(target, [tmp / "bench.jsonl"], out, layer_ids=ids, dtype=dtype, backend="vllm",
+                    s = extract(target, [tmp / "bench.jsonl"], out, layer_ids=ids, dtype=dtype, backend="vllm",
                                        capture=capture, max_tokens_per_batch=a.max_tokens_per_batch,
                                        shard_mb=a.shard_mb, log=lambda m: None)
                     assert s["tokens_extracted"] == tokens

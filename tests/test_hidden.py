@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith import hidden, layers
+from draftsmith import layers
+from draftsmith.hidden import plan, resume, stage, verify
+from draftsmith.hidden.extract import extract as extract_hidden
 from draftsmith.shards import INDEX, HiddenShards
 from draftsmith.target.checkpoint import load_target
 
@@ -50,7 +52,7 @@ def tokens(tmp_path_factory, target_tokenizer):
 
 def extract(tiny_target, files, out, **kw):
     kw = {"max_tokens_per_batch": 1024, "shard_mb": 0.05, "log": lambda m: None, **kw}
-    return hidden.extract(tiny_target, files, out, **kw)
+    return extract_hidden(tiny_target, files, out, **kw)
 
 
 def keys_of(hs: HiddenShards) -> list[tuple[str, str]]:
@@ -73,7 +75,7 @@ def test_captured_tensors_equal_output_hidden_states_at_documented_and_engine_in
     assert sorted(keys_of(hs)) == sorted((r["dataset"], r["sample_id"]) for r in rows)  # excluded ones skipped
     # batches really mixed lengths, so padding was there to leak
     lengths = [len(r["input_ids"]) for r in rows]
-    assert any(len({lengths[i] for i in b}) > 1 for b in hidden.plan_batches(lengths, 1024))
+    assert any(len({lengths[i] for i in b}) > 1 for b in plan.plan_batches(lengths, 1024))
 
     by_key = {(r["dataset"], r["sample_id"]): r for r in rows}
     H = hs.hidden_size
@@ -112,14 +114,14 @@ def test_fp8_storage_reads_back_close_in_about_half_the_bytes(tiny_target, token
     assert y.dtype == "fp8" and keys_of(x) == keys_of(y)
     for i in range(len(x)):
         for name in ("aux", "last"):
-            assert hidden._rel_err(y.sample(i)[name], x.sample(i)[name]) < 0.05
+            assert verify.rel_err(y.sample(i)[name], x.sample(i)[name]) < 0.05
     assert b["bytes"] < 0.62 * a["bytes"]
 
 
 def test_two_rank_torchrun_gives_the_same_samples_as_one_process(tiny_target, tokens, tmp_path):
     files, _ = tokens
     one = extract(tiny_target, files, tmp_path / "one")
-    two = hidden.launch(2, tiny_target, files, tmp_path / "two", max_tokens_per_batch=1024, shard_mb=0.05,
+    two = stage.launch(2, tiny_target, files, tmp_path / "two", max_tokens_per_batch=1024, shard_mb=0.05,
                         log=lambda m: None)
     assert two["ranks"] == 2 and two["shards_written"] == one["shards_written"] >= 2
     a, b = HiddenShards(tmp_path / "one"), HiddenShards(tmp_path / "two")
@@ -151,7 +153,7 @@ def test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun(tiny_target, tokens
 
     killer = threading.Thread(target=kill_rank_1_at_the_first_shard, daemon=True)
     killer.start()
-    two = hidden.launch(2, tiny_target, files, out, max_tokens_per_batch=256, shard_mb=0.01, log=lines.append)
+    two = stage.launch(2, tiny_target, files, out, max_tokens_per_batch=256, shard_mb=0.01, log=lines.append)
     killed.append(None)  # stops the killer if it never found its rank
     killer.join()
     assert killed[0] is not None, "rank 1 was never killed: the test proved nothing"
@@ -169,8 +171,8 @@ def test_kill_mid_run_then_rerun_has_every_sample_once_and_no_torn_shard(tiny_ta
     files = [tmp_path / "many.jsonl"]
     rows = write_tokens(files[0], target_tokenizer, 160, 7, "many")
     out = tmp_path / "hidden"
-    cmd = [sys.executable, "-m", "draftsmith.hidden", "--target", str(tiny_target), "--tokens", str(files[0]),
-           "--out", str(out), "--max-tokens-per-batch", "512", "--shard-mb", "0.02"]
+    config = stage.write_config(tiny_target, files, out, max_tokens_per_batch=512, shard_mb=0.02)
+    cmd = [sys.executable, "-m", "draftsmith.hidden", str(config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 60
@@ -231,7 +233,7 @@ def test_a_second_extraction_into_the_same_folder_is_refused(tiny_target, tokens
     import fcntl
 
     files, _ = tokens
-    with open(tmp_path / hidden.LOCK, "w") as held:
+    with open(tmp_path / resume.LOCK, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(RuntimeError, match="another extraction is writing into this folder"):
             extract(tiny_target, files, tmp_path)
@@ -240,7 +242,7 @@ def test_a_second_extraction_into_the_same_folder_is_refused(tiny_target, tokens
 def test_disk_check_refuses_before_writing_anything(tiny_target, tokens, tmp_path, monkeypatch):
     files, rows = tokens
     free = 1000 * 265  # room for 1000 tokens at 8*32+9 bytes each
-    monkeypatch.setattr(hidden.shutil, "disk_usage", lambda p: type("U", (), {"free": free})())
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: type("U", (), {"free": free})())
     with pytest.raises(OSError, match=rf"{tmp_path}: hidden states need about .* GiB .* 265 bytes, dtype bf16"):
         extract(tiny_target, files, tmp_path)
     assert not shard_files(tmp_path)
@@ -249,13 +251,13 @@ def test_disk_check_refuses_before_writing_anything(tiny_target, tokens, tmp_pat
 def test_batches_are_longest_first_under_the_token_limit_and_shards_cover_each_once():
     rng = random.Random(0)
     lengths = [rng.randint(1, 300) for _ in range(500)] + [900]
-    batches = hidden.plan_batches(lengths, 1000)
+    batches = plan.plan_batches(lengths, 1000)
     flat = [i for b in batches for i in b]
     assert sorted(flat) == list(range(len(lengths)))
     assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)
     assert all(len(b) * lengths[b[0]] <= 1000 for b in batches)
     assert all(sum(lengths[i] for i in b) >= 0.9 * len(b) * lengths[b[0]] for b in batches)  # <= 10% padding
-    planned = hidden.plan_shards(batches, lengths, 5000)
+    planned = plan.plan_shards(batches, lengths, 5000)
     assert [b for s in planned for b in s] == batches
     assert all(sum(lengths[i] for b in s for i in b) <= 5000 or len(s) == 1 for s in planned)
 

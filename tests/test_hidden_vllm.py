@@ -20,7 +20,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith import hidden, layers
+from draftsmith import layers, shards
+from draftsmith.hidden import resume, stage
+from draftsmith.hidden.extract import extract
 from draftsmith.shards import INDEX, HiddenShards
 
 from test_hidden import keys_of, shard_files, write_tokens
@@ -54,7 +56,7 @@ def reference(tiny_target, run_dir, tmp_path_factory):
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        hidden.extract(tiny_target, files, out, layer_ids=LAYERS, max_tokens_per_batch=2048, shard_mb=1.0,
+        extract(tiny_target, files, out, layer_ids=LAYERS, max_tokens_per_batch=2048, shard_mb=1.0,
                        log=lambda m: None)
     finally:
         torch.set_num_threads(torch_threads)
@@ -64,14 +66,14 @@ def reference(tiny_target, run_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed_then_resumed(tiny_target, run_dir):
-    """kill -9 of a vLLM capture (`python -m draftsmith.hidden --backend vllm`) once it has written
+    """kill -9 of a vLLM capture (`python -m draftsmith.hidden CONFIG.json`, backend vllm) once it has written
     two shards, then stage 04's notebook on the same run (`draftsmith run 04`, vLLM)."""
     outputs, _ = run_dir
     out = outputs / "smoke" / "hidden"
     files = sorted((outputs / "smoke" / "tokens").glob("*.jsonl"))
-    cmd = [sys.executable, "-m", "draftsmith.hidden", "--target", str(tiny_target), "--tokens", *map(str, files),
-           "--out", str(out), "--max-tokens-per-batch", "200", "--shard-mb", "0.01", "--backend", "vllm",
-           "--layer-ids", ",".join(map(str, LAYERS))]
+    config = stage.write_config(tiny_target, files, out, max_tokens_per_batch=200, shard_mb=0.01, backend="vllm",
+                                layer_ids=LAYERS)
+    cmd = [sys.executable, "-m", "draftsmith.hidden", str(config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "DRAFTSMITH_PROGRESS": "log", "DRAFTSMITH_PROGRESS_INTERVAL": "0"})
     deadline = time.time() + 900
@@ -105,13 +107,13 @@ def test_killed_capture_resumes_through_the_notebook_with_every_sample_once(kill
 
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     hs = HiddenShards(out)
-    summary = json.loads((out / hidden.SUMMARY).read_text())
+    summary = shards.read_summary(out)
     assert hs.index["backend"] == summary["backend"] == "vllm" and hs.index["layer_ids"] == LAYERS
     want = sorted((r["dataset"], r["sample_id"]) for r in rows)
     assert sorted(keys_of(hs)) == want  # none missing, none twice (excluded ones left out)
     assert summary["shards_kept"] == len(killed["shards"]) and summary["shards_written"] > 0
     assert all((out / n).stat().st_mtime_ns == t for n, (t, _) in killed["shards"].items())  # kept, not redone
-    assert not list(out.glob("*.tmp")) and not (out / hidden.SCRATCH).exists()
+    assert not list(out.glob("*.tmp")) and not (out / resume.SCRATCH).exists()
     by_key = {(r["dataset"], r["sample_id"]): r for r in rows}
     for i, key in enumerate(keys_of(hs)):
         s = hs.sample(i, fields=("input_ids", "loss_mask"))

@@ -63,3 +63,16 @@ def engine_capture_indices(config_ids: list[int], engine: str) -> list[int]:
     else:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     return input_ids  # input id k is hidden_states[k]
+
+
+def numbering_table(output_ids: list[int]):
+    """The same three tensors under each numbering (a table, one row per layer): stored (output)
+    ids, input ids, HF `output_hidden_states` indices and the ids a draft config gives each engine."""
+    import pandas as pd
+
+    return pd.DataFrame({"stored (output convention)": list(output_ids),
+                         "input convention": [k + 1 for k in output_ids],
+                         "HF output_hidden_states index": hf_hidden_state_indices(output_ids),
+                         "SGLang draft-config id": engine_layer_ids(output_ids, "sglang"),
+                         "vLLM draft-config id": engine_layer_ids(output_ids, "vllm")},
+                        index=["low", "mid", "high"])

@@ -10,7 +10,10 @@ A shard is one safetensors file holding the tokens of many samples concatenated:
   offsets    [n+1]    int64, sample i is rows offsets[i]:offsets[i+1]
 It is written to a temporary name and renamed when whole, so a shard on disk is never torn.
 `index.json` beside the shards lists them with their samples and records the layer ids, their
-convention, the dtype and the target's identity (see `draftsmith.hidden`).
+convention, the dtype and the target's identity (see `draftsmith.hidden`); `summary.json` holds
+the last extraction's figures. This module is the one that knows these names: stage 04 writes
+through it, and every reader (stages 05, 06, benches) opens the folder with `HiddenShards` or asks
+for the summary here.
 
 Readers open shards memory-mapped; `HiddenShards.sample(i)` returns float32 tensors.
 """
@@ -26,12 +29,42 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .files import write_json_atomic
+from .paths import Run
+
 INDEX = "index.json"
+SUMMARY = "summary.json"
+SHARD_GLOB = "shard-*.safetensors"
 FORMAT = "draftsmith-hidden/1"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 DTYPES = ("bf16", "fp8")
 FIELDS = ("aux", "last", "input_ids", "loss_mask")
+
+
+def hidden_dir(run: Run) -> Path:
+    """The hidden-state folder of a run."""
+    return run.dir("hidden")
+
+
+def shard_name(number: int) -> str:
+    return f"shard-{number:05d}.safetensors"
+
+
+def shard_files(directory: str | os.PathLike) -> list[Path]:
+    """Every shard file in the folder, in name (= writing) order."""
+    return sorted(Path(directory).glob(SHARD_GLOB))
+
+
+def shard_number(path: Path) -> int:
+    return int(path.name.split("-")[1].split(".")[0])
+
+
+def read_header(path: str | os.PathLike) -> dict[str, str]:
+    """The str -> str metadata a shard was written with (`write_shard`'s `metadata`, format, dtype).
+    Raises whatever safetensors raises on a file that is not a whole shard."""
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}
 
 
 def quantize(x: torch.Tensor, groups: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -78,10 +111,27 @@ def write_shard(path: str | os.PathLike, aux: torch.Tensor, last: torch.Tensor, 
 
 
 def write_index(directory: str | os.PathLike, index: dict) -> None:
-    directory = Path(directory)
-    tmp = directory / (INDEX + ".tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, **index}, indent=1))
-    os.replace(tmp, directory / INDEX)
+    write_json_atomic(Path(directory) / INDEX, {"format": FORMAT, **index})
+
+
+def remove_index(directory: str | os.PathLike) -> None:
+    """While shards are being added the folder has no index: a reader never sees a partial one."""
+    (Path(directory) / INDEX).unlink(missing_ok=True)
+
+
+def write_summary(directory: str | os.PathLike, summary: dict) -> None:
+    write_json_atomic(Path(directory) / SUMMARY, summary)
+
+
+def read_summary(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / SUMMARY
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no summary of a finished extraction (run stage 04 first)")
+    return json.loads(path.read_text())
+
+
+def remove_summary(directory: str | os.PathLike) -> None:
+    (Path(directory) / SUMMARY).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

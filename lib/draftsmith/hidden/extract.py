@@ -1,0 +1,209 @@
+"""Stage 04's extraction: run the target over the token ids and write the features as shards.
+
+For every token of every sample: the outputs of the three auxiliary decoder layers (`aux`, side by
+side) and the final hidden state after the final norm (`last`: what the lm_head reads). Layer ids
+are kept in the OUTPUT convention (`draftsmith.layers`). The target runs behind
+`draftsmith.target.backends`: `hf` in this process (one process per rank under torchrun, shard i
+going to rank i mod world size, each rank writing its own shards) or `vllm` (one engine in a child
+process, tensor parallel over the GPUs, so no torchrun). With vLLM each sample's features pass
+through one file in the scratch folder, deleted once read. Writing a shard overlaps computing the
+next one; rank 0 merges every rank's entries into the index, written last (`draftsmith.shards`).
+The backend is one of the settings a shard records, so features of two engines are never mixed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import layers, shards
+from ..distributed import init_dist
+from ..progress import Progress
+from ..target.backends import BACKENDS, open_capture
+from ..target.identity import target_identity
+from ..tokens.outputs import Sample, read_tokens
+from .resume import SCRATCH, fingerprint_samples, lock, prepare, shard_entry
+
+ENGINE_LOG = "vllm.log"
+
+
+@dataclass
+class Settings:
+    """How to extract; the defaults here are the library's (notebook 04 declares the user's)."""
+
+    layer_ids: list[int] | None = None  # three layers; None or empty: the EAGLE-3 default
+    convention: str = "output"          # how layer_ids count (`draftsmith.layers`)
+    dtype: str = "bf16"                 # storage: bf16, or fp8 with per-token scales
+    max_tokens_per_batch: int = 16384   # padded tokens per forward pass
+    shard_mb: float = 1024.0            # shard size on disk
+    device: str = "auto"                # hf: auto, cpu, cuda, cuda:0, ...
+    backend: str = "hf"                 # hf or vllm
+    engine_options: dict = field(default_factory=dict)  # vllm: `VllmCapture`'s keyword arguments
+
+    def check(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"target_backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype not in shards.DTYPES:
+            raise ValueError(f"dtype must be one of {shards.DTYPES}, got {self.dtype!r}")
+        if self.max_tokens_per_batch < 1 or self.shard_mb <= 0:
+            raise ValueError("max_tokens_per_batch and shard_mb must be positive")
+
+    def output_ids(self, n_layers: int) -> list[int]:
+        ids = (layers.default_layer_ids(n_layers) if not self.layer_ids
+               else layers.to_output_ids(list(self.layer_ids), self.convention))
+        if len(set(ids)) != 3 or not all(0 <= k < n_layers for k in ids):
+            raise ValueError(f"layer_ids {list(self.layer_ids or [])} ({self.convention} convention): need three "
+                             f"distinct layers of the target's {n_layers} (output ids 0..{n_layers - 1})")
+        return ids
+
+
+def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out_dir: str | os.PathLike, *,
+            capture=None, log=print, **settings) -> dict:
+    """Extract hidden states of every sample in `token_files` into `out_dir` (shards + index),
+    keeping whole shards of an earlier run. `settings` are `Settings`' fields. Runs as one rank of
+    several under torchrun (`hf`). `backend` `vllm` starts an engine with `engine_options`
+    (tensor_parallel_size, trust_remote_code, gpu_memory_utilization, max_num_batched_tokens, ...),
+    unless `capture`, an open capture of the same target and layers, is given to reuse. Returns a
+    summary (rank 0: of the whole run)."""
+    s = Settings(**settings)
+    s.check()
+    if capture is not None and capture.backend != s.backend:
+        raise ValueError(f"capture runs on {capture.backend!r}, not on backend {s.backend!r}")
+    d = init_dist()
+    say = log if d.world == 1 else (lambda m: log(f"[rank {d.rank}/{d.world}] {m}"))
+    held = None
+    try:
+        if s.backend == "vllm" and d.world > 1:
+            raise ValueError("backend vllm runs one engine (tensor parallel over the GPUs): start it without "
+                             "torchrun (nproc_per_node 1) and set tensor_parallel_size instead")
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        identity = target_identity(target, bool(s.engine_options.get("trust_remote_code")))
+        output_ids = s.output_ids(identity["num_hidden_layers"])
+        samples = read_tokens(token_files, identity["vocab_size"])
+        plan = None
+        if d.main:
+            try:
+                held = lock(out_dir)
+                plan = prepare(out_dir, samples, identity, output_ids, s.dtype, s.max_tokens_per_batch, s.shard_mb,
+                               s.backend, say)
+            except Exception as e:  # tell the other ranks, so they stop too instead of waiting
+                d.broadcast({"error": f"{type(e).__name__}: {e}"})
+                raise
+        plan = d.broadcast(plan)
+        if "error" in plan:
+            raise RuntimeError(f"rank 0 failed: {plan['error']}")
+        if plan["check"] != fingerprint_samples(samples):
+            raise RuntimeError(f"rank {d.rank} read different samples than rank 0 from {token_files}")
+        mine = plan["shards"][d.rank::d.world]
+        written, seconds = _capture_shards(target, capture, samples, mine, output_ids, s, plan["settings"], out_dir,
+                                           f"hidden {d.rank}/{d.world}" if d.world > 1 else "hidden", say)
+        results = d.gather({"written": written, "seconds": seconds})
+        if not d.main:
+            return {"rank": d.rank, "shards_written": len(written), "seconds": seconds}
+        return _finish(out_dir, plan, results, identity, output_ids, s.dtype, s.backend, say)
+    finally:
+        if held is not None:
+            held.close()
+        d.close()
+
+
+def _capture_shards(target, capture, samples, mine, output_ids, s: Settings, settings, out_dir, desc, log):
+    """This rank's shards through `capture`, or through one opened here (and closed) for them."""
+    if capture is not None and getattr(capture, "ids", output_ids) != output_ids:
+        raise ValueError(f"capture keeps layers {capture.ids}, this run wants {output_ids}")
+    if capture is not None or not mine:
+        return _run_shards(capture, samples, mine, output_ids, s.dtype, settings, out_dir, desc, log)
+    opts = dict(s.engine_options)
+    if s.backend == "vllm":
+        longest = max(len(samples[i]) for _, p in mine for b in p for i in b)
+        opts = {"max_model_len": longest + 1, "log_file": out_dir / ENGINE_LOG, **opts}
+    opened = open_capture(s.backend, target, output_ids, device=s.device, log=log, **opts)
+    try:
+        return _run_shards(opened, samples, mine, output_ids, s.dtype, settings, out_dir, desc, log)
+    finally:
+        opened.close()
+
+
+def _run_shards(capture, samples, mine, output_ids, dtype, settings, out_dir, desc, log) -> tuple[list, float]:
+    """Extract this rank's shards; writing a shard overlaps computing the next one."""
+    if not mine:
+        return [], 0.0
+    capture.scratch_dir = out_dir / SCRATCH
+    total = sum(len(samples[i]) for _, plan in mine for b in plan for i in b)
+    log(f"extracting {total:,} tokens into {len(mine)} shard(s), layers {output_ids} (output convention), "
+        f"{dtype}, on {capture.device}")
+    written, pending = [], None
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as writer, Progress(total=total, desc=desc, unit="tok") as bar:
+            for name, plan in mine:
+                aux, last, order = [], [], []
+                for b in plan:
+                    batch = [samples[i] for i in b]
+                    a, l = capture(batch)
+                    aux.append(a)
+                    last.append(l)
+                    order.extend(batch)
+                    bar.update(a.shape[0])
+                if pending is not None:
+                    written.append(pending.result())  # at most one shard waits for the disk
+                pending = writer.submit(_write, out_dir / name, torch.cat(aux), torch.cat(last), order, dtype,
+                                        settings)
+                bar.set(shards=len(written) + 1)
+            if pending is not None:
+                written.append(pending.result())
+    finally:
+        shutil.rmtree(capture.scratch_dir, ignore_errors=True)
+    return written, time.perf_counter() - t0
+
+
+def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dict) -> dict:
+    lengths = [len(s) for s in order]
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    rows = [[s.dataset, s.sample_id, len(s), s.digest] for s in order]
+    size = shards.write_shard(path, aux, last, torch.cat([s.input_ids for s in order]),
+                              torch.cat([s.loss_mask for s in order]), offsets, dtype,
+                              metadata={"settings": json.dumps(settings), "samples": json.dumps(rows)})
+    samples = [{"sample_id": s.sample_id, "dataset": s.dataset, "source": s.source, "offset": int(o), "length": len(s)}
+               for s, o in zip(order, offsets)]
+    return shard_entry(path.name, samples, size)
+
+
+def _finish(out_dir, plan, results, identity, output_ids, dtype, backend, log) -> dict:
+    """Rank 0: merge every rank's shards with the kept ones into index.json."""
+    entries = plan["keep"] + [e for r in results for e in r["written"]]
+    entries.sort(key=lambda e: e["file"])
+    missing = [e["file"] for e in entries if not (out_dir / e["file"]).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{out_dir}: shards {missing[:3]} written by other ranks are not visible here; "
+                                f"the output folder must be on a filesystem every node shares")
+    keys = [(s["dataset"], s["sample_id"]) for e in entries for s in e["samples"]]
+    if len(keys) != len(set(keys)):
+        raise RuntimeError(f"{out_dir}: a sample appears in two shards")  # planning makes this impossible
+    tokens = sum(e["tokens"] for e in entries)
+    index = {"dtype": dtype, "hidden_size": identity["hidden_size"], "layer_ids": output_ids,
+             "layer_convention": "output", "hf_hidden_state_indices": layers.hf_hidden_state_indices(output_ids),
+             "last": "final hidden state after the final norm (input of lm_head)",
+             "backend": backend, "target": identity, "num_samples": len(keys), "num_tokens": tokens,
+             "bytes": sum(e["bytes"] for e in entries), "shards": entries}
+    shards.write_index(out_dir, index)
+    new_tokens = sum(e["tokens"] for r in results for e in r["written"])
+    seconds = max(r["seconds"] for r in results)
+    summary = {"samples": len(keys), "tokens": tokens, "shards": len(entries), "shards_kept": len(plan["keep"]),
+               "shards_written": sum(len(r["written"]) for r in results), "tokens_extracted": new_tokens,
+               "extract_s": round(seconds, 3), "tokens_per_s": round(new_tokens / seconds, 1) if seconds else None,
+               "bytes": index["bytes"], "bytes_per_token": round(index["bytes"] / tokens, 1) if tokens else None,
+               "dtype": dtype, "layer_ids": output_ids, "backend": backend, "ranks": len(results),
+               "hidden_dir": str(out_dir)}
+    shards.write_summary(out_dir, summary)
+    log(f"{summary['samples']:,} samples, {tokens:,} tokens in {len(entries)} shard(s) "
+        f"({summary['shards_kept']} kept from an earlier run), {index['bytes'] / 2**20:,.1f} MiB")
+    return summary
