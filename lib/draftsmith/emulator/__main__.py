@@ -16,6 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
+from ..files import write_text_atomic
 from . import ADMIN_KEY_ENV, KEY_ENV, serve
 from .config import load_config
 
@@ -47,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     base_url = f"http://{args.host}:{port}/api/v1"
     info = json.dumps({"base_url": base_url, "port": port, "pid": os.getpid()})
     if args.ready_file:
-        tmp = Path(args.ready_file + ".tmp")
-        tmp.write_text(info)
-        os.replace(tmp, args.ready_file)
+        write_text_atomic(Path(args.ready_file), info)
     print(info, flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, loop.stop)

@@ -104,6 +104,7 @@ def corpus_sentences(docstrings: int = 800) -> list[str]:
     if len(sentences) < 50:
         raise RuntimeError("synthetic backend: too few corpus sentences found in the standard library")
     path.parent.mkdir(parents=True, exist_ok=True)
+    # a temp file per process, not write_text_atomic's one name: several processes may build it at once
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(sentences))
     os.replace(tmp, path)
