@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith import hidden
 from draftsmith.drafter import data, train
 from draftsmith.drafter.model import DrafterConfig
+from draftsmith.hidden.extract import extract
 from draftsmith.shards import HiddenShards
 from draftsmith.target.checkpoint import resolve_target, target_config, target_tensors
 
@@ -48,7 +48,7 @@ def make_hidden(target: Path, out: Path, n: int) -> Path:
                      "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    hidden.extract(target, [out / "tokens.jsonl"], out / "hidden", dtype="bf16", log=lambda m: None)
+    extract(target, [out / "tokens.jsonl"], out / "hidden", dtype="bf16", log=lambda m: None)
     return out / "hidden"
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith import hidden, layers, shards
+from draftsmith import layers, shards
+from draftsmith.hidden.extract import extract
 from draftsmith.drafter import data, export, train
 from draftsmith.drafter.model import DrafterConfig, Eagle3Drafter
 from draftsmith.drafter.train import TrainConfig, TTTObjective
@@ -39,7 +40,7 @@ def hidden_dir(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
     """Hidden states of the tiny-test target over 40 chat samples, through stage 04's extractor."""
     root = tmp_path_factory.mktemp("drafter_data")
     tokens = write_tokens(root / "chat.jsonl", target_tokenizer, 40)
-    hidden.extract(tiny_target, [tokens], root / "hidden", dtype="bf16", log=lambda m: None)
+    extract(tiny_target, [tokens], root / "hidden", dtype="bf16", log=lambda m: None)
     return root / "hidden"
 
 

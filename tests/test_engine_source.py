@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith import cli, generate, hidden, tokens
+from draftsmith import cli, generate, tokens
+from draftsmith.hidden.extract import extract
 from draftsmith.apikey import ApiKey
 from draftsmith.drafter import train
 from draftsmith.emulator import running
@@ -207,7 +208,7 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
         assert ln["output_ids"][:len(r["output_ids"])] == r["output_ids"]
 
     files = tokens.token_files(run, [d["name"] for d in datasets])
-    hidden.extract(tiny_target, files, run.dir("hidden"), log=lambda *a: None)
+    extract(tiny_target, files, run.dir("hidden"), log=lambda *a: None)
     assert {s.source for s in HiddenShards(run.dir("hidden")).samples} == set(src)
     s = train.train(train.TrainConfig(hidden_dir=str(run.dir("hidden")), target_path=str(tiny_target),
                                       out_dir=str(run.dir("drafter")), draft_vocab_size=512, ttt_steps=2, epochs=1.0,

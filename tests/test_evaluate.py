@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from draftsmith import evaluate as ev
-from draftsmith import hidden
 from draftsmith.drafter import load_exported
 from draftsmith.drafter.export import export
 from draftsmith.drafter.model import DrafterConfig
 from draftsmith.drafter.train import TrainConfig, build_drafter, train
 from draftsmith.drafter.vocab import DraftVocab
+from draftsmith.hidden.extract import extract
 from draftsmith.target.checkpoint import load_target, target_config, target_tensors
 from draftsmith.target.corpus import chat_examples
 from draftsmith.target.hf import Capture
@@ -58,7 +58,7 @@ def trained_run(tmp_path_factory, tiny_target, target_tokenizer):
     convs = chat_examples(seed=3)
     files = [write_token_rows(tokens / "code.jsonl", target_tokenizer, convs[:16], "code"),
              write_token_rows(tokens / "chat.jsonl", target_tokenizer, convs[16:32], "chat")]
-    hidden.extract(tiny_target, files, run / "hidden", dtype="bf16", log=quiet)
+    extract(tiny_target, files, run / "hidden", dtype="bf16", log=quiet)
     train(TrainConfig(hidden_dir=str(run / "hidden"), target_path=str(tiny_target), out_dir=str(run / "drafter"),
                       draft_vocab_size=512, ttt_steps=3, epochs=1.0, batch_size=4, micro_batch_size=4,
                       max_len=160, lr=3e-3, holdout_fraction=0.2, export_fractions=[0.5, 1.0],
