@@ -21,9 +21,13 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.distributed import Dist
 from draftsmith.drafter import data, train
+from draftsmith.drafter.config import TrainConfig
 from draftsmith.drafter.model import DrafterConfig
 from draftsmith.hidden.extract import extract
+from draftsmith.drafter.objective import TTTObjective, build_drafter, step_weights
+from draftsmith.drafter.prepare import prepare
 from draftsmith.shards import HiddenShards
 from draftsmith.target.checkpoint import resolve_target, target_config, target_tensors
 
@@ -52,17 +56,17 @@ def make_hidden(target: Path, out: Path, n: int) -> Path:
     return out / "hidden"
 
 
-def bare(cfg: train.TrainConfig, steps: int) -> tuple[float, int]:
+def bare(cfg: TrainConfig, steps: int) -> tuple[float, int]:
     """Forward+backward of the TTT objective over the micro-batches the loop trains on, collated in
     memory beforehand; returns (seconds, tokens)."""
-    d = train.Dist(0, 1, torch.device("cpu"))
+    d = Dist(0, 1, torch.device("cpu"))
     shards = HiddenShards(cfg.hidden_dir)
     tensors = target_tensors(cfg.target_path)
-    prep = train.prepare(cfg, shards, tensors["lm_head"], d, log=lambda *a: None)   # cached by the loop's run
+    prep = prepare(cfg, shards, tensors["lm_head"], d, log=lambda *a: None)   # cached by the loop's run
     mcfg = DrafterConfig.from_target(target_config(cfg.target_path), cfg.draft_vocab_size)
-    drafter = train.build_drafter(mcfg, tensors["embed"], prep.vocab, cfg.seed)
-    obj = train.TTTObjective(drafter, tensors["lm_head"][prep.vocab.used].clone(), cfg.ttt_steps)
-    weights = train.step_weights(cfg)
+    drafter = build_drafter(mcfg, tensors["embed"], prep.vocab, cfg.seed)
+    obj = TTTObjective(drafter, tensors["lm_head"][prep.vocab.used].clone(), cfg.ttt_steps)
+    weights = step_weights(cfg)
     spe = len(prep.train) // cfg.batch_size
     plan = []
     for s in range(steps):
@@ -101,10 +105,12 @@ def main() -> int:
         hidden_dir = Path(a.hidden) if a.hidden else make_hidden(target, Path(tmp) / "data", a.samples)
         n = len(HiddenShards(hidden_dir))
         epochs = a.steps / ((n - max(1, round(0.05 * n))) // a.batch)
-        cfg = train.TrainConfig(hidden_dir=str(hidden_dir), target_path=str(target), out_dir=str(Path(tmp) / "drafter"),
-                                draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt, epochs=epochs, batch_size=a.batch,
-                                micro_batch_size=a.micro, max_len=1024, lr=1e-3, holdout_fraction=0.05,
-                                eval_every=0, checkpoint_every=10 ** 9, export_fractions=[1.0], resume=False)
+        cfg = TrainConfig(hidden_dir=str(hidden_dir), target_path=str(target), out_dir=str(Path(tmp) / "drafter"),
+                          draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt, epochs=epochs, batch_size=a.batch,
+                          micro_batch_size=a.micro, max_len=1024, lr=1e-3, warmup_fraction=0.015, weight_decay=0.0,
+                          grad_clip=0.5, holdout_fraction=0.05, seed=0, fsdp=False, eval_every=0,
+                          checkpoint_every=10 ** 9, export_fractions=[1.0], export_engine="sglang",
+                          export_dtype="bfloat16", resume=False)
         loop, limit = [], []
         for r in range(a.rounds):
             s = train.train(cfg, log=lambda *m: None)

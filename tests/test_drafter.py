@@ -11,10 +11,11 @@ from safetensors import safe_open
 
 from draftsmith import layers, shards
 from draftsmith.hidden.extract import extract
-from draftsmith.drafter import data, export, train
+from draftsmith.drafter import artifacts, data, export, train
+from draftsmith.drafter.config import TrainConfig
 from draftsmith.drafter.model import DrafterConfig, Eagle3Drafter
-from draftsmith.drafter.train import TrainConfig, TTTObjective
-from draftsmith.drafter.vocab import DraftVocab, token_counts
+from draftsmith.drafter.objective import TTTObjective
+from draftsmith.drafter.vocab import DraftVocab, token_counts, used_ids
 
 from conftest import write_token_rows
 
@@ -47,7 +48,9 @@ def hidden_dir(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
 def small_config(hidden_dir, target, out, **kw) -> TrainConfig:
     base = dict(hidden_dir=str(hidden_dir), target_path=str(target), out_dir=str(out), draft_vocab_size=512,
                 ttt_steps=3, epochs=1.0, batch_size=4, micro_batch_size=2, max_len=192, lr=3e-3,
-                holdout_fraction=0.1, checkpoint_every=3, export_fractions=[0.5, 1.0], export_dtype="float32")
+                warmup_fraction=0.015, weight_decay=0.0, grad_clip=0.5, holdout_fraction=0.1, seed=0, fsdp=False,
+                eval_every=0, checkpoint_every=3, export_fractions=[0.5, 1.0], export_engine="sglang",
+                export_dtype="float32", resume=True)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -67,15 +70,16 @@ def test_draft_vocab_keeps_the_most_frequent_tokens_and_d2t_t2d_round_trip(tmp_p
     assert v.t2d.nonzero().flatten().tolist() == v.used.tolist() and v.t2d.dtype == torch.bool
     assert v.d2t.dtype == torch.int64
     assert v.coverage() == pytest.approx(25 / 26)
-    assert DraftVocab.from_maps(v.d2t, v.t2d).tolist() == v.used.tolist()
-    v.save(tmp_path / "v.safetensors")
-    w = DraftVocab.load(tmp_path / "v.safetensors")
+    assert used_ids(v.d2t, v.t2d).tolist() == v.used.tolist()
+    artifacts.write_vocab(tmp_path, v, key="k1")
+    w = artifacts.read_vocab(tmp_path)
     assert torch.equal(w.used, v.used) and torch.equal(w.counts, counts)
+    assert artifacts.read_vocab(tmp_path, "k1").size == 4 and artifacts.read_vocab(tmp_path, "k2") is None
     # fewer distinct tokens than asked: filled with the lowest unused ids, size exact
     f = DraftVocab.build(counts, 8)
     assert f.used.tolist() == [0, 1, 2, 3, 7, 11, 40, 41] and f.coverage() == 1.0
     with pytest.raises(ValueError, match="different draft vocabularies"):
-        DraftVocab.from_maps(v.d2t, DraftVocab.build(counts, 4).t2d.roll(1))
+        used_ids(v.d2t, DraftVocab.build(counts, 4).t2d.roll(1))
     with pytest.raises(ValueError, match="draft_vocab_size"):
         DraftVocab.build(counts, 51)
 
@@ -89,6 +93,44 @@ def test_vocab_counts_only_loss_masked_tokens(hidden_dir):
         expect += torch.bincount(s["input_ids"][s["loss_mask"].bool()], minlength=129280)
     assert torch.equal(counts, expect)
     assert counts[128804] == 0 and counts[1] == len(hs)   # the assistant header never, end-of-turn once each
+
+
+def test_read_heldout_says_to_run_stage_05_first(tmp_path):
+    from draftsmith.paths import Run
+
+    run = Run(tmp_path, "r")
+    with pytest.raises(FileNotFoundError, match=r"drafter/heldout.json: .*run stage 05 first"):
+        artifacts.read_heldout(run)
+    artifacts.write_heldout(run.dir("drafter"), [("code", "a1"), ("chat", "b 2")], 0.1)
+    assert artifacts.read_heldout(run) == artifacts.read_heldout(run.dir("drafter")) == [("code", "a1"), ("chat", "b 2")]
+    (run.dir("drafter") / "heldout.json").write_text('{"samples": [{"dataset": "code"}]}')
+    with pytest.raises(ValueError, match="heldout.json: not a held-out sample list"):
+        artifacts.read_heldout(run)
+
+
+def test_notebook_05_holds_the_one_default_of_each_training_setting():
+    """TrainConfig has no default for a setting the notebook declares: the notebook passes every one."""
+    import ast
+    from dataclasses import MISSING, fields
+
+    import nbformat
+
+    from draftsmith import runner
+    from draftsmith.paths import NOTEBOOKS_DIR
+
+    path = NOTEBOOKS_DIR / "05_train_drafter.ipynb"
+    declared = runner.read_parameters(path)
+    calls = [n for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"
+             for n in ast.walk(ast.parse(c.source)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "TrainConfig"]
+    assert len(calls) == 1
+    passed = {k.arg for k in calls[0].keywords}
+    required = {f.name for f in fields(TrainConfig) if f.default is MISSING and f.default_factory is MISSING}
+    assert passed == required
+    for f in fields(TrainConfig):
+        if f.name not in required:   # a setting only TrainConfig knows: no notebook parameter for it
+            assert f.name not in declared and f"train_{f.name}" not in declared, f.name
+    with pytest.raises(TypeError, match="draft_vocab_size"):
+        TrainConfig(hidden_dir="h", target_path="t", out_dir="o")
 
 
 # -- supervision and TTT alignment ---------------------------------------------------------------
@@ -194,8 +236,14 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
     # demo target's numbers are in the notebook and the report)
     assert 0 < s["vocab"]["train_coverage"] <= 1
     assert [e["step"] for e in s["exports"]] == [18, 36]
+    assert [e["dir"] for e in artifacts.read_exports(cfg.out_dir)] == [Path(e["dir"]) for e in s["exports"]]
+    # the held-out pairs stage 06 prompts with are the split training scored on
+    hs = shards.HiddenShards(hidden_dir)
+    _, held = data.split(hs, cfg.holdout_fraction)
+    assert artifacts.read_heldout(cfg.out_dir) == [(hs.samples[i].dataset, hs.samples[i].sample_id) for i in held]
+    assert len(held) == s["heldout_samples"] == 4
     assert Path(s["exports"][-1]["dir"]).name == "eagle3"
-    rows = train.read_metrics(cfg.out_dir)
+    rows = artifacts.read_metrics(cfg.out_dir)
     assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, 37))
 
     # the export: exactly EAGLE-3's keys and shapes, the config fields, ids for the engine
@@ -228,12 +276,12 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
     assert "vllm serve" in export.serving_command("vllm", tiny_target, vllm)
 
     # reload bit for bit (float32 export) and draft the same as the checkpointed model
-    ck = torch.load(sorted((Path(cfg.out_dir) / "checkpoints").glob("*.pt"))[-1], weights_only=False)
+    ck = torch.load(artifacts.checkpoints(Path(cfg.out_dir))[-1], weights_only=False)
     loaded = export.load_exported(out, tiny_target)
     for k, v in loaded.state_dict().items():
         if k != "embed_tokens.weight":
             assert torch.equal(v, weights[k]) and torch.equal(v, ck["model"]["drafter." + k]), k
-    vocab = DraftVocab.load(Path(cfg.out_dir) / "vocab.safetensors")
+    vocab = artifacts.read_vocab(cfg.out_dir)
     assert torch.equal(loaded.to_target(torch.arange(512)), vocab.used)
     # a bf16 export holds the same weights rounded to bf16
     b16 = export.export(tmp_path / "b16", {k: v for k, v in loaded.state_dict().items()}, mcfg, output_ids,
@@ -248,7 +296,10 @@ def test_resume_from_a_checkpoint_continues_identically(hidden_dir, tiny_target,
     broken = replace(straight, out_dir=str(tmp_path / "b"), stop_at=5)
     first = train.train(broken, log=quiet)
     assert first["steps"] == 5 and not first["finished"]
-    assert [p.name for p in sorted((tmp_path / "b" / "checkpoints").glob("*.pt"))] == ["step-0000003.pt", "step-0000005.pt"]
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:    # killed while writing a row
+        f.write('{"split": "train", "step": 6, "lo')
+    assert [r["step"] for r in artifacts.read_metrics(tmp_path / "b") if r["split"] == "train"] == [1, 2, 3, 4, 5]
+    assert [p.name for p in artifacts.checkpoints(tmp_path / "b")] == ["step-0000003.pt", "step-0000005.pt"]
     resumed = train.train(replace(broken, stop_at=0), log=quiet)
     assert resumed["finished"]
     a = torch.load(tmp_path / "a" / "checkpoints" / "step-0000009.pt", weights_only=False)
@@ -256,7 +307,7 @@ def test_resume_from_a_checkpoint_continues_identically(hidden_dir, tiny_target,
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert a["scheduler"] == b["scheduler"]
-    assert train.read_metrics(tmp_path / "a") == train.read_metrics(tmp_path / "b")
+    assert artifacts.read_metrics(tmp_path / "a") == artifacts.read_metrics(tmp_path / "b")
     with pytest.raises(ValueError, match="lr"):
         train.train(replace(broken, lr=1e-2), log=quiet)
 
@@ -265,14 +316,14 @@ def test_two_gloo_processes_train_like_one_process_with_ddp_and_with_fsdp(hidden
     one = small_config(hidden_dir, tiny_target, tmp_path / "one", batch_size=4, micro_batch_size=1, epochs=1.0)
     s1 = train.train(one, log=quiet)
     w1 = export.load_exported(Path(s1["exports"][-1]["dir"]), tiny_target).state_dict()
-    r1 = [r["loss"] for r in train.read_metrics(tmp_path / "one") if r["split"] == "train"]
+    r1 = [r["loss"] for r in artifacts.read_metrics(tmp_path / "one") if r["split"] == "train"]
     for name, fsdp in (("ddp", False), ("fsdp", True)):
         s2 = train.launch(replace(one, out_dir=str(tmp_path / name), fsdp=fsdp), nproc=2, log=quiet)
         assert s2["world_size"] == 2 and s2["steps"] == s1["steps"] == 9
         w2 = export.load_exported(Path(s2["exports"][-1]["dir"]), tiny_target).state_dict()
         for k in w1:
             assert torch.allclose(w1[k].float(), w2[k].float(), atol=2e-5, rtol=1e-4), (name, k)
-        r2 = [r["loss"] for r in train.read_metrics(tmp_path / name) if r["split"] == "train"]
+        r2 = [r["loss"] for r in artifacts.read_metrics(tmp_path / name) if r["split"] == "train"]
         assert r1 == pytest.approx(r2, rel=1e-4), name
 
 

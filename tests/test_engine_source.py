@@ -21,6 +21,7 @@ from draftsmith import cli, generate, tokens
 from draftsmith.hidden.extract import extract
 from draftsmith.apikey import ApiKey
 from draftsmith.drafter import train
+from draftsmith.drafter.config import TrainConfig
 from draftsmith.emulator import running
 from draftsmith.paths import Run
 from draftsmith.shards import HiddenShards
@@ -210,9 +211,11 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
     files = tokens.token_files(run, [d["name"] for d in datasets])
     extract(tiny_target, files, run.dir("hidden"), log=lambda *a: None)
     assert {s.source for s in HiddenShards(run.dir("hidden")).samples} == set(src)
-    s = train.train(train.TrainConfig(hidden_dir=str(run.dir("hidden")), target_path=str(tiny_target),
-                                      out_dir=str(run.dir("drafter")), draft_vocab_size=512, ttt_steps=2, epochs=1.0,
-                                      batch_size=4, micro_batch_size=2, max_len=128, holdout_fraction=0.1,
-                                      export_fractions=[1.0], export_dtype="float32"), log=lambda *a: None)
+    s = train.train(TrainConfig(hidden_dir=str(run.dir("hidden")), target_path=str(tiny_target),
+                                out_dir=str(run.dir("drafter")), draft_vocab_size=512, ttt_steps=2, epochs=1.0,
+                                batch_size=4, micro_batch_size=2, max_len=128, lr=1e-4, warmup_fraction=0.015,
+                                weight_decay=0.0, grad_clip=0.5, holdout_fraction=0.1, seed=0, fsdp=False,
+                                eval_every=0, checkpoint_every=100, export_fractions=[1.0], export_engine="sglang",
+                                export_dtype="float32", resume=True), log=lambda *a: None)
     assert set(s["sources"]) == set(src) and set(s["heldout"]["by_source"]) == set(src)
     assert all(v["heldout_samples"] >= 1 and v["heldout"]["count_i"][0] > 0 for v in s["sources"].values())

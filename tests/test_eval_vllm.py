@@ -17,7 +17,9 @@ import torch
 from draftsmith import layers, vllm_eval
 from draftsmith.drafter.export import export, for_engine
 from draftsmith.drafter.model import DrafterConfig
-from draftsmith.drafter.train import TrainConfig, build_drafter, train
+from draftsmith.drafter.config import TrainConfig
+from draftsmith.drafter.objective import build_drafter
+from draftsmith.drafter.train import train
 from draftsmith.drafter.vocab import DraftVocab
 from draftsmith.hidden.extract import extract
 from draftsmith.target.checkpoint import target_config, target_tensors
@@ -115,8 +117,10 @@ def custom_run(tmp_path_factory, tiny_target, target_tokenizer):
     extract(tiny_target, files, run / "hidden", layer_ids=CUSTOM, dtype="bf16", log=quiet)
     train(TrainConfig(hidden_dir=str(run / "hidden"), target_path=str(tiny_target), out_dir=str(run / "drafter"),
                       draft_vocab_size=512, ttt_steps=3, epochs=2.0, batch_size=4, micro_batch_size=4,
-                      max_len=160, lr=3e-3, holdout_fraction=0.2, export_fractions=[1.0],
-                      export_dtype="float32"), log=quiet)
+                      max_len=160, lr=3e-3, warmup_fraction=0.015, weight_decay=0.0, grad_clip=0.5,
+                      holdout_fraction=0.2, seed=0, fsdp=False, eval_every=0, checkpoint_every=100,
+                      export_fractions=[1.0], export_engine="sglang", export_dtype="float32", resume=True),
+          log=quiet)
     return run
 
 
@@ -125,7 +129,7 @@ def run_stage_06(run: Path, crosscheck: bool) -> dict:
     from draftsmith.paths import REPO_ROOT
 
     assert cli.main(["run", "06", "-f", str(REPO_ROOT / "params" / "smoke.yaml"), "-p", "outputs_dir",
-                     str(run.parent), "-p", "run_name", run.name, "-p", "train_holdout_fraction", "0.2",
+                     str(run.parent), "-p", "run_name", run.name,
                      "-p", "eval_backend", "vllm", "-p", "eval_hf_crosscheck", str(crosscheck).lower(),
                      "-p", "eval_prompts_per_dataset", "2", "-p", "eval_max_new_tokens", "24"]) == 0
     return json.loads((run / "eval" / "report.json").read_text())

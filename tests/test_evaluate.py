@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from draftsmith import evaluate as ev
-from draftsmith.drafter import load_exported
+from draftsmith.drafter import artifacts, load_exported
 from draftsmith.drafter.export import export
 from draftsmith.drafter.model import DrafterConfig
-from draftsmith.drafter.train import TrainConfig, build_drafter, train
+from draftsmith.drafter.config import TrainConfig
+from draftsmith.drafter.objective import build_drafter
+from draftsmith.drafter.train import train
 from draftsmith.drafter.vocab import DraftVocab
 from draftsmith.hidden.extract import extract
 from draftsmith.target.checkpoint import load_target, target_config, target_tensors
@@ -61,8 +63,10 @@ def trained_run(tmp_path_factory, tiny_target, target_tokenizer):
     extract(tiny_target, files, run / "hidden", dtype="bf16", log=quiet)
     train(TrainConfig(hidden_dir=str(run / "hidden"), target_path=str(tiny_target), out_dir=str(run / "drafter"),
                       draft_vocab_size=512, ttt_steps=3, epochs=1.0, batch_size=4, micro_batch_size=4,
-                      max_len=160, lr=3e-3, holdout_fraction=0.2, export_fractions=[0.5, 1.0],
-                      export_dtype="float32"), log=quiet)
+                      max_len=160, lr=3e-3, warmup_fraction=0.015, weight_decay=0.0, grad_clip=0.5,
+                      holdout_fraction=0.2, seed=0, fsdp=False, eval_every=0, checkpoint_every=100,
+                      export_fractions=[0.5, 1.0], export_engine="sglang", export_dtype="float32", resume=True),
+          log=quiet)
     return run
 
 
@@ -168,7 +172,7 @@ def test_speculative_decoding_outputs_the_targets_greedy_tokens_with_any_drafter
     mixed drafts: the output is the target's greedy output (transformers' generate). The tiny target
     loops at once ("the the the"), which a wrongly cut cache could still reproduce, so the same is
     checked on a target of the same shape with random weights, whose greedy output does not loop."""
-    exports = ev.drafter_exports(trained_run / "drafter")
+    exports = artifacts.read_exports(trained_run / "drafter")
     assert [e["fraction"] for e in exports] == [0.5, 1.0]
     trained = ev.Eagle3Proposer(load_exported(exports[-1]["dir"], tiny_target))
     untrained = ev.Eagle3Proposer(load_exported(random_export(tiny_target, tmp_path / "bad"), tiny_target))
@@ -261,12 +265,11 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     from draftsmith.paths import REPO_ROOT, Run
 
     assert cli.main(["run", "06", "-f", str(REPO_ROOT / "params" / "smoke.yaml"), "-p", "outputs_dir",
-                     str(trained_run.parent), "-p", "run_name", trained_run.name,
-                     "-p", "train_holdout_fraction", "0.2"]) == 0
+                     str(trained_run.parent), "-p", "run_name", trained_run.name]) == 0
     report = json.loads((trained_run / "eval" / "report.json").read_text())
     assert report["k"] == 3 and report["aux_layer_ids"] == LAYER_IDS
     assert set(report["prompts"]) == {"code", "chat"}
-    held = ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 0.2, 99)
+    held = ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 99)
     assert {(p.dataset, p.sample_id) for p in held} >= {tuple(x) for x in report["prompt_ids"]}
     greedy = report["temperatures"]["0"]["methods"]
     assert list(greedy) == ["none", "prompt lookup", "eagle3 50%", "eagle3"]
@@ -281,27 +284,35 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     assert "06 · Acceptance length" in html and html.count("data:image/png") >= 4
 
     rounds = (trained_run / "eval" / "rounds.jsonl").read_text()
-    ev.evaluate_run(Run(trained_run.parent, trained_run.name), str(tiny_target), holdout_fraction=0.2,
-                    prompts_per_dataset=1, max_new_tokens=16, k=3, temperatures=[0.0, 1.0], log=quiet)
+    ev.evaluate_run(Run(trained_run.parent, trained_run.name), str(tiny_target), prompts_per_dataset=1,
+                    max_new_tokens=16, k=3, temperatures=[0.0, 1.0], log=quiet)
     assert (trained_run / "eval" / "rounds.jsonl").read_text() == rounds
     again = json.loads((trained_run / "eval" / "report.json").read_text())
     assert again["temperatures"] == report["temperatures"]
 
 
-def test_heldout_prompts_must_use_the_split_stage_05_trained_with(trained_run):
-    prompts = ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 0.2, 1)
+def test_heldout_prompts_are_the_samples_stage_05_held_out(trained_run, tmp_path):
+    held = artifacts.read_heldout(trained_run / "drafter")
+    assert len(held) == 7                                               # 0.2 of 16 code + 0.2 of 16 chat, rounded up
+    prompts = ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 1)
     assert sorted(p.dataset for p in prompts) == ["chat", "code"]      # one per dataset, as asked
+    assert all((p.dataset, p.sample_id) in held for p in prompts)
     assert all(p.ids[-2:] == (128804, 128821) for p in prompts)        # ... <｜Assistant｜><think>
-    with pytest.raises(ValueError, match="held out 7 samples, but train_holdout_fraction = 0.5"):
-        ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 0.5, 1)
+    assert {(p.dataset, p.sample_id) for p in ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 99)} \
+        == set(held)
+    with pytest.raises(FileNotFoundError, match="heldout.json: .*run stage 05 first"):
+        ev.heldout_prompts(trained_run / "hidden", tmp_path, 1)
+    artifacts.write_heldout(tmp_path, held + [("code", "not-extracted")], 0.2)
+    with pytest.raises(ValueError, match="held out 1 samples that .* does not hold"):
+        ev.heldout_prompts(trained_run / "hidden", tmp_path, 1)
 
 
 def test_engine_numbers_only_needs_the_engine(tmp_path):
     from draftsmith.paths import Run
 
     with pytest.raises(ValueError, match="eval_hf_crosscheck is false and eval_backend is hf"):
-        ev.evaluate_run(Run(tmp_path, "r"), "tiny", holdout_fraction=0.1, prompts_per_dataset=1, max_new_tokens=4,
-                        k=3, temperatures=[0.0], backend="hf", hf_crosscheck=False, log=quiet)
+        ev.evaluate_run(Run(tmp_path, "r"), "tiny", prompts_per_dataset=1, max_new_tokens=4, k=3,
+                        temperatures=[0.0], backend="hf", hf_crosscheck=False, log=quiet)
 
 
 def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_asked(tiny_target, tmp_path):

@@ -14,6 +14,7 @@ from draftsmith.hidden.extract import extract
 from draftsmith.target.corpus import chat_examples
 from draftsmith.datasets import DatasetSpec
 from draftsmith.drafter import train
+from draftsmith.drafter.config import TrainConfig
 from draftsmith.imports import parse_imports
 from draftsmith.paths import Run
 from draftsmith.shards import HiddenShards
@@ -213,10 +214,12 @@ def test_source_reaches_the_hidden_index_and_the_drafters_report(merged, tiny_ta
     extract(tiny_target, files, tmp_path / "hidden", log=lambda *a: None)
     assert {(s.dataset, s.sample_id): s.source for s in HiddenShards(tmp_path / "hidden").samples} == got
 
-    cfg = train.TrainConfig(hidden_dir=str(tmp_path / "hidden"), target_path=str(tiny_target),
-                            out_dir=str(tmp_path / "drafter"), draft_vocab_size=512, ttt_steps=2, epochs=1.0,
-                            batch_size=4, micro_batch_size=2, max_len=128, holdout_fraction=0.2,
-                            export_fractions=[1.0], export_dtype="float32")
+    cfg = TrainConfig(hidden_dir=str(tmp_path / "hidden"), target_path=str(tiny_target),
+                      out_dir=str(tmp_path / "drafter"), draft_vocab_size=512, ttt_steps=2, epochs=1.0,
+                      batch_size=4, micro_batch_size=2, max_len=128, lr=1e-4, warmup_fraction=0.015,
+                      weight_decay=0.0, grad_clip=0.5, holdout_fraction=0.2, seed=0, fsdp=False, eval_every=0,
+                      checkpoint_every=100, export_fractions=[1.0], export_engine="sglang",
+                      export_dtype="float32", resume=True)
     s = train.train(cfg, log=lambda *a: None)
     per = s["sources"]
     assert set(per) == {"openrouter", "vllm", "sglang-h100"}

@@ -55,25 +55,20 @@ class Prompt:
     ids: tuple[int, ...]   # the tokens the target saw before its response
 
 
-def heldout_prompts(hidden_dir: str | os.PathLike, drafter_dir: str | os.PathLike, holdout_fraction: float,
-                    per_dataset: int) -> list[Prompt]:
-    """The first `per_dataset` samples of each dataset that stage 05 held out of training, as
-    prompts (the tokens before the response). The split is stage 05's own (`drafter.data.split`, a
-    hash of dataset and id) over the same hidden-state index, checked against the number of
-    held-out samples its summary records."""
-    from .drafter.data import split
+def heldout_prompts(hidden_dir: str | os.PathLike, drafter_dir: str | os.PathLike, per_dataset: int) -> list[Prompt]:
+    """The first `per_dataset` samples of each dataset that stage 05 held out of training (through
+    `drafter.artifacts.read_heldout`), as prompts (the tokens before the response), in the order
+    of the hidden-state index."""
+    from .drafter.artifacts import read_heldout
     from .shards import HiddenShards
 
     shards = HiddenShards(hidden_dir)
-    _, held = split(shards, holdout_fraction)
-    path = Path(drafter_dir) / "summary.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no drafter summary (run stage 05 first)")
-    recorded = json.loads(path.read_text()).get("heldout_samples")
-    if recorded is not None and recorded != len(held):
-        raise ValueError(f"{path}: stage 05 held out {recorded} samples, but train_holdout_fraction = "
-                         f"{holdout_fraction} holds out {len(held)} of {hidden_dir}; use the value stage 05 "
-                         f"trained with")
+    wanted = set(read_heldout(drafter_dir))
+    held = [i for i, s in enumerate(shards.samples) if (s.dataset, s.sample_id) in wanted]
+    if len(held) != len(wanted):
+        missing = sorted(wanted - {(shards.samples[i].dataset, shards.samples[i].sample_id) for i in held})
+        raise ValueError(f"{drafter_dir}: stage 05 held out {len(missing)} samples that {hidden_dir} does not "
+                         f"hold (first: {missing[0]}); were the hidden states extracted again? Run stage 05 again")
     out: list[Prompt] = []
     taken: dict[str, int] = {}
     for i in held:
@@ -380,27 +375,6 @@ class Method:
     info: dict = field(default_factory=dict)
 
 
-def drafter_exports(drafter_dir: str | os.PathLike) -> list[dict]:
-    """The drafter's exports in training order ({step, fraction, dir}) from stage 05's
-    exports.json; a folder that moved with its run is found beside exports.json."""
-    drafter_dir = Path(drafter_dir)
-    path = drafter_dir / "exports.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no drafter exports (run stage 05 first)")
-    items = sorted(json.loads(path.read_text()), key=lambda e: e["step"])
-    if not items:
-        raise ValueError(f"{path}: lists no exports")
-    out = []
-    for e in items:
-        d = Path(e["dir"])
-        if not (d / "config.json").is_file():
-            d = drafter_dir / d.name
-        if not (d / "config.json").is_file():
-            raise FileNotFoundError(f"{path}: export {e['dir']!r} (step {e['step']}) not found")
-        out.append({"step": int(e["step"]), "fraction": float(e["fraction"]), "dir": d})
-    return out
-
-
 def export_layer_ids(export_dir: Path) -> list[int]:
     """The export's auxiliary layer ids in draftsmith's (output) convention."""
     cfg = json.loads((export_dir / "config.json").read_text())
@@ -417,12 +391,13 @@ def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, 
     """The methods of one evaluation: no drafter, prompt lookup, and every export of the drafter
     (loaded from its folder). Returns them and the auxiliary layer ids they share."""
     from .drafter import load_exported
+    from .drafter.artifacts import read_exports
 
     ms = [Method("none", "none", "none", lambda: None),
           Method("prompt lookup", "prompt_lookup", f"lookup-{lookup_min_ngram}-{lookup_max_ngram}",
                  lambda: PromptLookup(lookup_max_ngram, lookup_min_ngram),
                  {"min_ngram": lookup_min_ngram, "max_ngram": lookup_max_ngram})]
-    exports = drafter_exports(drafter_dir)
+    exports = read_exports(drafter_dir)
     layer_ids = export_layer_ids(exports[-1]["dir"])
     for e in exports:
         ids = export_layer_ids(e["dir"])
@@ -571,14 +546,13 @@ def summarize(rows: list[dict], methods: list[Method], k: int, cost_ratio: float
     return out
 
 
-def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, holdout_fraction: float,
-                 prompts_per_dataset: int,
+def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, prompts_per_dataset: int,
                  max_new_tokens: int, k: int, temperatures: list[float], lookup_max_ngram: int = 3,
                  lookup_min_ngram: int = 1, draft_cost_ratio: float = 0.05, seed: int = 0,
                  device: str = "auto", backend: str = "hf", hf_crosscheck: bool = True, engine_dtype: str = "float32",
                  tensor_parallel: int = 1, trust_remote_code: bool = False, log=print) -> dict:
-    """Stage 06 end to end: held-out prompts of stage 05's split (`holdout_fraction` = the one it
-    trained with), every method at every temperature, `<run>/eval/report.json` (returned).
+    """Stage 06 end to end: the prompts stage 05 held out of training, every method at every
+    temperature, `<run>/eval/report.json` (returned).
     `backend` vllm: measured inside vLLM serving every export (`vllm_eval`), then, with
     `hf_crosscheck`, by our decoder over transformers beside it (a target that fits one device);
     hf: our decoder only."""
@@ -596,7 +570,7 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, hol
     drafter_dir = Path(drafter_dir) if drafter_dir else run.dir("drafter")
     eval_dir = run.dir("eval")
     target_path = resolve_target(target_model_path, log=log)
-    prompts = heldout_prompts(run.dir("hidden"), drafter_dir, holdout_fraction, prompts_per_dataset)
+    prompts = heldout_prompts(run.dir("hidden"), drafter_dir, prompts_per_dataset)
     if not prompts:
         raise ValueError(f"{drafter_dir}: stage 05 held out no samples (train_holdout_fraction 0?); "
                          f"acceptance must be measured on prompts the drafter did not train on")

@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..progress import Progress
 from ..shards import HiddenShards
@@ -143,21 +140,6 @@ class Supervision:
         return torch.stack([step_counts(self[i], steps) for i in range(len(self))]) if len(self) else \
             torch.zeros(0, steps, dtype=torch.int64)
 
-    def save(self, path, fingerprint: str) -> None:
-        tmp = f"{path}.tmp"
-        save_file({"sup": self.flat, "offsets": self.offsets}, tmp, metadata={"fingerprint": fingerprint})
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path, fingerprint: str) -> "Supervision | None":
-        """The cached masks, or None when missing or made for other data, vocab or max_len."""
-        if not os.path.isfile(path):
-            return None
-        with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get("fingerprint") != fingerprint:
-                return None
-            return cls(f.get_tensor("sup"), f.get_tensor("offsets"))
-
 
 def global_batches(train: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
     """The global batches of one epoch (an incomplete last batch is dropped)."""
@@ -203,3 +185,15 @@ class MicroBatches(torch.utils.data.Dataset):
             last.append(s["last"][:m][sup.bool()])
         return {"aux": aux, "input_ids": ids, "sup": supm, "last": torch.cat(last),
                 "tokens": torch.tensor(sum(len(sup) for _, sup in samples))}
+
+
+def loader(hidden_dir, batches: list[list[int]], sup: Supervision, device: torch.device):
+    """The collated micro-batches in order; on a GPU read by two worker processes into pinned memory."""
+    cuda = device.type == "cuda"
+    return torch.utils.data.DataLoader(MicroBatches(hidden_dir, batches, sup), batch_size=None,
+                                       shuffle=False, num_workers=2 if cuda else 0, pin_memory=cuda)
+
+
+def to_device(batch: dict, device: torch.device) -> tuple:
+    """The objective's inputs (aux, input_ids, sup, last) of a collated micro-batch, on `device`."""
+    return tuple(batch[k].to(device, non_blocking=True) for k in ("aux", "input_ids", "sup", "last"))

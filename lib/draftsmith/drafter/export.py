@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from .. import layers
 from ..target.checkpoint import target_tensors
 from .model import DrafterConfig, Eagle3Drafter
-from .vocab import DraftVocab
+from .vocab import used_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -119,7 +119,7 @@ def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DrafterCo
         tensors[key] = t.to(DTYPES[dtype]) if t.is_floating_point() else t
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
-    DraftVocab.from_maps(tensors["d2t"], tensors["t2d"])
+    used_ids(tensors["d2t"], tensors["t2d"])
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -11,10 +11,8 @@ Coverage is the share of counted tokens that the draft vocabulary contains.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..progress import Progress
 from ..shards import HiddenShards
@@ -75,21 +73,21 @@ class DraftVocab:
     def distinct(self) -> int:
         return int((self.counts > 0).sum())
 
-    def save(self, path: str | Path) -> None:
-        save_file({"d2t": self.d2t, "t2d": self.t2d, "used": self.used, "counts": self.counts}, str(path))
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What is stored: the maps engines read, and what the vocabulary was built from."""
+        return {"d2t": self.d2t, "t2d": self.t2d, "used": self.used, "counts": self.counts}
 
     @classmethod
-    def load(cls, path: str | Path) -> "DraftVocab":
-        t = load_file(str(path))
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "DraftVocab":
         return cls(t["used"], t["counts"], t["t2d"].numel())
 
-    @staticmethod
-    def from_maps(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-        """The sorted target ids of a draft vocab given its maps, checking they agree."""
-        used = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)
-        if not torch.equal(used, t2d.nonzero().flatten()):
-            raise ValueError("d2t and t2d describe different draft vocabularies")
-        return used
+
+def used_ids(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """The sorted target ids of a draft vocabulary given its maps, checking that they agree."""
+    used = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)
+    if not torch.equal(used, t2d.nonzero().flatten()):
+        raise ValueError("d2t and t2d describe different draft vocabularies")
+    return used
 
 
 def coverage_curve(counts: torch.Tensor, sizes: list[int]) -> list[float]:

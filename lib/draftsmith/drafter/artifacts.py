@@ -1,0 +1,221 @@
+"""Stage 05's files: the one module that knows their names under `<run>/drafter/`, writes and reads them.
+
+    vocab.safetensors         the draft vocabulary (d2t, t2d, used ids, training counts)
+    supervision.safetensors   cached teacher masks (see `data.py`)
+    heldout.json              the (dataset, sample_id) pairs held out of training: stage 06 prompts with them
+    metrics.jsonl             a `train` row per step, a `heldout` row per evaluation
+    exports.json              the exports with their held-out scores; `eagle3-step-N/` and `eagle3/` folders
+    checkpoints/step-N.pt     the last two checkpoints (exact resume)
+    train_config.json         the settings handed to torchrun processes
+    summary.json              what the training run did
+
+JSON files are replaced whole (`draftsmith.files`); binary files are written beside and renamed
+over, so a kill leaves the old file or the new one. The two caches carry the key of the inputs
+they were made from and read as missing when it differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..files import read_jsonl, write_json_atomic, write_text_atomic
+from ..paths import Run
+from .vocab import DraftVocab
+
+
+def drafter_dir(run_or_dir: Run | str | os.PathLike) -> Path:
+    """The drafter folder of a run, or the folder given."""
+    return run_or_dir.dir("drafter") if isinstance(run_or_dir, Run) else Path(run_or_dir)
+
+
+@contextlib.contextmanager
+def _replacing(path: Path):
+    """Yield a temporary path beside `path`; once written, it is synced and renamed over `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    yield tmp
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], key: str) -> None:
+    with _replacing(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"key": key})
+
+
+def _load_tensors(path: Path, key: str) -> dict[str, torch.Tensor] | None:
+    """The tensors of `path` if it was written for `key`, else None."""
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        if (f.metadata() or {}).get("key") != key:
+            return None
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+# -- caches ------------------------------------------------------------------------------------
+
+def write_vocab(out: Path, vocab: DraftVocab, key: str) -> None:
+    _save_tensors(out / "vocab.safetensors", vocab.tensors(), key)
+
+
+def read_vocab(run_or_dir, key: str | None = None) -> DraftVocab | None:
+    """The draft vocabulary stage 05 built; with `key`, None unless it was built from those inputs."""
+    path = drafter_dir(run_or_dir) / "vocab.safetensors"
+    if key is None:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no draft vocabulary (run stage 05 first)")
+        with safe_open(str(path), framework="pt") as f:
+            key = (f.metadata() or {}).get("key")
+    t = _load_tensors(path, key)
+    return None if t is None else DraftVocab.from_tensors(t)
+
+
+def write_supervision(out: Path, flat: torch.Tensor, offsets: torch.Tensor, key: str) -> None:
+    _save_tensors(out / "supervision.safetensors", {"sup": flat, "offsets": offsets}, key)
+
+
+def read_supervision(out: Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(flat masks, offsets) cached for `key`, or None when missing or made from other inputs."""
+    t = _load_tensors(out / "supervision.safetensors", key)
+    return None if t is None else (t["sup"], t["offsets"])
+
+
+# -- the held-out split ------------------------------------------------------------------------
+
+def write_heldout(out: Path, pairs: list[tuple[str, str]], holdout_fraction: float) -> None:
+    write_json_atomic(out / "heldout.json", {
+        "holdout_fraction": holdout_fraction,
+        "samples": [{"dataset": d, "sample_id": s} for d, s in pairs]})
+
+
+def read_heldout(run_or_dir) -> list[tuple[str, str]]:
+    """The (dataset, sample_id) pairs stage 05 held out of training, in the order of its data."""
+    path = drafter_dir(run_or_dir) / "heldout.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no held-out sample list (run stage 05 first)")
+    try:
+        samples = json.loads(path.read_text())["samples"]
+        return [(str(s["dataset"]), str(s["sample_id"])) for s in samples]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a held-out sample list written by stage 05 ({e!r}); "
+                         f"run stage 05 again") from None
+
+
+# -- metrics and exports -----------------------------------------------------------------------
+
+def read_metrics(run_or_dir) -> list[dict]:
+    """The rows of metrics.jsonl ([] before training wrote any); a torn last line is left out."""
+    return [row for _, row in read_jsonl(drafter_dir(run_or_dir) / "metrics.jsonl")]
+
+
+class Metrics:
+    """metrics.jsonl while training; on resume, rows past the checkpoint are dropped (they will be redone).
+    Only the process that `writes` touches the file."""
+
+    def __init__(self, out: Path, start: int, writes: bool):
+        self.path, self.writes = out / "metrics.jsonl", writes
+        self.rows = [r for r in read_metrics(out) if r["step"] <= start] if start > 0 else []
+        if writes:
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
+
+    def write(self, row: dict) -> None:
+        self.rows.append(row)
+        if self.writes:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def last(self, split: str) -> dict | None:
+        return next((r for r in reversed(self.rows) if r["split"] == split), None)
+
+    def first(self, split: str) -> dict | None:
+        return next((r for r in self.rows if r["split"] == split), None)
+
+
+def export_dir(out: Path, step: int, total: int) -> Path:
+    """Where the export at `step` goes: `eagle3/` for the end of training, else `eagle3-step-N/`."""
+    return out / ("eagle3" if step == total else f"eagle3-step-{step:07d}")
+
+
+class Exports:
+    """exports.json while training: one item per export, replaced whole at each one."""
+
+    def __init__(self, out: Path, start: int, writes: bool):
+        self.path, self.writes = out / "exports.json", writes
+        self.items = [e for e in json.loads(self.path.read_text()) if e["step"] <= start] \
+            if self.path.is_file() and start > 0 else []
+
+    def add(self, item: dict) -> None:
+        self.items = [e for e in self.items if e["step"] != item["step"]] + [item]
+        if self.writes:
+            write_json_atomic(self.path, self.items)
+
+
+def read_exports(run_or_dir) -> list[dict]:
+    """The drafter's exports in training order ({step, fraction, dir}); a folder that moved with its
+    run is found beside exports.json."""
+    out = drafter_dir(run_or_dir)
+    path = out / "exports.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no drafter exports (run stage 05 first)")
+    items = sorted(json.loads(path.read_text()), key=lambda e: e["step"])
+    if not items:
+        raise ValueError(f"{path}: lists no exports")
+    found = []
+    for e in items:
+        d = Path(e["dir"])
+        if not (d / "config.json").is_file():
+            d = out / d.name
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: export {e['dir']!r} (step {e['step']}) not found")
+        found.append({"step": int(e["step"]), "fraction": float(e["fraction"]), "dir": d})
+    return found
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+def checkpoints(out: Path) -> list[Path]:
+    """The checkpoints kept, oldest first."""
+    return sorted((out / "checkpoints").glob("step-*.pt"))
+
+
+def save_checkpoint(out: Path, step: int, state: dict, keep: int = 2) -> Path:
+    """Write `state` as the checkpoint of `step`; only the `keep` latest stay."""
+    path = out / "checkpoints" / f"step-{step:07d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _replacing(path) as tmp:
+        torch.save(state, tmp)
+    for old in checkpoints(out)[:-keep]:
+        old.unlink()
+    return path
+
+
+def remove_checkpoints(out: Path) -> None:
+    for old in checkpoints(out):
+        old.unlink()
+
+
+# -- settings and summary ----------------------------------------------------------------------
+
+def write_train_config(out: Path, config: dict) -> Path:
+    path = out / "train_config.json"
+    write_json_atomic(path, config)
+    return path
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    write_json_atomic(out / "summary.json", summary)
+
+
+def read_summary(run_or_dir) -> dict:
+    path = drafter_dir(run_or_dir) / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no training summary (run stage 05 first)")
+    return json.loads(path.read_text())

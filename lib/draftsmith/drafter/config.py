@@ -1,0 +1,88 @@
+"""The settings of one training run (`TrainConfig`), checked before any work.
+
+Every setting a user chooses is a required field: its one default is in notebook 05's parameters
+cell (`draft_vocab_size`, `train_lr`, ...), which is where a user reads and sets it. Only the two
+settings the notebook does not offer have defaults here.
+
+A checkpoint remembers the settings that change the trained weights (`fingerprint`), so a run is
+resumed only with the settings and data it was started with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .. import layers
+from .export import DTYPES
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    hidden_dir: str                  # stage 04's shards
+    target_path: str                 # target checkpoint folder (embedding, lm_head, config)
+    out_dir: str                     # the drafter folder
+    draft_vocab_size: int
+    ttt_steps: int
+    epochs: float
+    batch_size: int                  # samples per optimizer step, all processes together
+    micro_batch_size: int            # samples per forward pass
+    max_len: int                     # tokens of a sample used (longer ones are cut)
+    lr: float
+    warmup_fraction: float
+    weight_decay: float
+    grad_clip: float
+    holdout_fraction: float
+    seed: int
+    fsdp: bool                       # shard the drafter over processes (FSDP2) instead of DDP
+    step_weight: float = 0.8         # TTT step i weighs step_weight**i
+    # bookkeeping: does not change the trained weights
+    eval_every: int                  # steps between held-out evaluations (0: only at exports)
+    checkpoint_every: int
+    export_fractions: list[float]
+    export_engine: str
+    export_dtype: str
+    resume: bool
+    stop_at: int = 0                 # return after this many steps (0: train to the end)
+
+    BOOKKEEPING = ("eval_every", "checkpoint_every", "export_fractions", "export_engine", "export_dtype",
+                   "resume", "stop_at", "out_dir", "hidden_dir", "target_path")
+
+    def fingerprint(self, shards_index: dict, target_config: dict) -> dict:
+        """What a checkpoint must agree with to be resumed: the settings that change the weights, and
+        the data and target themselves (not their paths, so a moved run folder still resumes)."""
+        return {**{k: v for k, v in asdict(self).items() if k not in self.BOOKKEEPING},
+                "data": digest(shards_index), "target": digest(target_config)}
+
+    def check(self) -> None:
+        """Settings errors, raised before any work (an export failing after training would waste it)."""
+        if self.export_engine not in layers.ENGINES:
+            raise ValueError(f"export_engine must be one of {layers.ENGINES}, got {self.export_engine!r}")
+        if self.export_dtype not in DTYPES:
+            raise ValueError(f"export_dtype must be one of {sorted(DTYPES)}, got {self.export_dtype!r}")
+        if not all(0 < f <= 1 for f in self.export_fractions):
+            raise ValueError(f"export_fractions must lie in (0, 1], got {self.export_fractions}")
+        for name in ("ttt_steps", "batch_size", "micro_batch_size", "max_len", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.epochs <= 0 or self.lr <= 0:
+            raise ValueError(f"epochs and lr must be positive, got {self.epochs} and {self.lr}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, path) -> "TrainConfig":
+        raw = json.loads(Path(path).read_text())
+        names = {f.name for f in fields(cls)}
+        unknown = set(raw) - names
+        if unknown:
+            raise ValueError(f"{path}: unknown training settings {sorted(unknown)}")
+        return cls(**raw)
+
+
+def digest(obj) -> str:
+    """A short hash of a JSON-able object (the inputs a cache or checkpoint was made from)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
