@@ -352,15 +352,11 @@ class ModelBackend:
 
     def __init__(self, model_path, vocab: Vocab, max_batch: int = 64, threads: int = 1, canonical: bool = True,
                  seed: int = 0):
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        from ..target.checkpoint import load_target
 
         self.vocab, self.max_batch, self.canonical, self.seed = vocab, max_batch, canonical, seed
         self.threads = threads
-        self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.base.eval()
+        self.base = load_target(model_path, "cpu")  # float32, eval mode
         self.engines: dict[float, Engine] = {0.0: Engine(self.base, vocab, max_batch, canonical)}
         self._wake = threading.Event()
         self._stop = False
