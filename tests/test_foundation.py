@@ -206,3 +206,31 @@ def test_a_plain_http_engine_needs_no_key_but_openrouter_does(monkeypatch):
         api_key_for("https://openrouter.ai/api/v1")
     monkeypatch.setenv(ENV_VAR, "sk-or-v1-x")
     assert api_key_for("http://localhost:8000/v1").reveal() == "sk-or-v1-x"
+
+
+def test_a_target_path_without_a_checkpoint_is_named_before_any_stage_starts(tmp_path, capsys):
+    import yaml
+
+    from draftsmith import cli
+
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"outputs_dir": str(tmp_path / "out"), "target_model_path": str(tmp_path / "nowhere")}))
+    assert cli.main(["run", "04", "-f", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}: target_model_path '{tmp_path / 'nowhere'}': no config.json there; give a Hugging Face " \
+           f"checkpoint folder or one of the built-in targets ['tiny', 'tiny-test']" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_fingerprint_follows_its_config_and_weights(tmp_path):
+    """The one fingerprint (the target's identity in stage 04's index, an export's in stage 06)."""
+    from draftsmith.target.identity import fingerprint
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 4}')
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 100)
+    first = fingerprint(tmp_path)
+    assert fingerprint(tmp_path) == first and len(first) == 16
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 99 + b"v")
+    changed_weights = fingerprint(tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_size": 5}')
+    assert len({first, changed_weights, fingerprint(tmp_path)}) == 3

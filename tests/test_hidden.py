@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith import layers
+from draftsmith import layers, shards
 from draftsmith.hidden import plan, resume, stage, verify
 from draftsmith.hidden.extract import extract as extract_hidden
+from draftsmith.paths import Run
 from draftsmith.shards import INDEX, HiddenShards
 from draftsmith.target.checkpoint import load_target
 
@@ -119,12 +120,19 @@ def test_fp8_storage_reads_back_close_in_about_half_the_bytes(tiny_target, token
 
 
 def test_two_rank_torchrun_gives_the_same_samples_as_one_process(tiny_target, tokens, tmp_path):
+    """nproc_per_node 2 (what notebook 04 passes): run_stage launches two torchrun ranks that read
+    their settings from the one config file it writes."""
     files, _ = tokens
     one = extract(tiny_target, files, tmp_path / "one")
-    two = stage.launch(2, tiny_target, files, tmp_path / "two", max_tokens_per_batch=1024, shard_mb=0.05,
-                        log=lambda m: None)
+    run = Run(tmp_path, "r")
+    for f in files:
+        (run.dir("tokens") / f.name).write_bytes(f.read_bytes())
+    two = stage.run_stage(run, tiny_target, [], nproc_per_node=2, max_tokens_per_batch=1024, shard_mb=0.05,
+                          log=lambda m: None)
+    config = json.loads((run.dir("hidden") / stage.CONFIG).read_text())
+    assert config["settings"]["max_tokens_per_batch"] == 1024 and config["settings"]["shard_mb"] == 0.05
     assert two["ranks"] == 2 and two["shards_written"] == one["shards_written"] >= 2
-    a, b = HiddenShards(tmp_path / "one"), HiddenShards(tmp_path / "two")
+    a, b = HiddenShards(tmp_path / "one"), HiddenShards(run.dir("hidden"))
     assert len(set(keys_of(b))) == len(keys_of(b)) and sorted(keys_of(a)) == sorted(keys_of(b))
     pos = {k: i for i, k in enumerate(keys_of(b))}
     for i, k in enumerate(keys_of(a)):
@@ -227,6 +235,25 @@ def test_shards_made_with_other_settings_are_an_error_naming_the_difference(tiny
         extract(tiny_target, files[1:], tmp_path, dtype="fp8")
     with pytest.raises(ValueError, match=r"layer_ids \[1, 3, 4\] -> \[2, 3, 4\]"):
         extract(tiny_target, files[1:], tmp_path, layer_ids=[2, 3, 4])
+
+
+def test_the_check_notebook_04_runs_fails_when_stored_features_are_off(tiny_target, tokens, tmp_path):
+    """verify.check_stored passes on what extract stored, and fails loudly (naming the numbers) on
+    features off by more than rounding: here `last` stored at three times its scale, as a capture
+    that got the final norm wrong would store it (the top-1 token is unchanged, the error is not)."""
+    from safetensors.torch import load_file, save_file
+
+    files, _ = tokens
+    extract(tiny_target, files[1:], tmp_path)
+    check = verify.check_stored(tiny_target, tmp_path, "cpu")
+    assert max(check["aux_rel_err"] + [check["last_rel_err"]]) < 0.02 and check["top1_agreement"] >= 0.98
+    assert verify.check_stored(tiny_target, tmp_path, "cpu", enabled=False) is None
+    assert "aux_rel_err" in verify.check_table(check).index and verify.check_table(None).empty
+    for path in shards.shard_files(tmp_path):
+        tensors = load_file(path)
+        save_file({**tensors, "last": tensors["last"] * 3}, str(path), metadata=shards.read_header(path))
+    with pytest.raises(AssertionError, match=r"beyond bf16 rounding .*'last_rel_err': 2\.0"):
+        verify.check_stored(tiny_target, tmp_path, "cpu")
 
 
 def test_a_second_extraction_into_the_same_folder_is_refused(tiny_target, tokens, tmp_path):
