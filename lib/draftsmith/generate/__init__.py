@@ -11,9 +11,9 @@
   report.py       tables and figures of what the stage wrote (notebook 02)
 What is saved, and how a re-run resumes without paying twice: draftsmith.store.
 
-Routing: stage 01's `providers/routing.json` merged with the `provider` parameter; without it,
-the same precision policy (providers.endpoints.policy_routing) is applied here over the live
-endpoint list.
+Routing: stage 01's routing (providers.outputs.read_routing) merged with the `provider`
+parameter; without it, the same precision policy (providers.endpoints.policy_routing) is applied
+here over the live endpoint list.
 
 A bare OpenAI-compatible server (`api_base` of the user's own vLLM or SGLang, bare_server.py) has
 no balance, catalogue, routing or cost: those parts are switched off, with a line saying so, and
@@ -48,7 +48,7 @@ def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model
                    **options) -> GenerationResult:
     """Generate responses for `datasets` into `run.dir("generate")`, resuming whatever is there.
     `options`: the other fields of `Options` (balance_floor_usd, max_attempts, request_timeout_s, ...).
-    Without stage 01's routing.json, `native_precision` is required: the engine then applies the
+    Without stage 01's routing, `native_precision` is required: the engine then applies the
     precision policy itself. Prompts answered by an import file (`imports`, see imports.py) are not
     asked for: they are never paid for twice.
 

@@ -25,7 +25,7 @@ HINTS = {
     "unauthorized": "check api_key_file / OPENROUTER_API_KEY",
     "forbidden": ("a key, workspace or guardrail budget is spent, or the key lacks permission (GET /key shows "
                   "`budgets`); no sample was written off: raise the budget or wait for it to reset"),
-    "no_provider": "no endpoint meets the routing: check `model` and `provider` (and providers/routing.json from stage 01)",
+    "no_provider": "no endpoint meets the routing: check `model` and `provider` (and the routing stage 01 wrote)",
     "weight_exceeds_budget": ("one request's worst case alone is more than the budget allows: lower max_tokens "
                               "or raise the budget (retrying cannot help)"),
 }

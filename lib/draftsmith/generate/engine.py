@@ -31,6 +31,9 @@ from .prompt_queue import ContextCheck, DatasetQueue
 
 
 class Engine:
+    """One session (a start or a resume): the slots, the money and the counts that attempts.py,
+    money.py and bookkeeping.py read and update as it runs."""
+
     def __init__(self, base_url: str, api_key, run: Run, specs: list[DatasetSpec], settings: dict,
                  opts: Options, config: dict, log=print, policy: tuple[str, bool] | None = None):
         """`policy`: (native_precision, allow_unknown) when there is no stage-01 routing and the
@@ -51,6 +54,7 @@ class Engine:
         self.manifest = store.open_manifest(run)
         self.datasets: list[DatasetQueue] = []
         self.stage_01_usd = stage_01.spent(run)
+        self.routing_name = str(stage_01.routing_file(run).relative_to(run.root))   # named in messages
         config["stage_01_spent_usd"] = self.stage_01_usd
         spent = self.manifest.spent_outside_responses + self.stage_01_usd
         for spec in specs:
@@ -88,7 +92,6 @@ class Engine:
                       "samples_at_start": sum(len(d.store.done) for d in self.datasets)}
         self.manifest.sessions.append(self.entry)
         self.timeline = store.open_timeline(run)    # a point every second (bookkeeping.point)
-
 
     # -- dispatch ---------------------------------------------------------------------------
     def _take(self) -> tuple | None:
@@ -162,7 +165,6 @@ class Engine:
             except asyncio.TimeoutError:
                 pass
         return 0.0
-
 
     # -- stopping ---------------------------------------------------------------------------
     def request_stop(self, reason: str, message: str = "") -> None:
@@ -295,9 +297,9 @@ class Engine:
         self.bodies = client.BodyMaker(self.settings)
         self.settings_json = json.dumps(self.settings, ensure_ascii=False, separators=(",", ":"))
         self.config["request"] = self.settings
-        self.config["routing_source"] = "stage 02 precision policy (no providers/routing.json)"
+        self.config["routing_source"] = f"stage 02 precision policy (no {self.routing_name})"
         gone = "; ".join(f"{x['tag']}: {x['reason']}" for x in excluded) or "none"
-        self.log(f"no providers/routing.json from stage 01: applied the precision policy (native {native}) "
+        self.log(f"no {self.routing_name} from stage 01: applied the precision policy (native {native}) "
                  f"here. Allowed: {', '.join(obj['only'])}. Excluded: {gone}. The fidelity probe did not run: "
                  f"run stage 01 first to also exclude endpoints that answer unlike the first party.")
 

@@ -31,8 +31,6 @@ def blocked_message(eng) -> str:
 # is spent at a trickle. When the money cannot finish the job anyway, that trickle only delays
 # the top-up the job needs: below `money_bound_stop_fraction` of the slots, stop starting
 # requests, let those in flight finish (they are paid for), and stop with what to top up.
-
-
 def _money_left(eng) -> float:
     left = eng.spend.limit - eng.spend.spent
     if eng.spend.balance_left is not None:
