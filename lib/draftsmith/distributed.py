@@ -4,8 +4,8 @@ and the few collective operations stages 04 and 05 use.
 `init_dist()` reads torchrun's environment (WORLD_SIZE, LOCAL_RANK); with more than one process it
 joins the process group (NCCL on GPUs, gloo on CPU) and pins the process to its local GPU. Alone,
 nothing is initialised and every operation is a no-op, so the same code runs with and without
-torchrun. Both stages pass their settings to the torchrun child as one JSON file (see
-`draftsmith.torchrun`).
+torchrun. Both stages hand their torchrun children one JSON file of settings (stage 04:
+`hidden.stage.write_config`, stage 05: `drafter.train.launch`), started by `draftsmith.torchrun`.
 """
 
 from __future__ import annotations
