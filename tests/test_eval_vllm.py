@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith import layers, vllm_eval
+from draftsmith import layers
 from draftsmith.drafter.export import export, for_engine
 from draftsmith.drafter.model import DrafterConfig
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.train import train
 from draftsmith.drafter.vocab import DraftVocab
+from draftsmith.evaluate import engine, engine_child
 from draftsmith.hidden.extract import extract
 from draftsmith.target.checkpoint import target_config, target_tensors
 from draftsmith.target.corpus import chat_examples
@@ -94,7 +95,7 @@ def test_custom_layer_ids_reach_vllm_from_the_new_export_and_not_from_the_old(ti
     would capture its default layers; from the new one both runners read the trained layers."""
     new = random_export(tiny_target, tmp_path / "new", CUSTOM)
     old = old_export(new, tmp_path / "old")
-    read = vllm_eval.read_layer_ids(tiny_target, [old, new])
+    read = engine.read_layer_ids(tiny_target, [old, new])
 
     def captured(ids):
         return ids or VLLM_DEFAULT
@@ -195,7 +196,7 @@ def test_the_engines_greedy_acceptance_equals_our_evaluators_step_by_step(engine
 
 def test_at_t_1_the_engine_accepts_drafts(engine_report):
     """At T > 0 vLLM accepts a draft with the target's probability of it; vLLM 0.32.0's CPU build lost
-    the temperatures there and rejected every draft (see `vllm_eval.fix_cpu_expand_kernel`)."""
+    the temperatures there and rejected every draft (see `evaluate.engine_child.fix_cpu_expand_kernel`)."""
     t = engine_report["engine"]["temperatures"]["1"]["methods"]["eagle3"]
     ours = engine_report["temperatures"]["1"]["methods"]["eagle3"]
     print(f"T = 1: vLLM {t['accepted_tokens']} of {t['draft_tokens']} drafts, "
@@ -205,8 +206,8 @@ def test_at_t_1_the_engine_accepts_drafts(engine_report):
 
 def test_the_cpu_expand_stand_in_writes_every_requests_value_to_its_tokens():
     out = torch.full((6,), -1.0)
-    vllm_eval.expand_to_tokens(out, torch.tensor([0.7, 0.0, 1.5]), torch.tensor([3, 3, 6], dtype=torch.int32), 0, 1)
+    engine_child.expand_to_tokens(out, torch.tensor([0.7, 0.0, 1.5]), torch.tensor([3, 3, 6], dtype=torch.int32), 0, 1)
     assert out.tolist() == pytest.approx([0.7, 0.7, 0.7, 1.5, 1.5, 1.5])   # request 1 drafted nothing
     ints = torch.zeros(4, dtype=torch.int32)
-    vllm_eval.expand_to_tokens(ints, torch.tensor([4, 9], dtype=torch.int32), torch.tensor([1, 4]), 0, 0)
+    engine_child.expand_to_tokens(ints, torch.tensor([4, 9], dtype=torch.int32), torch.tensor([1, 4]), 0, 0)
     assert ints.tolist() == [4, 9, 9, 9]

@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith import evaluate as ev
 from draftsmith.drafter import artifacts, load_exported
 from draftsmith.drafter.export import export
 from draftsmith.drafter.model import DrafterConfig
@@ -14,7 +13,11 @@ from draftsmith.drafter.config import TrainConfig
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.train import train
 from draftsmith.drafter.vocab import DraftVocab
+from draftsmith.evaluate import decode, metrics, prompts as heldout, results, serving, stage
+from draftsmith.evaluate.proposers import Eagle3Proposer, PromptLookup
+from draftsmith.evaluate.target_cache import Target
 from draftsmith.hidden.extract import extract
+from draftsmith.paths import Run
 from draftsmith.target.checkpoint import load_target, target_config, target_tensors
 from draftsmith.target.corpus import chat_examples
 from draftsmith.target.hf import Capture
@@ -110,7 +113,7 @@ class Oracle:
 def test_acceptance_counts_sglang_and_vllm_lengths_and_per_position_rates_by_hand():
     rounds = [{"start": [1, 5, 7, 8, 12, 14], "drafted": [3, 3, 0, 3, 2, 0], "accepted": [3, 1, 0, 3, 1, 0],
                "produced": [4, 2, 1, 4, 2, 1], "top_prob": [1.0, 0.5, 0.5, 1.0, 1.0, 1.0]}]
-    a = ev.acceptance(rounds, 3)
+    a = metrics.acceptance(rounds, 3)
     assert a["rounds"] == 6 and a["tokens"] == 14
     assert a["acceptance_length"] == pytest.approx(14 / 6)          # tokens per verification
     assert a["acceptance_length_vllm"] == pytest.approx(1 + 8 / 4)  # rounds without drafts not counted
@@ -118,10 +121,10 @@ def test_acceptance_counts_sglang_and_vllm_lengths_and_per_position_rates_by_han
     assert a["position_acceptance"] == pytest.approx([1.0, 0.5, 2 / 3])
     assert a["position_acceptance_conditional"] == pytest.approx([1.0, 0.5, 1.0])
     assert a["position1_ceiling"] == pytest.approx(5 / 6)
-    before, after = ev.split_rounds(rounds[0], 8)
+    before, after = metrics.split_rounds(rounds[0], 8)
     assert before["produced"] == [4, 2, 1] and after["produced"] == [4, 2, 1] and after["top_prob"] == [1.0] * 3
-    none = ev.acceptance([{"start": [1, 2], "drafted": [0, 0], "accepted": [0, 0], "produced": [1, 1],
-                           "top_prob": [1.0, 1.0]}], 3)
+    none = metrics.acceptance([{"start": [1, 2], "drafted": [0, 0], "accepted": [0, 0], "produced": [1, 1],
+                                "top_prob": [1.0, 1.0]}], 3)
     assert none["acceptance_length"] == 1.0 and none["acceptance_length_vllm"] == 1.0
 
 
@@ -129,24 +132,24 @@ def test_a_scripted_drafter_against_the_known_greedy_output_gives_the_hand_compu
         target_model, prompts, greedy):
     # rounds: 3 right -> 4 tokens; right then wrong -> 2; no drafts -> 1; 3 right again, the last round:
     # it drafts k like vLLM does and its 3 accepted drafts count, but only 2 tokens fit in max_new_tokens 10
-    target = ev.Target(target_model)
+    target = Target(target_model)
     script = [("right", 3), ("wrong", 1), ("none",)]
-    d = ev.decode(target, Oracle(greedy[0], script), prompts[0], 3, 10)
+    d = decode.decode(target, Oracle(greedy[0], script), prompts[0], 3, 10)
     assert d.output == greedy[0][:10]
     assert d.rounds() == {"start": [1, 5, 7, 8], "drafted": [3, 3, 0, 3], "accepted": [3, 1, 0, 3],
                           "produced": [4, 2, 1, 2], "top_prob": [1.0] * 4}
-    a = ev.acceptance([d.rounds()], 3)
+    a = metrics.acceptance([d.rounds()], 3)
     assert a["acceptance_length"] == pytest.approx(9 / 4) and a["acceptance_length_vllm"] == pytest.approx(1 + 7 / 3)
 
 
 def test_repeat_start_is_the_first_output_token_closing_an_already_seen_ngram():
-    assert ev.repeat_start([1, 2, 3], [4, 5, 6, 7], n=2) == 4           # nothing repeats
-    assert ev.repeat_start([1, 2, 3], [4, 1, 2, 9], n=2) == 2           # (1, 2) seen in the prompt
-    assert ev.repeat_start([9], [5, 5, 5, 5], n=3) == 3                 # (5, 5, 5) again at index 3
+    assert metrics.repeat_start([1, 2, 3], [4, 5, 6, 7], n=2) == 4           # nothing repeats
+    assert metrics.repeat_start([1, 2, 3], [4, 1, 2, 9], n=2) == 2           # (1, 2) seen in the prompt
+    assert metrics.repeat_start([9], [5, 5, 5, 5], n=3) == 3                 # (5, 5, 5) again at index 3
 
 
 def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
-    pl = ev.PromptLookup(max_ngram=3, min_ngram=1)
+    pl = PromptLookup(max_ngram=3, min_ngram=1)
     pl.reset([7, 1, 2, 3, 8, 1, 2, 3, 9, 4])
     pl.advance([1, 2, 3])
     assert pl.propose(2) == [9, 4]                  # latest (1, 2, 3) was followed by 9, 4
@@ -155,7 +158,7 @@ def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
     pl.reset([1, 2, 3])
     assert pl.propose(3) == []                      # nothing to copy from
     with pytest.raises(ValueError, match="min_ngram"):
-        ev.PromptLookup(max_ngram=1, min_ngram=2)
+        PromptLookup(max_ngram=1, min_ngram=2)
 
 
 # -- lossless ---------------------------------------------------------------------------------------
@@ -174,8 +177,8 @@ def test_speculative_decoding_outputs_the_targets_greedy_tokens_with_any_drafter
     checked on a target of the same shape with random weights, whose greedy output does not loop."""
     exports = artifacts.read_exports(trained_run / "drafter")
     assert [e["fraction"] for e in exports] == [0.5, 1.0]
-    trained = ev.Eagle3Proposer(load_exported(exports[-1]["dir"], tiny_target))
-    untrained = ev.Eagle3Proposer(load_exported(random_export(tiny_target, tmp_path / "bad"), tiny_target))
+    trained = Eagle3Proposer(load_exported(exports[-1]["dir"], tiny_target))
+    untrained = Eagle3Proposer(load_exported(random_export(tiny_target, tmp_path / "bad"), tiny_target))
     mixed = [("right", 2), ("wrong", 1), ("none",), ("wrong", 0), ("right", 3)]
 
     torch.manual_seed(0)
@@ -186,20 +189,20 @@ def test_speculative_decoding_outputs_the_targets_greedy_tokens_with_any_drafter
                 w.normal_(0, 0.3)    # large random weights: word salad that does not repeat
     noisy_refs = [generate(noisy, p, 24) for p in prompts[:2]]
     assert len(set(noisy_refs[0])) > 12                  # no loop to hide behind
-    cases = [(target_model, greedy, {"none": None, "prompt lookup": ev.PromptLookup(), "trained drafter": trained,
+    cases = [(target_model, greedy, {"none": None, "prompt lookup": PromptLookup(), "trained drafter": trained,
                                      "untrained drafter": untrained}),
-             (noisy, noisy_refs, {"untrained drafter": untrained, "prompt lookup": ev.PromptLookup()})]
+             (noisy, noisy_refs, {"untrained drafter": untrained, "prompt lookup": PromptLookup()})]
     for model, refs, proposers in cases:
-        target = ev.Target(model, LAYER_IDS)
+        target = Target(model, LAYER_IDS)
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             scripted = {"always right": Oracle(ref, [("right", 9)]), "always wrong": Oracle(ref, [("wrong", 0)]),
                         "mixed": Oracle(ref, mixed)}
             for name, prop in {**proposers, **scripted}.items():
-                d = ev.decode(target, prop, p, 3, 24)
+                d = decode.decode(target, prop, p, 3, 24)
                 assert d.output == ref, f"{name}, prompt {i}: output differs from greedy decoding"
                 assert sum(d.produced) == len(ref) - 1
-            right = ev.decode(target, scripted["always right"], p, 3, 24)
-            assert ev.acceptance([right.rounds()], 3)["acceptance_length"] == pytest.approx(23 / 6)  # 4 x 5 + 3
+            right = decode.decode(target, scripted["always right"], p, 3, 24)
+            assert metrics.acceptance([right.rounds()], 3)["acceptance_length"] == pytest.approx(23 / 6)  # 4 x 5 + 3
         target.close()
 
 
@@ -211,7 +214,7 @@ def test_chain_drafts_are_what_training_time_test_predicts_on_the_final_sequence
     drafter = load_exported(random_export(tiny_target, tmp_path / "rnd", seed=1), tiny_target)
     seen = []
 
-    class Recorder(ev.Eagle3Proposer):
+    class Recorder(Eagle3Proposer):
         def reset(self, prompt):
             super().reset(prompt)
             self.n = 0
@@ -226,7 +229,7 @@ def test_chain_drafts_are_what_training_time_test_predicts_on_the_final_sequence
             return super().propose(k)
 
     p = prompts[1]
-    d = ev.decode(ev.Target(target_model, LAYER_IDS), Recorder(drafter), p, 3, 20)
+    d = decode.decode(Target(target_model, LAYER_IDS), Recorder(drafter), p, 3, 20)
     full = list(p) + d.output
     sample = Sample("x", "s", torch.tensor(full, dtype=torch.int32),
                            torch.zeros(len(full), dtype=torch.uint8), "")
@@ -250,7 +253,7 @@ def test_sampled_verification_keeps_the_target_distribution():
         counts = torch.zeros(4)
         n = 6000
         for _ in range(n):
-            a, nxt = ev.verify(logits, [draft], 1.0, gen)
+            a, nxt = decode.verify(logits, [draft], 1.0, gen)
             counts[draft if a else nxt] += 1
         assert torch.allclose(counts / n, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.025)   # > 3 sigma
 
@@ -262,15 +265,14 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     measured on held-out prompts at T = 0 and 1, report.json, figures, report.html; a re-run
     measures nothing again."""
     from draftsmith import cli
-    from draftsmith.paths import REPO_ROOT, Run
+    from draftsmith.paths import REPO_ROOT
 
     assert cli.main(["run", "06", "-f", str(REPO_ROOT / "params" / "smoke.yaml"), "-p", "outputs_dir",
                      str(trained_run.parent), "-p", "run_name", trained_run.name]) == 0
     report = json.loads((trained_run / "eval" / "report.json").read_text())
     assert report["k"] == 3 and report["aux_layer_ids"] == LAYER_IDS
     assert set(report["prompts"]) == {"code", "chat"}
-    held = ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 99)
-    assert {(p.dataset, p.sample_id) for p in held} >= {tuple(x) for x in report["prompt_ids"]}
+    assert {tuple(x) for x in report["prompt_ids"]} <= set(artifacts.read_heldout(trained_run / "drafter"))
     greedy = report["temperatures"]["0"]["methods"]
     assert list(greedy) == ["none", "prompt lookup", "eagle3 50%", "eagle3"]
     assert greedy["none"]["acceptance_length"] == 1.0
@@ -284,44 +286,57 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     assert "06 · Acceptance length" in html and html.count("data:image/png") >= 4
 
     rounds = (trained_run / "eval" / "rounds.jsonl").read_text()
-    ev.evaluate_run(Run(trained_run.parent, trained_run.name), str(tiny_target), prompts_per_dataset=1,
-                    max_new_tokens=16, k=3, temperatures=[0.0, 1.0], log=quiet)
+    stage.evaluate_run(Run(trained_run.parent, trained_run.name), str(tiny_target), prompts_per_dataset=1,
+                       max_new_tokens=16, k=3, temperatures=[0.0, 1.0], log=quiet)
     assert (trained_run / "eval" / "rounds.jsonl").read_text() == rounds
     again = json.loads((trained_run / "eval" / "report.json").read_text())
     assert again["temperatures"] == report["temperatures"]
 
 
-def test_heldout_prompts_are_the_samples_stage_05_held_out(trained_run, tmp_path):
+def test_heldout_prompts_are_the_samples_stage_05_held_out_in_its_order(trained_run, tmp_path):
+    run = Run(trained_run.parent, trained_run.name)
     held = artifacts.read_heldout(trained_run / "drafter")
-    assert len(held) == 7                                               # 0.2 of 16 code + 0.2 of 16 chat, rounded up
-    prompts = ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 1)
+    assert len(held) == artifacts.read_summary(trained_run / "drafter")["heldout_samples"] == 7
+    prompts = heldout.heldout_prompts(run, trained_run / "drafter", 1)
     assert sorted(p.dataset for p in prompts) == ["chat", "code"]      # one per dataset, as asked
-    assert all((p.dataset, p.sample_id) in held for p in prompts)
+    assert [(p.dataset, p.sample_id) for p in prompts] == [next(h for h in held if h[0] == p.dataset)
+                                                           for p in prompts]   # the first of each, in stage 05's order
     assert all(p.ids[-2:] == (128804, 128821) for p in prompts)        # ... <｜Assistant｜><think>
-    assert {(p.dataset, p.sample_id) for p in ev.heldout_prompts(trained_run / "hidden", trained_run / "drafter", 99)} \
-        == set(held)
+    assert [(p.dataset, p.sample_id) for p in heldout.heldout_prompts(run, trained_run / "drafter", 99)] == held
     with pytest.raises(FileNotFoundError, match="heldout.json: .*run stage 05 first"):
-        ev.heldout_prompts(trained_run / "hidden", tmp_path, 1)
-    artifacts.write_heldout(tmp_path, held + [("code", "not-extracted")], 0.2)
-    with pytest.raises(ValueError, match="held out 1 samples that .* does not hold"):
-        ev.heldout_prompts(trained_run / "hidden", tmp_path, 1)
+        heldout.heldout_prompts(run, tmp_path, 1)
+    artifacts.write_heldout(tmp_path, [("code", "not-extracted")] + held, 0.2)
+    with pytest.raises(ValueError, match="'not-extracted' of 'code': held out by stage 05 .* not in stage 04"):
+        heldout.heldout_prompts(run, tmp_path, 1)
+
+
+def test_rounds_file_cuts_a_torn_last_line_and_names_a_damaged_one(tmp_path):
+    run = Run(tmp_path, "r")
+    path = run.dir("eval") / "rounds.jsonl"
+    row = {"settings": "s", "method_fingerprint": "m", "dataset": "code", "sample_id": "a"}
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "sample_id": "b"})[:30])   # killed mid-line
+    kept = results.Results(run)
+    assert list(kept.rows) == [("s", "m", "code", "a")] and path.read_text() == json.dumps(row) + "\n"
+    kept.add({**row, "sample_id": "b"})
+    assert len(results.Results(run).rows) == 2
+    path.write_text("{oops\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="rounds.jsonl:1: not valid JSON"):
+        results.Results(run)
 
 
 def test_engine_numbers_only_needs_the_engine(tmp_path):
-    from draftsmith.paths import Run
-
     with pytest.raises(ValueError, match="eval_hf_crosscheck is false and eval_backend is hf"):
-        ev.evaluate_run(Run(tmp_path, "r"), "tiny", prompts_per_dataset=1, max_new_tokens=4, k=3,
-                        temperatures=[0.0], backend="hf", hf_crosscheck=False, log=quiet)
+        stage.evaluate_run(Run(tmp_path, "r"), "tiny", prompts_per_dataset=1, max_new_tokens=4, k=3,
+                           temperatures=[0.0], backend="hf", hf_crosscheck=False, log=quiet)
 
 
 def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_asked(tiny_target, tmp_path):
     d = random_export(tiny_target, tmp_path / "e")
-    c = ev.serving_commands(d, "/models/Kimi-K2.5", 3, "bench.json", tp=8, trust_remote_code=True)
+    c = serving.serving_commands(d, "/models/Kimi-K2.5", 3, "bench.json", tp=8, trust_remote_code=True)
     for flag in ("--speculative-algorithm EAGLE3", "--speculative-num-steps 3", "--speculative-eagle-topk 1",
                  "--speculative-num-draft-tokens 4", "--trust-remote-code", "--tp 8"):
         assert flag in c["sglang_server"]
     assert all("--trust-remote-code" in c[name] for name in ("sglang_baseline", "sglang_ngram", "vllm_server",
                                                              "vllm_baseline"))
     assert "completion_tokens'] / m['spec_verify_ct']" in c["sglang_acceptance"]
-    assert "--trust-remote-code" not in ev.serving_commands(d, "/m", 3, "bench.json")["sglang_server"]
+    assert "--trust-remote-code" not in serving.serving_commands(d, "/m", 3, "bench.json")["sglang_server"]

@@ -1,0 +1,100 @@
+"""Stage 06 in the serving engine: acceptance length and speed measured inside vLLM serving the export.
+
+What a user buys the drafter for is what their engine achieves with it, with the engine's own
+kernels, draft-vocab mapping and layer-id handling; our decoder over transformers (`decode`) is the
+cross-check. Here every method is a vLLM engine serving the target: `none` (no speculation),
+`ngram` (vLLM's prompt lookup) and each export of the drafter (`eagle3`, chain of k). Every held-out
+prompt is decoded alone (concurrency 1, the latency setting speculative decoding is for) at every
+temperature, as token ids, with the same k and max_new_tokens as our decoder.
+
+Engines run in a child process (`python -m draftsmith.evaluate.engine_child JOB`, started like stage
+04's engine: `target.vllm.vllm_env`), one after the other in that process; what it counts and
+checks is described there. Each decoded prompt is one line of `engine_rounds.jsonl` (`results`),
+keyed by the settings, so a re-run starts no engine whose lines are all there. On GPUs with the real
+target: docs/gpu.md, "Stage 06 on GPUs".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from ..files import write_json_atomic
+from ..paths import Run
+from ..target.vllm import die_with_parent, vllm_env
+from . import results
+
+VLLM_VERSION = "0.32.0"
+CHILD = "draftsmith.evaluate.engine_child"
+
+# lets `collective_rpc` carry a function to the workers (reading the layers they capture); the
+# engine's processes talk only to each other
+RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def speculative_config(kind: str, k: int, export_dir: str | None = None, lookup_min: int = 1,
+                       lookup_max: int = 3) -> dict | None:
+    """vLLM's `speculative_config` for a method: none, ngram (prompt lookup) or an eagle3 export."""
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min,
+                "prompt_lookup_max": lookup_max}
+    if kind == "eagle3":
+        return {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}
+    raise ValueError(f"unknown method kind {kind!r}")
+
+
+def settings_key(target_fingerprint: str, k: int, max_new_tokens: int, seed: int, dtype: str) -> str:
+    return json.dumps({"engine": f"vllm {VLLM_VERSION}", "target": target_fingerprint, "k": k,
+                       "max_new_tokens": max_new_tokens, "seed": seed, "dtype": dtype}, sort_keys=True)
+
+
+def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: list, *, k: int,
+            max_new_tokens: int, temperatures: list[float], seed: int, settings: str, dtype: str = "float32",
+            tensor_parallel_size: int = 1, trust_remote_code: bool = False, log=print) -> list[dict]:
+    """Decode every prompt (`prompts.HeldoutPrompt`) with every method ({name, kind, fingerprint,
+    speculative_config, expect_layers (vLLM ids) or None, info}) at every temperature in vLLM,
+    appending to the run's engine rounds; returns the rows of these settings, measured now or before."""
+    out = results.engine_rounds_file(run)
+    done = results.read_engine_rows(out, settings)
+    todo = [m for m in methods if any((m["fingerprint"], float(t), p.dataset, p.sample_id) not in done
+                                       for t in temperatures for p in prompts)]
+    if todo:
+        job = {"target": str(target), "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
+               "trust_remote_code": trust_remote_code, "k": k, "max_new_tokens": max_new_tokens,
+               "seed": seed, "settings": settings, "out": str(out), "temperatures": [float(t) for t in temperatures],
+               "max_model_len": max(len(p.ids) for p in prompts) + max_new_tokens + k + 16,
+               "prompts": [{"dataset": p.dataset, "sample_id": p.sample_id, "ids": list(p.ids)} for p in prompts],
+               "methods": todo, "done": [list(key) for key in done]}
+        job_file = out.with_name("engine_job.json")
+        write_json_atomic(job_file, job)
+        log(f"vLLM {VLLM_VERSION}: {len(todo)} engine(s) to start ({', '.join(m['name'] for m in todo)}), "
+            f"{len(prompts)} prompts x {len(temperatures)} temperatures each")
+        env = {**vllm_env(in_process=tensor_parallel_size == 1), **RPC_ENV}
+        tail: list[str] = []
+        with subprocess.Popen([sys.executable, "-m", CHILD, str(job_file)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent) as proc:
+            for line in proc.stdout:
+                tail = (tail + [line.rstrip()])[-40:]
+                if line.startswith("[draftsmith] "):
+                    log(line[len("[draftsmith] "):].rstrip())
+        if proc.returncode:
+            raise RuntimeError(f"the vLLM engine process failed (exit {proc.returncode}); its last lines:\n"
+                               + "\n".join(tail))
+        done = results.read_engine_rows(out, settings)
+    keys = {m["fingerprint"] for m in methods}
+    return [r for key, r in done.items() if key[0] in keys]
+
+
+def read_layer_ids(target: str | os.PathLike, exports: list[str | os.PathLike]) -> dict:
+    """What vLLM reads as aux layer ids from each export (None: its default), per model runner."""
+    job = {"mode": "layer_ids", "target": str(target), "exports": [str(e) for e in exports]}
+    r = subprocess.run([sys.executable, "-m", CHILD, "-"], input=json.dumps(job), text=True,
+                       capture_output=True, env={**vllm_env(), **RPC_ENV})
+    if r.returncode:
+        raise RuntimeError(f"vLLM could not parse the exports: {(r.stdout + r.stderr)[-3000:]}")
+    return json.loads(next(line for line in r.stdout.splitlines() if line.startswith("[draftsmith-result] "))
+                      .split(" ", 1)[1])

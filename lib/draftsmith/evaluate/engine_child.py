@@ -1,0 +1,194 @@
+"""The vLLM engine process of stage 06: serves the target with each method in turn and decodes the prompts.
+
+Started by `engine.measure` (`python -m draftsmith.evaluate.engine_child JOB`) with a job file,
+or with a job on stdin (`-`) to report the aux layer ids vLLM parses from exports.
+
+Counting, vLLM's own: per request, the spec-decode counters' increase over its `generate` call
+(`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
+`..._num_accepted_tokens_per_pos`; they need `disable_log_stats=False`), and its verify steps one by
+one (`per_request_spec_decode_metrics="detailed"`), which the report uses to show where the engine
+and our decoder part.
+
+Layer ids: with each eagle3 engine the child records the auxiliary layers the live engine captures,
+and the ids vLLM's GPU model runner (Model Runner V2) reads from the same parsed config, which,
+unlike the CPU build's V1 runner, ignores `eagle_config.eagle_aux_hidden_state_layer_ids`.
+Both must be the ids the drafter was trained on, or the stage stops.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from .prompts import prompt_seed
+from .results import append_row
+
+COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "accepted", "vllm:spec_decode_num_accepted_tokens_per_pos": "per_pos"}
+
+
+def _counters(llm) -> dict:
+    got = {COUNTERS[m.name]: (list(m.values) if hasattr(m, "values") else m.value)
+           for m in llm.get_metrics() if m.name in COUNTERS}
+    return {"drafts": got.get("drafts", 0), "draft_tokens": got.get("draft_tokens", 0),
+            "accepted": got.get("accepted", 0), "per_pos": got.get("per_pos", [])}
+
+
+def _delta(after: dict, before: dict, k: int) -> dict:
+    pos_a, pos_b = after["per_pos"] or [0] * k, before["per_pos"] or [0] * k
+    return {"drafts": after["drafts"] - before["drafts"], "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+            "accepted": after["accepted"] - before["accepted"], "per_pos": [a - b for a, b in zip(pos_a, pos_b)]}
+
+
+def _engine_aux_layers(worker):
+    """In the worker: the target layers the live engine captures for the drafter."""
+    model = worker.model_runner.model
+    inner = getattr(model, "model", model)
+    return [int(i) for i in getattr(inner, "aux_hidden_state_layers", ())]
+
+
+def gpu_runner_layer_ids(spec_config) -> list[int] | None:
+    """The ids vLLM's Model Runner V2 (what GPUs run) reads from a parsed speculative config;
+    None: it falls back to the model's default (2, N//2, N-3)."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    ids = get_eagle3_aux_layers_from_config(spec_config)
+    return [int(i) for i in ids] if ids else None
+
+
+def expand_to_tokens(output, values, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
+    """vLLM's `expand_kernel` in torch, any dtype: request i's value (`replace_from` read as
+    `replace_to`) written to its tokens, cu_num_tokens[i-1]..cu_num_tokens[i] of `output`."""
+    import torch
+
+    cu = cu_num_tokens.long()
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    values = torch.where(values == replace_from, torch.full_like(values, replace_to), values)
+    output.copy_(torch.repeat_interleave(values, counts, output_size=output.numel()))
+
+
+def fix_cpu_expand_kernel() -> bool:
+    """vLLM 0.32.0's CPU build (no Triton) stands in for the rejection sampler's `expand_kernel` with
+    a C++ one over int64 tensors: given the batch's float32 temperatures it writes an int64 copy and
+    leaves the real output uninitialised, so at T > 0 the target's logits are divided by whatever
+    was in memory and every draft is rejected. Where that stand-in loses a float, it is replaced by
+    `expand_to_tokens` before any engine starts (vLLM binds it at each worker's start). True when
+    replaced; GPUs (Triton) and a fixed vLLM are left alone."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON or current_platform.device_type != "cpu":
+        return False
+    from vllm.utils import cpu_triton_utils
+
+    current_platform.import_kernels()
+    values, cu = torch.tensor([0.5, 2.0]), torch.tensor([3, 5], dtype=torch.int32)
+    out = torch.full((5,), -1.0)
+    cpu_triton_utils._expand_kernel_impl(out, values, cu, 0, 1)
+    if out.tolist() == [0.5, 0.5, 0.5, 2.0, 2.0]:
+        return False
+    cpu_triton_utils._expand_kernel_impl = expand_to_tokens
+    return True
+
+
+def _say(msg: str) -> None:
+    print(f"[draftsmith] {msg}", flush=True)
+
+
+def run_job(job: dict) -> None:
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    k, tp = job["k"], job["tensor_parallel_size"]
+    done = {tuple(key) for key in job["done"]}
+    common = dict(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=job["seed"],
+                  tensor_parallel_size=tp, trust_remote_code=job["trust_remote_code"], enable_prefix_caching=False,
+                  enforce_eager=True, disable_log_stats=False)
+    if tp == 1:
+        common["distributed_executor_backend"] = "uni"
+    fixed = fix_cpu_expand_kernel()
+    if fixed:
+        _say("vLLM's CPU expand kernel loses the float temperatures of a batch (vLLM 0.32.0 CPU build); "
+             "replaced by a torch one, or no draft is ever accepted at T > 0")
+    out = Path(job["out"])
+    # ngram last: its proposer imports numba, whose llvmlite objects break the kernel-override scan
+    # of every later engine start in this process on vLLM's CPU build (0.32.0)
+    for m in sorted(job["methods"], key=lambda m: m["kind"] == "ngram"):
+        t0 = time.perf_counter()
+        spec = m["speculative_config"]
+        llm = LLM(**common, **({"speculative_config": spec, "per_request_spec_decode_metrics": "detailed"}
+                               if spec else {}))
+        startup = time.perf_counter() - t0
+        live = gpu = None
+        if m["kind"] == "eagle3":
+            live = llm.collective_rpc(_engine_aux_layers)[0]
+            gpu = gpu_runner_layer_ids(llm.llm_engine.vllm_config.speculative_config)
+            for runner, ids in (("the live engine", live), ("vLLM's GPU model runner", gpu)):
+                if ids != m["expect_layers"]:
+                    raise RuntimeError(f"{m['name']}: {runner} captures target layers {ids} (input ids) but the "
+                                       f"drafter was trained on {m['expect_layers']}: the export's "
+                                       f"eagle_aux_hidden_state_layer_ids are not where vLLM reads them")
+        _say(f"engine {m['name']!r} up in {startup:.0f}s" + (f", captures layers {live}" if live else ""))
+        first = job["prompts"][0]["ids"]
+        llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        for t in job["temperatures"]:
+            n = 0
+            for p in job["prompts"]:
+                if (m["fingerprint"], t, p["dataset"], p["sample_id"]) in done:
+                    continue
+                sp = SamplingParams(max_tokens=job["max_new_tokens"], temperature=t,
+                                    seed=prompt_seed(job["seed"], p["dataset"], p["sample_id"], 4) if t > 0 else None)
+                before = _counters(llm)
+                t1 = time.perf_counter()
+                o = llm.generate([{"prompt_token_ids": p["ids"]}], sp, use_tqdm=False)[0].outputs[0]
+                seconds = time.perf_counter() - t1
+                sdm = o.spec_decode_metrics
+                row = {"settings": job["settings"], "method": m["name"], "method_fingerprint": m["fingerprint"],
+                       "kind": m["kind"], "dataset": p["dataset"], "sample_id": p["sample_id"], "temperature": t,
+                       "output": list(o.token_ids), "seconds": seconds,
+                       "counters": _delta(_counters(llm), before, k),
+                       "drafted": list(sdm.per_step_drafted) if sdm else [],
+                       "accepted": list(sdm.per_step_accepted) if sdm else [],
+                       "aux_layers_engine": live, "aux_layers_gpu_runner": gpu, "startup_s": startup,
+                       "cpu_expand_kernel_replaced": fixed}
+                append_row(out, row)
+                n += 1
+            _say(f"{m['name']}: T={t:g}, {n} prompts decoded")
+        del llm
+        gc.collect()
+
+
+def layer_ids_vllm_reads(job: dict) -> dict:
+    """In the child: for each export, the aux layer ids vLLM parses from it (both model runners'
+    readers on vLLM's own parsed config; no engine is started)."""
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    out = {}
+    for d in job["exports"]:
+        spec = EngineArgs(model=job["target"], dtype="float32", max_model_len=512, enforce_eager=True,
+                          speculative_config={"method": "eagle3", "model": d, "num_speculative_tokens": 3}
+                          ).create_engine_config().speculative_config
+        v1 = GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec))
+        out[d] = {"gpu_runner": gpu_runner_layer_ids(spec), "cpu_runner": [int(i) for i in v1] if v1 else None}
+    return out
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.read() if sys.argv[1] == "-" else Path(sys.argv[1]).read_text())
+    if job.get("mode") == "layer_ids":
+        result = layer_ids_vllm_reads(job)
+        print("[draftsmith-result] " + json.dumps(result), flush=True)
+        return 0
+    run_job(job)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""vLLM's numbers summed up: acceptance from its spec-decode counters, per method and temperature,
+and where the engine and our decoder part.
+
+Counting, vLLM's own: per request, the counters' increase over its `generate` call; acceptance
+length = 1 + accepted / drafts; per position j: accepted at j / drafts.
+"""
+
+from __future__ import annotations
+
+from .engine import VLLM_VERSION
+
+
+def acceptance(rows: list[dict], k: int) -> dict:
+    """vLLM's acceptance over a set of decodes, from its counters: 1 + accepted / drafts, per
+    position accepted at j / drafts; output tokens per second (each prompt alone)."""
+    drafts = sum(r["counters"]["drafts"] for r in rows)
+    accepted = sum(r["counters"]["accepted"] for r in rows)
+    draft_tokens = sum(r["counters"]["draft_tokens"] for r in rows)
+    per_pos = [sum(r["counters"]["per_pos"][j] for r in rows) if drafts else 0 for j in range(k)]
+    tokens, seconds = sum(len(r["output"]) for r in rows), sum(r["seconds"] for r in rows)
+    return {"prompts": len(rows), "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "position_acceptance": [a / drafts for a in per_pos] if drafts else [None] * k,
+            "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
+
+
+def summarize(rows: list[dict], methods: list[dict], k: int, temperature: float) -> dict:
+    """Per method at one temperature: acceptance overall and per dataset, tok/s and its ratio to
+    no drafter, and (greedy) whether the outputs equal the no-drafter engine's token for token."""
+    mine = [r for r in rows if r["temperature"] == temperature]
+    by_fp: dict[str, list[dict]] = {}
+    for r in mine:
+        by_fp.setdefault(r["method_fingerprint"], []).append(r)
+    none = next((m for m in methods if m["kind"] == "none"), None)
+    ref = {(r["dataset"], r["sample_id"]): r["output"] for r in by_fp.get(none["fingerprint"], [])} if none else {}
+    out = {}
+    for m in methods:
+        rs = by_fp.get(m["fingerprint"], [])
+        if not rs:
+            continue
+        s = {"kind": m["kind"], **m.get("info", {}), **acceptance(rs, k),
+             "per_dataset": {ds: acceptance([r for r in rs if r["dataset"] == ds], k)
+                             for ds in sorted({r["dataset"] for r in rs})},
+             "aux_layers_engine": rs[0].get("aux_layers_engine"), "aux_layers_gpu_runner": rs[0].get("aux_layers_gpu_runner"),
+             "startup_s": rs[0].get("startup_s")}
+        mismatched = [r["sample_id"] for r in rs if temperature <= 0 and (r["dataset"], r["sample_id"]) in ref
+                      and r["output"] != ref[(r["dataset"], r["sample_id"])]]
+        s["lossless"] = (not mismatched) if temperature <= 0 and ref else None
+        s["mismatched_samples"] = mismatched
+        out[m["name"]] = s
+    base = out.get(none["name"]) if none else None
+    for s in out.values():
+        s["speedup_tokens_per_s"] = (s["tokens_per_s"] / base["tokens_per_s"]
+                                     if base and base["tokens_per_s"] and s["tokens_per_s"] else None)
+    return out
+
+
+def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[dict], temperature: float) -> dict:
+    """Where the engine and our evaluator part, per eagle3 method at one temperature: on how many
+    prompts the two no-drafter outputs are the same, and on those the per-step accepted counts
+    (they implement the same rule, so they differ only where the two targets' numbers do)."""
+    eng = {(r["method_fingerprint"], r["dataset"], r["sample_id"]): r for r in engine_rows
+           if r["temperature"] == temperature}
+    ours = {(r["method_fingerprint"], r["dataset"], r["sample_id"]): r for r in hf_rows
+            if r["temperature"] == temperature}
+    none_e = {(r["dataset"], r["sample_id"]): r["output"] for r in engine_rows
+              if r["temperature"] == temperature and r["kind"] == "none"}
+    none_o = {(r["dataset"], r["sample_id"]): r["output"] for r in hf_rows
+              if r["temperature"] == temperature and r["kind"] == "none"}
+    same_target = sorted(key for key in none_e if none_o.get(key) == none_e[key])
+    out = {"prompts": len(none_e), "same_no_drafter_output": len(same_target), "methods": {}}
+    for m in methods:
+        if m["kind"] != "eagle3":
+            continue
+        steps_equal = outputs_equal = 0
+        for ds, sid in none_e:
+            e, o = eng.get((m["fingerprint"], ds, sid)), ours.get((m["hf_fingerprint"], ds, sid))
+            if e is None or o is None:
+                continue
+            outputs_equal += e["output"] == o["output"]
+            steps_equal += e["accepted"] == [a for a, d in zip(o["rounds"]["accepted"], o["rounds"]["drafted"]) if d]
+        out["methods"][m["name"]] = {"same_output": outputs_equal, "same_accepted_per_step": steps_equal}
+    return out
+
+
+def engine_report(rows: list[dict], methods: list[dict], hf_rows: list[dict] | None, k: int,
+                  temperatures: list[float], dtype: str, tensor_parallel: int) -> dict:
+    """report.json's `engine` part: per temperature the summary of every method and, when our
+    decoder measured beside it (`hf_rows`), where the two part."""
+    return {"backend": "vllm", "version": VLLM_VERSION, "dtype": dtype, "tensor_parallel": tensor_parallel,
+            "concurrency": 1, "cpu_expand_kernel_replaced": any(r.get("cpu_expand_kernel_replaced") for r in rows),
+            "temperatures": {
+                f"{float(t):g}": {"temperature": float(t), "methods": summarize(rows, methods, k, float(t)),
+                                  "vs_ours": compare(rows, hf_rows, methods, float(t)) if hf_rows is not None else None}
+                for t in temperatures}}

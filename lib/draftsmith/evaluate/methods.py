@@ -1,0 +1,85 @@
+"""The methods stage 06 compares: no drafter, prompt lookup, and every export of the drafter along training.
+
+Each method has a fingerprint that changes when it would draft differently, so measured rounds are
+reused only for the same method. `engine_methods_for` gives the same methods as vLLM engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import layers
+from ..drafter import load_exported
+from ..drafter.artifacts import read_exports
+from ..drafter.export import for_engine
+from ..target.identity import fingerprint
+from . import engine
+from .proposers import Eagle3Proposer, PromptLookup
+
+
+@dataclass
+class Method:
+    name: str            # "none", "prompt lookup", "eagle3 50%", ...
+    kind: str            # none | prompt_lookup | eagle3
+    fingerprint: str     # changes when the method would draft differently
+    make: object         # () -> proposer (or None)
+    info: dict = field(default_factory=dict)
+
+
+def export_layer_ids(export_dir: Path) -> list[int]:
+    """The export's auxiliary layer ids in draftsmith's (output) convention."""
+    cfg = json.loads((export_dir / "config.json").read_text())
+    ds = cfg.get("draftsmith") or {}
+    if "aux_layer_ids" not in ds:
+        raise KeyError(f"{export_dir}/config.json: no draftsmith.aux_layer_ids; the engine-side ids "
+                       f"{cfg.get('eagle_config', {}).get('eagle_aux_hidden_state_layer_ids')} are ambiguous "
+                       f"(SGLang and vLLM read them differently), so this export cannot be evaluated here")
+    return layers.to_output_ids([int(k) for k in ds["aux_layer_ids"]], ds.get("aux_layer_convention", "output"))
+
+
+def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, device,
+                lookup_max_ngram: int = 3, lookup_min_ngram: int = 1) -> tuple[list[Method], list[int]]:
+    """The methods of one evaluation: no drafter, prompt lookup, and every export of the drafter
+    (loaded from its folder). Returns them and the auxiliary layer ids they share."""
+    ms = [Method("none", "none", "none", lambda: None),
+          Method("prompt lookup", "prompt_lookup", f"lookup-{lookup_min_ngram}-{lookup_max_ngram}",
+                 lambda: PromptLookup(lookup_max_ngram, lookup_min_ngram),
+                 {"min_ngram": lookup_min_ngram, "max_ngram": lookup_max_ngram})]
+    exports = read_exports(drafter_dir)
+    layer_ids = export_layer_ids(exports[-1]["dir"])
+    for e in exports:
+        ids = export_layer_ids(e["dir"])
+        if ids != layer_ids:
+            raise ValueError(f"{e['dir']}: aux layer ids {ids} differ from the final export's {layer_ids}")
+        final = e is exports[-1]
+        name = "eagle3" if final else f"eagle3 {e['fraction']:.0%}"
+
+        def make(d=e["dir"]):
+            return Eagle3Proposer(load_exported(d, target_path, device=device))
+        ms.append(Method(name, "eagle3", fingerprint(e["dir"]), make,
+                         {"step": e["step"], "fraction": e["fraction"], "dir": str(e["dir"]), "final": final}))
+    return ms, layer_ids
+
+
+def engine_methods_for(methods: list[Method], layer_ids: list[int], k: int, lookup_min_ngram: int,
+                       lookup_max_ngram: int) -> list[dict]:
+    """The same methods as vLLM engines: no speculation, vLLM's ngram, and every export written
+    for vLLM (`drafter.export.for_engine`), each expected to capture `layer_ids` (output ids)."""
+    out = [{"name": "none", "kind": "none", "fingerprint": "vllm-none", "speculative_config": None,
+            "expect_layers": None, "info": {}},
+           {"name": "ngram", "kind": "ngram", "fingerprint": f"vllm-ngram-{lookup_min_ngram}-{lookup_max_ngram}",
+            "speculative_config": engine.speculative_config("ngram", k, lookup_min=lookup_min_ngram,
+                                                            lookup_max=lookup_max_ngram),
+            "expect_layers": None, "info": {"min_ngram": lookup_min_ngram, "max_ngram": lookup_max_ngram}}]
+    for m in methods:
+        if m.kind == "eagle3":
+            d = for_engine(m.info["dir"], "vllm")
+            out.append({"name": m.name, "kind": "eagle3", "fingerprint": "vllm-" + fingerprint(d),
+                        "hf_fingerprint": m.fingerprint, "speculative_config": engine.speculative_config("eagle3", k, d),
+                        "expect_layers": layers.engine_layer_ids(layer_ids, "vllm"),
+                        "info": {"step": m.info["step"], "fraction": m.info["fraction"], "dir": str(d),
+                                 "final": m.info["final"]}})
+    return out

@@ -1,0 +1,138 @@
+"""Acceptance from the rounds of our decoder's decodes (a round = one target verification).
+
+    acceptance length (SGLang's `avg_spec_accept_length`) = tokens emitted by rounds / rounds;
+        the first token, which the prefill emits, is not counted, so no drafter gives exactly 1.0;
+    vLLM's mean acceptance length = 1 + accepted drafts / rounds that drafted (rounds where the
+        proposer had nothing to offer do not count there: differs for prompt lookup);
+    per draft position j: P(accepted), and P(accepted | j-1 accepted).
+
+Each decode is also split where the output starts repeating itself (its first repeated
+`LOOP_NGRAM`-gram): copying from the context wins there, a drafter has to earn its keep before it.
+"""
+
+from __future__ import annotations
+
+LOOP_NGRAM = 4   # a token whose preceding 4-gram already occurred starts "repeating" text
+
+
+def repeat_start(context: list[int], output: list[int], n: int = LOOP_NGRAM) -> int:
+    """Index of the first output token whose n-gram (ending at it) already occurred earlier in
+    prompt + output; len(output) when none does. From there on the text repeats itself."""
+    seq = list(context) + list(output)
+    seen: set[tuple[int, ...]] = set()
+    for j in range(n, len(seq) + 1):   # n-gram seq[j-n:j] ends at index j-1
+        g = tuple(seq[j - n:j])
+        if j - 1 >= len(context) and g in seen:
+            return j - 1 - len(context)
+        seen.add(g)
+    return len(output)
+
+
+def acceptance(rounds: list[dict], k: int) -> dict:
+    """Acceptance of a set of decodes (their `Decoded.rounds()`): SGLang's and vLLM's acceptance
+    length, and per draft position j = 1..k the unconditional and conditional acceptance rate."""
+    n_rounds = produced = drafting = acc = drafted_tokens = 0
+    top = 0.0
+    pos_drafted = [0] * k
+    pos_reached = [0] * k
+    pos_accepted = [0] * k
+    for r in rounds:
+        top += sum(r["top_prob"])
+        for d, a, p in zip(r["drafted"], r["accepted"], r["produced"]):
+            n_rounds += 1
+            produced += p
+            drafted_tokens += d
+            acc += a
+            drafting += d > 0
+            for j in range(min(d, k)):
+                pos_drafted[j] += 1
+                pos_reached[j] += j <= a   # drafts 1..j-1 were accepted
+                pos_accepted[j] += j < a
+
+    def ratio(x, y):
+        return x / y if y else float("nan")
+
+    return {
+        "rounds": n_rounds, "tokens": produced, "draft_tokens": drafted_tokens, "accepted_tokens": acc,
+        "drafting_rounds": drafting,
+        "acceptance_length": ratio(produced, n_rounds),
+        "acceptance_length_vllm": 1 + ratio(acc, drafting) if drafting else 1.0,
+        "draft_acceptance_rate": ratio(acc, drafted_tokens),
+        "position_acceptance": [ratio(pos_accepted[j], pos_drafted[j]) for j in range(k)],
+        "position_acceptance_conditional": [ratio(pos_accepted[j], pos_reached[j]) for j in range(k)],
+        "position1_ceiling": ratio(top, n_rounds),
+    }
+
+
+def split_rounds(rounds: dict, cut: int) -> tuple[dict, dict]:
+    """The rounds starting before output index `cut`, and the others."""
+    keys = ("drafted", "accepted", "produced", "start", "top_prob")
+    before = {key: [v for v, s in zip(rounds[key], rounds["start"]) if s < cut] for key in keys}
+    after = {key: [v for v, s in zip(rounds[key], rounds["start"]) if s >= cut] for key in keys}
+    return before, after
+
+
+def speedup(acceptance_length: float, draft_steps: float, cost_ratio: float) -> float:
+    """Decoding speed-up over the target alone when one round costs a target forward (the verify
+    of k+1 tokens costs about one decode step while decoding is memory-bound) plus `draft_steps`
+    drafter forwards, each `cost_ratio` of a target forward."""
+    return acceptance_length / (1 + draft_steps * cost_ratio)
+
+
+def summarize(rows: list[dict], methods: list, k: int, cost_ratio: float) -> dict:
+    """Per method (`methods.Method`): acceptance overall, per dataset, per position, on text
+    before/after the output starts repeating itself, the speed-up estimate; and whether its greedy
+    outputs equal the target's (the `none` method's) token for token."""
+    by_method: dict[str, list[dict]] = {}
+    for r in rows:
+        by_method.setdefault(r["method"], []).append(r)
+    reference = {(r["dataset"], r["sample_id"]): r["output"] for r in by_method.get("none", [])}
+    out = {}
+    for m in methods:
+        mine = by_method.get(m.name, [])
+        if not mine:
+            continue
+        total = acceptance([r["rounds"] for r in mine], k)
+        datasets = sorted({r["dataset"] for r in mine})
+        per_ds = {ds: acceptance([r["rounds"] for r in mine if r["dataset"] == ds], k) for ds in datasets}
+        novel = acceptance([split_rounds(r["rounds"], r["repeat_start"])[0] for r in mine], k)
+        repeating = acceptance([split_rounds(r["rounds"], r["repeat_start"])[1] for r in mine], k)
+        greedy = [r for r in mine if r["temperature"] <= 0 and (r["dataset"], r["sample_id"]) in reference]
+        mismatches = [r["sample_id"] for r in greedy if r["output"] != reference[(r["dataset"], r["sample_id"])]]
+        draft_steps = 0 if m.kind != "eagle3" else k   # drafter forwards per round (chain of k)
+        out[m.name] = {
+            "kind": m.kind, **m.info, **total,
+            "per_dataset": per_ds,
+            "novel_text": novel, "repeating_text": repeating,
+            "speedup_estimate": speedup(total["acceptance_length"], draft_steps, cost_ratio),
+            "draft_forwards_per_round": draft_steps,
+            "lossless": None if not greedy else not mismatches, "mismatched_samples": mismatches,
+            "seconds": sum(r["seconds"] for r in mine), "prompts": len(mine),
+        }
+    return out
+
+
+def verdict(summary: dict) -> dict:
+    """The final drafter against prompt lookup, overall and on novel / repeating text."""
+    d, pl = summary["eagle3"], summary["prompt lookup"]
+    out = {"drafter": d["acceptance_length"], "prompt_lookup": pl["acceptance_length"], "no_drafter": 1.0,
+           "beats_prompt_lookup": d["acceptance_length"] > pl["acceptance_length"]}
+    for part in ("novel_text", "repeating_text"):
+        a, b = d[part]["acceptance_length"], pl[part]["acceptance_length"]
+        out[part] = {"drafter": a, "prompt_lookup": b, "rounds": d[part]["rounds"],
+                     "beats_prompt_lookup": a > b if a == a and b == b else None}
+    return out
+
+
+DEFINITIONS = {   # written into report.json beside the numbers
+    "acceptance_length": "tokens emitted by verification rounds / rounds (SGLang avg_spec_accept_length; "
+                         "the prefill's first token not counted)",
+    "acceptance_length_vllm": "1 + accepted draft tokens / rounds that drafted (vLLM)",
+    "position_acceptance": "P(draft j accepted) over rounds that drafted position j",
+    "position_acceptance_conditional": "P(draft j accepted | drafts 1..j-1 accepted)",
+    "position1_ceiling": "mean over rounds of the target's probability of its own top token: "
+                         "P(draft 1 accepted) for a perfect drafter (1 when greedy)",
+    "novel_text": f"rounds starting before the output's first repeated {LOOP_NGRAM}-gram",
+    "repeating_text": "rounds starting at or after it",
+    "speedup_estimate": "acceptance_length / (1 + draft_forwards_per_round * draft_cost_ratio)",
+}

@@ -1,0 +1,65 @@
+"""The prompts stage 06 measures on: samples stage 05 held out of training, as the tokens before the response.
+
+Which samples were held out is stage 05's to say (its held-out ids file); their tokens come from
+stage 04's hidden-state shards, so the prompt is exactly what the target saw when the drafter's
+features were captured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+from ..drafter.artifacts import read_heldout
+from ..paths import Run
+from ..shards import HiddenShards, hidden_dir
+
+
+@dataclass(frozen=True)
+class HeldoutPrompt:
+    dataset: str
+    sample_id: str
+    ids: tuple[int, ...]   # the tokens the target saw before its response
+
+
+def heldout_prompts(run: Run, drafter_dir: str | os.PathLike, per_dataset: int) -> list[HeldoutPrompt]:
+    """The first `per_dataset` samples of each dataset that stage 05 (in `drafter_dir`) held out of
+    training, in the order it lists them, as prompts."""
+    held = read_heldout(drafter_dir)
+    if not held:
+        raise ValueError(f"{drafter_dir}: stage 05 held out no samples (train_holdout_fraction 0?); "
+                         f"acceptance must be measured on prompts the drafter did not train on")
+    shards = HiddenShards(hidden_dir(run))
+    where_is = {(ref.dataset, ref.sample_id): i for i, ref in enumerate(shards.samples)}
+    out: list[HeldoutPrompt] = []
+    taken: dict[str, int] = {}
+    for dataset, sample_id in held:
+        if taken.get(dataset, 0) >= per_dataset:
+            continue
+        where = f"{shards.dir}: sample {sample_id!r} of {dataset!r}"
+        if (dataset, sample_id) not in where_is:
+            raise ValueError(f"{where}: held out by stage 05 ({drafter_dir}) but not in stage 04's hidden states; "
+                             f"re-run stage 05 on these hidden states")
+        s = shards.sample(where_is[dataset, sample_id], fields=("input_ids", "loss_mask"))
+        out.append(HeldoutPrompt(dataset, sample_id,
+                                 tuple(prompt_ids(s["input_ids"].tolist(), s["loss_mask"].tolist(), where))))
+        taken[dataset] = taken.get(dataset, 0) + 1
+    return out
+
+
+def prompt_ids(input_ids: list[int], loss_mask: list[int], where: str) -> list[int]:
+    """The prompt part of a training row: the tokens before the first response token."""
+    if 1 not in loss_mask:
+        raise ValueError(f"{where}: no response token (loss_mask is all 0)")
+    n = loss_mask.index(1)
+    if n == 0:
+        raise ValueError(f"{where}: the response starts at the first token; there is no prompt")
+    return list(input_ids[:n])
+
+
+def prompt_seed(seed: int, dataset: str, sample_id: str, n_bytes: int) -> int:
+    """A sampling seed of one prompt, the same in every run with this `seed`. Our decoder seeds
+    torch with 6 bytes of it, the vLLM engine with 4 (kept apart: changing either would change
+    what earlier runs measured)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{dataset}/{sample_id}".encode()).digest()[:n_bytes], "big")

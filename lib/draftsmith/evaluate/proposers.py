@@ -1,0 +1,83 @@
+"""What drafts the next tokens: prompt lookup (n-gram copying from the context) or an EAGLE-3 drafter.
+
+A proposer is reset with a prompt, told the committed tokens as they come (`advance`, with the
+target's features at them) and asked for k drafts (`propose`). No proposer (None) is plain decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PromptLookup:
+    """N-gram drafting from the context (prompt + output so far): find the most recent earlier
+    occurrence of the longest suffix n-gram (n = max_ngram .. min_ngram) and propose the k tokens
+    that followed it, copying on past the end of the context when the match is recent (a loop of
+    period p is continued, as an overlapping copy). No match: no drafts this round.
+    vLLM's `ngram` (0.32) differs in two details that matter on looping text: it copies
+    after the earliest occurrence and never past the end of the context, so it drafts fewer tokens
+    near the end of a loop and accepts less there than this one."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.ctx: list[int] = []
+
+    def reset(self, prompt: list[int]) -> None:
+        self.ctx = list(prompt)
+
+    def advance(self, tokens: list[int], aux=None) -> None:
+        self.ctx += tokens
+
+    def propose(self, k: int) -> list[int]:
+        ctx, n_ctx = self.ctx, len(self.ctx)
+        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
+            tail = ctx[n_ctx - n:]
+            for i in range(n_ctx - n - 1, -1, -1):
+                if ctx[i:i + n] == tail:
+                    out: list[int] = []
+                    for j in range(k):
+                        src = i + n + j
+                        out.append(ctx[src] if src < n_ctx else out[src - n_ctx])
+                    return out
+        return []
+
+
+class Eagle3Proposer:
+    """Chain drafting with an EAGLE-3 drafter and its KV cache. Drafter position p reads the
+    target's features at p and the token at p+1; `advance` adds the committed positions (cutting
+    off the chain drafted last round), `propose(k)` drafts k tokens from the last one."""
+
+    def __init__(self, drafter):
+        self.d = drafter
+        self.device = drafter.fc.weight.device
+        self.cache = drafter.new_cache()
+        self.committed = 0
+
+    def reset(self, prompt: list[int]) -> None:
+        self.cache = self.d.new_cache()
+        self.committed = 0
+
+    @torch.inference_mode()
+    def advance(self, tokens: list[int], aux: torch.Tensor) -> None:
+        if aux is None or len(aux) != len(tokens):
+            raise ValueError(f"an EAGLE-3 drafter needs one target feature row per new token "
+                             f"({len(tokens)} tokens, {None if aux is None else len(aux)} rows)")
+        self.cache.truncate(self.committed)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        h, logits = self.d.extend(self.d.project(aux[None].to(self.device)), ids, self.cache)
+        self.committed += len(tokens)
+        self.h, self.logits = h[:, -1:], logits[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, k: int) -> list[int]:
+        out: list[int] = []
+        h, logits = self.h, self.logits
+        for j in range(k):
+            tok = self.d.to_target(logits.argmax(-1))
+            out.append(int(tok))
+            if j < k - 1:
+                h, lg = self.d.extend(h, tok.view(1, 1), self.cache)
+                logits = lg[0, -1]
+        return out
