@@ -164,7 +164,7 @@ def run_draftsmith(base, n, conc, path, out, budget=None, max_tokens=1024):
         ds["output_token_budget"] = budget
     c0, t0 = cpu(), time.time()
     r = run_generation(base, ApiKey(KEY, "bench"), Run(out, "bench"), [ds], model=MODEL, max_tokens=max_tokens,
-                       concurrency=conc, spend_limit_usd=1e5, log=lambda *a: None)
+                       concurrency=conc, spend_limit_usd=1e5, native_precision="int4", log=lambda *a: None)
     assert r.complete, r.message
     print(json.dumps({"peak_in_flight": r.session["peak_in_flight"]}), file=sys.stderr)
     return cpu() - c0, time.time() - t0, r.session["samples"], r.session["completion_tokens"]
