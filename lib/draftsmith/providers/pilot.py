@@ -5,6 +5,8 @@ its cost is recorded, and its table is reused by a re-run (outputs.py)."""
 
 from __future__ import annotations
 
+from itertools import islice
+
 import pandas as pd
 
 from ..client import BodyMaker, messages_json
@@ -20,12 +22,9 @@ from .endpoints import table_worst_prices
 def pilot(api: Api, settings: dict, datasets: list[DatasetSpec], samples: int) -> pd.DataFrame:
     """Real completions of the first `samples` prompts of each dataset, sent with stage 02's
     request `settings` (`client.request_settings`, its routing included)."""
-    bodies, names = BodyMaker(settings), []
-    requests = []
+    bodies, names, requests = BodyMaker(settings), [], []
     for spec in datasets:
-        for i, p in enumerate(DatasetReader(spec)):
-            if i >= samples:
-                break
+        for p in islice(DatasetReader(spec), samples):
             names.append(spec.name)
             requests.append(bodies.body(messages_json(p.messages)))
     replies = api.chat_all(requests, "pilot")

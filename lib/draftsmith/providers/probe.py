@@ -12,6 +12,7 @@ The probe is paid for like the pilot: worst case checked first, cost recorded, t
 from __future__ import annotations
 
 import json
+from itertools import islice
 
 import pandas as pd
 
@@ -30,12 +31,7 @@ def reference_provider(model: str, probe_reference: str) -> str:
 
 def probe_prompts(datasets: list[DatasetSpec], n: int, scan: int = 50) -> list[list[dict]]:
     """The `n` shortest prompts among the first `scan` of each dataset: cheap to probe with."""
-    pool = []
-    for spec in datasets:
-        for i, p in enumerate(DatasetReader(spec)):
-            if i >= scan:
-                break
-            pool.append(p.messages)
+    pool = [p.messages for spec in datasets for p in islice(DatasetReader(spec), scan)]
     return sorted(pool, key=lambda m: len(json.dumps(m)))[:n]
 
 
