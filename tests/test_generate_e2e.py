@@ -433,7 +433,8 @@ def test_money_bound_tail_stops_for_a_top_up_and_the_top_up_finishes(tmp_path):
                 emu.top_up(top_up)
                 r2 = generate(emu, tmp_path / name, ds, concurrency=16, money_bound_stop_fraction=fraction)
                 assert r2.complete, r2.message
-                assert sum(x["usage"]["completion_tokens"] for x in saved(tmp_path / name, "p")) >= 6000
+                # met as every budget is: the last start stops once the next response would overshoot
+                assert 6000 - 32 < sum(x["usage"]["completion_tokens"] for x in saved(tmp_path / name, "p")) <= 6000 + 60
                 assert max(billed(emu).values()) == 1
             return spent
 
