@@ -153,7 +153,7 @@ def catalogue(eps: list[dict], model: str, provider: dict, sent: set[str] = froz
                 if provider.get("require_parameters") and lacking else "")
         raise CatalogueError(f"no endpoint of {model} satisfies the routing {json.dumps(provider)}{hint}. "
                              f"Every request would be refused (no_provider, 404/503): check `provider`, `seed` "
-                             f"and providers/routing.json from stage 01")
+                             f"and the routing stage 01 chose (notebook 01's last table)")
     worst = highest(worst_prices(e) for e in allowed)
     ctx = [e["context_length"] for e in allowed if isinstance(e.get("context_length"), int)]
     return Catalogue(worst.prompt, worst.completion, worst.request, max(ctx) if ctx else None, len(allowed))
