@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -68,18 +69,24 @@ def read_jsonl(path: Path):
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+@contextmanager
+def replacing(path: Path):
+    """Write `path` whole or not at all, with any writer: yields a temporary path next to it, which
+    is fsynced and renamed over `path` if the block succeeds, and removed if it fails."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
