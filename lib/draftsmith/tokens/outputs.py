@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..datasets import stable_id
-from ..files import read_jsonl, write_json_atomic
+from ..files import read_jsonl, replacing, write_json_atomic
 from ..paths import Run
 from ..progress import Progress
 from .rebuild import Rebuilt
@@ -98,12 +98,12 @@ class Work:
 def write_dataset(run: Run, name: str, parts: list[tuple[list[dict], Work]]) -> Path:
     """tokens/<name>.jsonl (kept samples: checks + ids) and tokens/checks/<name>.jsonl (every
     sample, kept or not) from the (rows, work) of each source file of the dataset, each written
-    whole under a temporary name, synced, then renamed."""
+    whole or not at all (`files.replacing`)."""
     out_dir = run.dir("tokens")
     (out_dir / "checks").mkdir(exist_ok=True)
     final, checks = out_dir / f"{name}.jsonl", out_dir / "checks" / f"{name}.jsonl"
-    tmp, tmp_checks = out_dir / f".{name}.jsonl.tmp", out_dir / "checks" / f".{name}.jsonl.tmp"
-    with open(tmp, "w", encoding="utf-8") as out, open(tmp_checks, "w", encoding="utf-8") as out_checks:
+    with replacing(final) as tmp, replacing(checks) as tmp_checks, \
+            open(tmp, "w", encoding="utf-8") as out, open(tmp_checks, "w", encoding="utf-8") as out_checks:
         for rows, work in parts:
             with open(work.ids, encoding="utf-8") as ids_f:
                 for row, ids in zip(rows, ids_f, strict=True):
@@ -111,11 +111,6 @@ def write_dataset(run: Run, name: str, parts: list[tuple[list[dict], Work]]) -> 
                     out_checks.write(json.dumps(row, ensure_ascii=False) + "\n")
                     if not row["excluded"]:
                         out.write(meta[:-1] + ", " + ids[1:])  # two JSON objects' members, one object
-        for f in (out, out_checks):
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, final)
-    os.replace(tmp_checks, checks)
     return final
 
 
