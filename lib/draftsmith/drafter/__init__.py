@@ -1,6 +1,9 @@
-"""The EAGLE-3 drafter: draft vocabulary (`vocab`), model (`model`), training-time-test training
-(`data`, `train`) and the SGLang/vLLM export (`export`). Stage 06 loads a drafter with
-`load_exported(export_dir, target_path)`."""
+"""Stage 05, the EAGLE-3 drafter: draft vocabulary (`vocab`), model (`model`), its training data
+(`data`), the settings (`config`), preparation (`prepare`), the TTT objective (`objective`), held-out
+scores (`scoring`), checkpoints (`checkpoints`), the training loop (`train`), the SGLang/vLLM export
+(`export`), figures and tables (`plots`, `tables`), and `artifacts`, the one owner of the files under
+`<run>/drafter/`. Stage 06 loads a drafter with `load_exported(export_dir, target_path)` and reads
+the held-out samples with `artifacts.read_heldout`."""
 
 from .export import load_exported
 from .model import DrafterConfig, Eagle3Drafter, KVCache
