@@ -9,14 +9,13 @@
     train_config.json         the settings handed to torchrun processes
     summary.json              what the training run did
 
-JSON files are replaced whole (`draftsmith.files`); binary files are written beside and renamed
-over, so a kill leaves the old file or the new one. The two caches carry the key of the inputs
-they were made from and read as missing when it differs.
+Every file is written beside and renamed over (`draftsmith.files`), so a kill leaves the old file
+or the new one; metrics.jsonl is appended a whole line at a time, and a torn last line is left out.
+The two caches carry the key of the inputs they were made from and read as missing when it differs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..files import read_jsonl, write_json_atomic, write_text_atomic
+from ..files import read_jsonl, replacing, write_json_atomic, write_text_atomic
 from ..paths import Run
 from .vocab import DraftVocab
 
@@ -35,18 +34,8 @@ def drafter_dir(run_or_dir: Run | str | os.PathLike) -> Path:
     return run_or_dir.dir("drafter") if isinstance(run_or_dir, Run) else Path(run_or_dir)
 
 
-@contextlib.contextmanager
-def _replacing(path: Path):
-    """Yield a temporary path beside `path`; once written, it is synced and renamed over `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    yield tmp
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], key: str) -> None:
-    with _replacing(path) as tmp:
+    with replacing(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"key": key})
 
 
@@ -190,7 +179,7 @@ def save_checkpoint(out: Path, step: int, state: dict, keep: int = 2) -> Path:
     """Write `state` as the checkpoint of `step`; only the `keep` latest stay."""
     path = out / "checkpoints" / f"step-{step:07d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _replacing(path) as tmp:
+    with replacing(path) as tmp:
         torch.save(state, tmp)
     for old in checkpoints(out)[:-keep]:
         old.unlink()
