@@ -285,7 +285,7 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
     assert torch.equal(loaded.to_target(torch.arange(512)), vocab.used)
     # a bf16 export holds the same weights rounded to bf16
     b16 = export.export(tmp_path / "b16", {k: v for k, v in loaded.state_dict().items()}, mcfg, output_ids,
-                        dtype="bfloat16")
+                        engine="sglang", dtype="bfloat16")
     again = export.load_exported(b16, tiny_target, dtype=torch.bfloat16)
     assert torch.equal(again.fc.weight, loaded.fc.weight.to(torch.bfloat16))
 

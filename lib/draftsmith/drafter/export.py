@@ -103,7 +103,7 @@ def _portable(extra: dict) -> dict:
 
 
 def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DrafterConfig, layer_ids: list[int],
-           engine: str = "sglang", dtype: str = "bfloat16", extra: dict | None = None) -> Path:
+           engine: str, dtype: str, extra: dict | None = None) -> Path:
     """Write an export folder (replacing any old one whole). `weights`: the drafter's state dict;
     the embedding is left out, float tensors are cast to `dtype`."""
     if dtype not in DTYPES:
