@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .files import write_json_atomic
+from .files import replacing, write_json_atomic
 from .paths import Run
 
 INDEX = "index.json"
@@ -90,7 +90,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 def write_shard(path: str | os.PathLike, aux: torch.Tensor, last: torch.Tensor, input_ids: torch.Tensor,
                 loss_mask: torch.Tensor, offsets: torch.Tensor, dtype: str = "bf16",
                 metadata: dict[str, str] | None = None) -> int:
-    """Write one shard atomically (temp name, fsync, rename). Returns its size in bytes.
+    """Write one shard whole or not at all (`files.replacing`). Returns its size in bytes.
     `metadata` (str -> str) is stored in the safetensors header beside the format and dtype."""
     path = Path(path)
     aux_q, aux_s = quantize(aux, 3, dtype)
@@ -102,11 +102,8 @@ def write_shard(path: str | os.PathLike, aux: torch.Tensor, last: torch.Tensor, 
     if aux_s is not None:
         tensors["aux_scale"] = aux_s.float().contiguous()
         tensors["last_scale"] = last_s.float().contiguous()
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={**(metadata or {}), "format": FORMAT, "dtype": dtype})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        save_file(tensors, str(tmp), metadata={**(metadata or {}), "format": FORMAT, "dtype": dtype})
     return path.stat().st_size
 
 
