@@ -9,7 +9,7 @@ temperature, as token ids, with the same k and max_new_tokens as our decoder.
 
 Engines run in a child process (`python -m draftsmith.evaluate.engine_child JOB`, started like stage
 04's engine: `target.vllm.vllm_env`), one after the other in that process; what it counts and
-checks is described there. Each decoded prompt is one line of `engine_rounds.jsonl` (`results`),
+checks is described there. Each decoded prompt is one line of the engine's rounds file (`results`),
 keyed by the settings, so a re-run starts no engine whose lines are all there. On GPUs with the real
 target: docs/gpu.md, "Stage 06 on GPUs".
 """
@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 
-from ..files import write_json_atomic
 from ..paths import Run
 from ..target.vllm import die_with_parent, vllm_env
 from . import results
@@ -69,8 +68,7 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
                "max_model_len": max(len(p.ids) for p in prompts) + max_new_tokens + k + 16,
                "prompts": [{"dataset": p.dataset, "sample_id": p.sample_id, "ids": list(p.ids)} for p in prompts],
                "methods": todo, "done": [list(key) for key in done]}
-        job_file = out.with_name("engine_job.json")
-        write_json_atomic(job_file, job)
+        job_file = results.write_engine_job(run, job)
         log(f"vLLM {VLLM_VERSION}: {len(todo)} engine(s) to start ({', '.join(m['name'] for m in todo)}), "
             f"{len(prompts)} prompts x {len(temperatures)} temperatures each")
         env = {**vllm_env(in_process=tensor_parallel_size == 1), **RPC_ENV}

@@ -86,7 +86,7 @@ def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[dict], t
 
 def engine_report(rows: list[dict], methods: list[dict], hf_rows: list[dict] | None, k: int,
                   temperatures: list[float], dtype: str, tensor_parallel: int) -> dict:
-    """report.json's `engine` part: per temperature the summary of every method and, when our
+    """The report's `engine` part: per temperature the summary of every method and, when our
     decoder measured beside it (`hf_rows`), where the two part."""
     return {"backend": "vllm", "version": VLLM_VERSION, "dtype": dtype, "tensor_parallel": tensor_parallel,
             "concurrency": 1, "cpu_expand_kernel_replaced": any(r.get("cpu_expand_kernel_replaced") for r in rows),

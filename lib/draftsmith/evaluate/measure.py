@@ -1,5 +1,5 @@
-"""Our decoder over every method and prompt at one temperature, resumable: what `rounds.jsonl` already
-holds for the same settings is not measured again.
+"""Our decoder over every method, prompt and temperature, resumable: what the rounds file
+(`results`) already holds for the same settings is not measured again.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import torch
 from ..progress import Progress
 from .decode import decode
 from .methods import Method
-from .metrics import repeat_start
+from .metrics import repeat_start, summarize, verdict
 from .prompts import HeldoutPrompt, prompt_seed
 from .results import Results
 from .target_cache import Target
 
-ROUNDS_FORMAT = 3   # of a rounds.jsonl line; lines of another format are measured again
+ROUNDS_FORMAT = 3   # of a line of the rounds file; lines of another format are measured again
 
 
 def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutPrompt], *, k: int, max_new_tokens: int,
@@ -55,3 +55,22 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
                 bar.set(method=m.name, acceptance=tokens / max(n_rounds, 1))
                 rows.append(row)
     return rows
+
+
+def decoder_report(model, methods: list[Method], prompts: list[HeldoutPrompt], layer_ids: list[int], *, k: int,
+                   max_new_tokens: int, temperatures: list[float], seed: int, draft_cost_ratio: float,
+                   results: Results, target_fingerprint: str) -> tuple[dict, list[dict]]:
+    """The report's `temperatures` (per temperature: every method's summary and the verdict) and
+    the rows they were summed from."""
+    by_t, rows = {}, []
+    target = Target(model, layer_ids)
+    try:
+        for t in temperatures:
+            mine = run_methods(target, methods, prompts, k=k, max_new_tokens=max_new_tokens, temperature=float(t),
+                               seed=seed, results=results, target_fingerprint=target_fingerprint)
+            rows += mine
+            summary = summarize(mine, methods, k, draft_cost_ratio)
+            by_t[f"{float(t):g}"] = {"temperature": float(t), "methods": summary, "verdict": verdict(summary)}
+    finally:
+        target.close()
+    return by_t, rows

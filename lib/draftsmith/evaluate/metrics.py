@@ -124,7 +124,7 @@ def verdict(summary: dict) -> dict:
     return out
 
 
-DEFINITIONS = {   # written into report.json beside the numbers
+DEFINITIONS = {   # written into the report beside the numbers
     "acceptance_length": "tokens emitted by verification rounds / rounds (SGLang avg_spec_accept_length; "
                          "the prefill's first token not counted)",
     "acceptance_length_vllm": "1 + accepted draft tokens / rounds that drafted (vLLM)",

@@ -3,6 +3,8 @@
     rounds.jsonl         our decoder: one line per (settings, method, prompt), the rounds it took
     engine_rounds.jsonl  vLLM: one line per (settings, method, temperature, prompt), its counters
     report.json          what the stage measured, summed up (NaN rates written as null)
+    bench_prompts_sharegpt.json   the held-out prompts as a benchmark file for the serving engines
+    engine_job.json      what the vLLM engine process is to measure
 
 Lines are appended whole, so an interrupted stage resumes where it stopped: lines of other
 settings are kept but not used, and a last line torn by a kill is cut before anything is appended.
@@ -13,12 +15,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..files import read_jsonl, repair_tail, write_json_atomic
+from ..files import read_jsonl, repair_tail, write_json_atomic, write_text_atomic
 from ..paths import Run
 
 ROUNDS = "rounds.jsonl"
 ENGINE_ROUNDS = "engine_rounds.jsonl"
 REPORT = "report.json"
+BENCH_PROMPTS = "bench_prompts_sharegpt.json"
+ENGINE_JOB = "engine_job.json"
 
 
 def append_row(path: Path, row: dict) -> None:
@@ -62,6 +66,18 @@ def read_engine_rows(path: Path, settings: str) -> dict[tuple, dict]:
         if r.get("settings") == settings:
             rows[(r["method_fingerprint"], r["temperature"], r["dataset"], r["sample_id"])] = r
     return rows
+
+
+def write_engine_job(run: Run, job: dict) -> Path:
+    path = run.dir("eval") / ENGINE_JOB
+    write_json_atomic(path, job)
+    return path
+
+
+def write_bench_prompts(run: Run, rows: list[dict]) -> Path:
+    path = run.dir("eval") / BENCH_PROMPTS
+    write_text_atomic(path, json.dumps(rows, indent=1, ensure_ascii=False))
+    return path
 
 
 def report_path(run: Run) -> Path:

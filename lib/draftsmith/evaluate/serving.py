@@ -4,16 +4,14 @@ the shell commands that serve the export in SGLang and vLLM and benchmark it aga
 
 from __future__ import annotations
 
-import json
 import os
 
 from .. import store
 from ..drafter.export import for_engine, serving_command
-from ..files import write_text_atomic
 from ..paths import Run
+from . import results
 from .prompts import HeldoutPrompt
 
-BENCH_PROMPTS = "bench_prompts_sharegpt.json"
 COMMANDS = ("sglang_server", "sglang_baseline", "sglang_ngram", "sglang_bench", "sglang_acceptance", "vllm_server",
             "vllm_baseline", "vllm_bench")
 
@@ -34,9 +32,7 @@ def write_bench_prompts(run: Run, prompts: list[HeldoutPrompt]) -> tuple[str, in
                 rows.append({"id": f"{ds}/{r['sample_id']}", "conversations": [
                     {"from": "human", "value": users[-1]},
                     {"from": "gpt", "value": r.get("content") or ""}]})
-    path = run.dir("eval") / BENCH_PROMPTS
-    write_text_atomic(path, json.dumps(rows, indent=1, ensure_ascii=False))
-    return str(path), len(rows)
+    return str(results.write_bench_prompts(run, rows)), len(rows)
 
 
 def serving_commands(export_dir: str | os.PathLike, target_path: str, k: int, bench_file: str,

@@ -1,4 +1,4 @@
-"""Stage 06 end to end (`evaluate_run`): held-out prompts, every method at every temperature, report.json.
+"""Stage 06 end to end (`evaluate_run`): held-out prompts, every method at every temperature, the report.
 
 `backend` vllm measures inside vLLM serving every export (`engine`), then, with `hf_crosscheck`,
 by our decoder over transformers beside it (a target that fits one device); hf: our decoder only.
@@ -12,12 +12,11 @@ from ..paths import Run
 from ..target.checkpoint import load_target, resolve_target
 from ..target.identity import target_identity
 from . import engine, engine_summary, results
-from .measure import run_methods
+from .measure import decoder_report
 from .methods import engine_methods_for, methods_for
-from .metrics import DEFINITIONS, summarize, verdict
+from .metrics import DEFINITIONS
 from .prompts import heldout_prompts
 from .serving import serving_commands, write_bench_prompts
-from .target_cache import Target
 
 
 def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, prompts_per_dataset: int,
@@ -26,7 +25,7 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, pro
                  device: str = "auto", backend: str = "hf", hf_crosscheck: bool = True, engine_dtype: str = "float32",
                  tensor_parallel: int = 1, trust_remote_code: bool = False, log=print) -> dict:
     """Measure the drafter of `drafter_dir` (default: the run's stage 05 folder) on the prompts stage
-    05 held out; write `<run>/eval/report.json` and return it."""
+    05 held out; write the stage's report (`results.write_report`) and return it."""
     if k < 1:
         raise ValueError(f"draft_tokens must be at least 1, got {k}")
     if backend not in ("hf", "vllm"):
@@ -55,22 +54,13 @@ def evaluate_run(run: Run, target_model_path: str, drafter_dir: str = "", *, pro
             run, target_path, engine_methods, prompts, k=k, max_new_tokens=max_new_tokens, temperatures=temperatures,
             seed=seed, dtype=engine_dtype, tensor_parallel_size=tensor_parallel, trust_remote_code=trust_remote_code,
             settings=engine.settings_key(fingerprint, k, max_new_tokens, seed, engine_dtype), log=log)
-    by_t, hf_rows = {}, []
+    by_t, hf_rows = {}, None   # our decoder's summaries and rows
     if ours:
-        measured = results.Results(run)
-        target = Target(model, layer_ids)
-        try:
-            for t in temperatures:
-                rows = run_methods(target, methods, prompts, k=k, max_new_tokens=max_new_tokens,
-                                   temperature=float(t), seed=seed, results=measured, target_fingerprint=fingerprint)
-                hf_rows += rows
-                summary = summarize(rows, methods, k, draft_cost_ratio)
-                by_t[f"{float(t):g}"] = {"temperature": float(t), "methods": summary, "verdict": verdict(summary)}
-        finally:
-            target.close()
-    engine_part = engine_summary.engine_report(engine_rows, engine_methods, hf_rows if ours else None, k,
-                                               temperatures, engine_dtype, tensor_parallel) \
-        if backend == "vllm" else None
+        by_t, hf_rows = decoder_report(
+            model, methods, prompts, layer_ids, k=k, max_new_tokens=max_new_tokens, temperatures=temperatures,
+            seed=seed, draft_cost_ratio=draft_cost_ratio, results=results.Results(run), target_fingerprint=fingerprint)
+    engine_part = engine_summary.engine_report(engine_rows, engine_methods, hf_rows, k, temperatures, engine_dtype,
+                                               tensor_parallel) if backend == "vllm" else None
     final = next(m for m in methods if m.kind == "eagle3" and m.info["final"])
     bench_file, n_bench = write_bench_prompts(run, prompts)
     report = {

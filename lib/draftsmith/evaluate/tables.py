@@ -96,7 +96,7 @@ def explain(report: dict) -> str:
     lines = []
     for t in report["temperatures"].values():
         m, v = t["methods"], t["verdict"]
-        d, pl = m["eagle3"], m["prompt lookup"]
+        d = m["eagle3"]
         mode = "greedy" if t["temperature"] <= 0 else f"sampling at T = {t['temperature']:g}"
         ck = [(s["fraction"], s["acceptance_length"]) for s in m.values() if s["kind"] == "eagle3"]
         line = (f"**{mode}, k = {report['k']}:** drafter **{v['drafter']:.2f}**, prompt lookup "
@@ -124,6 +124,6 @@ def explain(report: dict) -> str:
         lossless = d["lossless"]
         if lossless is not None:
             line += " Outputs equal the target's greedy decoding: " + ("yes, every method." if all(
-                s["lossless"] for s in m.values()) else "NO — see `mismatched_samples` in report.json.")
+                s["lossless"] for s in m.values()) else "NO — see `mismatched_samples` in the report.")
         lines.append(line.replace("  ", " ").strip())
     return "\n\n".join(lines)
