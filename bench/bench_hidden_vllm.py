@@ -30,7 +30,7 @@ from bench_hidden import print_disk_table, raw_tensor_bytes, synthetic_tokens
 from draftsmith import layers
 from draftsmith.hidden.extract import extract
 from draftsmith.shards import HiddenShards
-from draftsmith.target.checkpoint import resolve_target
+from draftsmith.target.checkpoint import resolve_target, target_config
 from draftsmith.target.vllm import VllmCapture, vllm_env
 from draftsmith.target.vllm_capture import engine_kwargs
 from draftsmith.tokens import read_tokens
@@ -68,7 +68,7 @@ def main() -> None:
         return plain_engine_child(json.loads(a.plain_child[0]), a.plain_child[1])
 
     target = resolve_target(a.target)
-    cfg = json.loads((target / "config.json").read_text())
+    cfg = target_config(target)
     ids = layers.default_layer_ids(cfg["num_hidden_layers"])
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

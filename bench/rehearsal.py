@@ -56,6 +56,8 @@ from draftsmith import store  # noqa: E402
 from draftsmith.datasets import stable_id  # noqa: E402
 
 from draftsmith.emulator import ADMIN_KEY_ENV, KEY_ENV, new_key  # noqa: E402
+from draftsmith.local import emulator_process  # noqa: E402
+from draftsmith.report import report_file  # noqa: E402
 from draftsmith.paths import REPO_ROOT, Run  # noqa: E402
 from draftsmith.providers import outputs as stage_01  # noqa: E402
 from draftsmith.providers.cost_plan import plan_verdict  # noqa: E402
@@ -78,23 +80,10 @@ class Emulator:
     """`python -m draftsmith.emulator` for the whole rehearsal; `state()` polls admin/state."""
 
     def __init__(self, folder: Path, config: dict, key: str, admin_key: str):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(config, indent=1))
-        ready = folder / "ready.json"
-        ready.unlink(missing_ok=True)
         self.admin_key = admin_key
-        env = {**os.environ, KEY_ENV: key, ADMIN_KEY_ENV: admin_key}
-        self.log = open(folder / "emulator.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "draftsmith.emulator", "--port", "0", "--config", str(folder / "config.json"),
-             "--state-dir", str(folder), "--ready-file", str(ready), "--parent-pid", str(os.getpid())],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RehearsalFailed(f"the emulator did not start; see {folder / 'emulator.log'}")
-            time.sleep(0.1)
-        self.base_url = json.loads(ready.read_text())["base_url"]
+        self._process = emulator_process(folder, json.dumps(config, indent=1),
+                                         {**os.environ, KEY_ENV: key, ADMIN_KEY_ENV: admin_key})
+        self.proc, self.base_url = self._process.__enter__()
 
     def admin(self, path: str, body: dict | None = None) -> dict:
         req = urllib.request.Request(f"{self.base_url}/admin/{path}", method="POST" if body else "GET",
@@ -109,13 +98,7 @@ class Emulator:
         return t.user + t.system
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+        self._process.__exit__(None, None, None)
 
 
 class Watch:
@@ -299,7 +282,7 @@ def report(run: Run, log=print) -> dict:
     table = render(result)
     (work / "table.md").write_text(table + "\n")
     log(table)
-    log(f"rehearsal: the stages' report with the figures: {run.root / 'report.html'}")
+    log(f"rehearsal: the stages' report with the figures: {report_file(run)}")
     return result
 
 

@@ -52,20 +52,27 @@ def open_api(api_base: str, api_key_file: str | None, run: Run, target_model_pat
     if model:
         fields["model"] = model
     cfg = load_config(fields)
-    state = run.dir("emulator")
-    (state / "config.json").write_text(cfg.model_dump_json(indent=1))
+    env = dict(os.environ, **{KEY_ENV: key.reveal()})
+    env.pop(ENV_VAR, None)
+    with emulator_process(run.dir("emulator"), cfg.model_dump_json(indent=1), env) as (_, base_url):
+        yield base_url, key
+
+
+@contextmanager
+def emulator_process(state: Path, config_json: str, env: dict) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`python -m draftsmith.emulator` with its config, ready file, log and account in `state`, on a
+    free port; yields (the process, its base URL) once it serves, and stops it on exit."""
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "config.json").write_text(config_json)
     ready = state / "ready.json"
     ready.unlink(missing_ok=True)
     log = open(state / "emulator.log", "a")
-    env = dict(os.environ, **{KEY_ENV: key.reveal()})
-    env.pop(ENV_VAR, None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "draftsmith.emulator", "--port", "0", "--config", str(state / "config.json"),
          "--state-dir", str(state), "--ready-file", str(ready), "--parent-pid", str(os.getpid())],
         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        base_url = _wait_ready(proc, ready, state / "emulator.log")
-        yield base_url, key
+        yield proc, _wait_ready(proc, ready, state / "emulator.log")
     finally:
         proc.terminate()
         try:

@@ -16,6 +16,10 @@ from .paths import Run
 from .runner import executed_notebooks
 
 
+def report_file(run: Run) -> Path:
+    return run.root / "report.html"
+
+
 def write_report(run: Run) -> Path | None:
     from nbconvert import HTMLExporter
 
@@ -38,6 +42,6 @@ def write_report(run: Run) -> Path | None:
             merged.cells.append(copy.deepcopy(c))
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(merged)
-    out = run.root / "report.html"
+    out = report_file(run)
     write_text_atomic(out, body)
     return out
