@@ -74,6 +74,30 @@ def write_token_rows(path: Path, tok, convs: list[list[dict]], prefix: str = "s"
     return path
 
 
+def stage_05_run(run: Path, target: Path, tok, *, epochs: float, export_fractions: list[float],
+                 layer_ids: list[int] | None = None) -> Path:
+    """`run` as stages 03-05 leave it: tokens of two datasets (16 samples each), hidden states at
+    `layer_ids` (None: the default), a drafter trained with 20% held out and exported at `export_fractions`."""
+    from draftsmith.drafter.config import TrainConfig
+    from draftsmith.drafter.train import train
+    from draftsmith.hidden.extract import extract
+    from draftsmith.target.corpus import chat_examples
+
+    tokens = run / "tokens"
+    tokens.mkdir(parents=True)
+    convs = chat_examples(seed=3)
+    files = [write_token_rows(tokens / "code.jsonl", tok, convs[:16], "code"),
+             write_token_rows(tokens / "chat.jsonl", tok, convs[16:32], "chat")]
+    extract(target, files, run / "hidden", layer_ids=layer_ids, dtype="bf16", log=lambda *a: None)
+    train(TrainConfig(hidden_dir=str(run / "hidden"), target_path=str(target), out_dir=str(run / "drafter"),
+                      draft_vocab_size=512, ttt_steps=3, epochs=epochs, batch_size=4, micro_batch_size=4,
+                      max_len=160, lr=3e-3, warmup_fraction=0.015, weight_decay=0.0, grad_clip=0.5,
+                      holdout_fraction=0.2, seed=0, fsdp=False, eval_every=0, checkpoint_every=100,
+                      export_fractions=export_fractions, export_engine="sglang", export_dtype="float32",
+                      resume=True), log=lambda *a: None)
+    return run
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

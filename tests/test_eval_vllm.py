@@ -17,16 +17,12 @@ import torch
 from draftsmith import layers
 from draftsmith.drafter.export import export, for_engine
 from draftsmith.drafter.model import DrafterConfig
-from draftsmith.drafter.config import TrainConfig
 from draftsmith.drafter.objective import build_drafter
-from draftsmith.drafter.train import train
 from draftsmith.drafter.vocab import DraftVocab
 from draftsmith.evaluate import engine, engine_child
-from draftsmith.hidden.extract import extract
 from draftsmith.target.checkpoint import target_config, target_tensors
-from draftsmith.target.corpus import chat_examples
 
-from conftest import write_token_rows
+from conftest import stage_05_run
 
 CUSTOM = [2, 3, 5]          # output ids; not the default [1, 3, 4] of 8 layers
 VLLM_IDS = [3, 4, 6]        # what vLLM must capture for them (input of layers 3, 4, 6)
@@ -109,20 +105,8 @@ def test_custom_layer_ids_reach_vllm_from_the_new_export_and_not_from_the_old(ti
 @pytest.fixture(scope="module")
 def custom_run(tmp_path_factory, tiny_target, target_tokenizer):
     """A run as stages 03-05 leave it, features captured at the custom layers, one export."""
-    run = tmp_path_factory.mktemp("outputs") / "vllm"
-    tokens = run / "tokens"
-    tokens.mkdir(parents=True)
-    convs = chat_examples(seed=3)
-    files = [write_token_rows(tokens / "code.jsonl", target_tokenizer, convs[:16], "code"),
-             write_token_rows(tokens / "chat.jsonl", target_tokenizer, convs[16:32], "chat")]
-    extract(tiny_target, files, run / "hidden", layer_ids=CUSTOM, dtype="bf16", log=quiet)
-    train(TrainConfig(hidden_dir=str(run / "hidden"), target_path=str(tiny_target), out_dir=str(run / "drafter"),
-                      draft_vocab_size=512, ttt_steps=3, epochs=2.0, batch_size=4, micro_batch_size=4,
-                      max_len=160, lr=3e-3, warmup_fraction=0.015, weight_decay=0.0, grad_clip=0.5,
-                      holdout_fraction=0.2, seed=0, fsdp=False, eval_every=0, checkpoint_every=100,
-                      export_fractions=[1.0], export_engine="sglang", export_dtype="float32", resume=True),
-          log=quiet)
-    return run
+    return stage_05_run(tmp_path_factory.mktemp("outputs") / "vllm", tiny_target, target_tokenizer, epochs=2.0,
+                        export_fractions=[1.0], layer_ids=CUSTOM)
 
 
 def run_stage_06(run: Path, crosscheck: bool) -> dict:

@@ -9,21 +9,18 @@ import torch
 from draftsmith.drafter import artifacts, load_exported
 from draftsmith.drafter.export import export
 from draftsmith.drafter.model import DrafterConfig
-from draftsmith.drafter.config import TrainConfig
 from draftsmith.drafter.objective import build_drafter
-from draftsmith.drafter.train import train
 from draftsmith.drafter.vocab import DraftVocab
 from draftsmith.evaluate import decode, metrics, prompts as heldout, results, serving, stage
 from draftsmith.evaluate.proposers import Eagle3Proposer, PromptLookup
 from draftsmith.evaluate.target_cache import Target
-from draftsmith.hidden.extract import extract
 from draftsmith.paths import Run
 from draftsmith.target.checkpoint import load_target, target_config, target_tensors
 from draftsmith.target.corpus import chat_examples
 from draftsmith.target.hf import Capture
 from draftsmith.tokens import Sample
 
-from conftest import write_token_rows
+from conftest import stage_05_run
 
 LAYER_IDS = [1, 3, 4]   # the default for 8 layers, output convention
 
@@ -57,20 +54,8 @@ def greedy(target_model, prompts):
 def trained_run(tmp_path_factory, tiny_target, target_tokenizer):
     """A run folder as stages 03-05 leave it: tokens of two datasets, hidden states, and a drafter
     trained for a few steps with exports at 50% and 100%."""
-    run = tmp_path_factory.mktemp("outputs") / "smoke"
-    tokens = run / "tokens"
-    tokens.mkdir(parents=True)
-    convs = chat_examples(seed=3)
-    files = [write_token_rows(tokens / "code.jsonl", target_tokenizer, convs[:16], "code"),
-             write_token_rows(tokens / "chat.jsonl", target_tokenizer, convs[16:32], "chat")]
-    extract(tiny_target, files, run / "hidden", dtype="bf16", log=quiet)
-    train(TrainConfig(hidden_dir=str(run / "hidden"), target_path=str(tiny_target), out_dir=str(run / "drafter"),
-                      draft_vocab_size=512, ttt_steps=3, epochs=1.0, batch_size=4, micro_batch_size=4,
-                      max_len=160, lr=3e-3, warmup_fraction=0.015, weight_decay=0.0, grad_clip=0.5,
-                      holdout_fraction=0.2, seed=0, fsdp=False, eval_every=0, checkpoint_every=100,
-                      export_fractions=[0.5, 1.0], export_engine="sglang", export_dtype="float32", resume=True),
-          log=quiet)
-    return run
+    return stage_05_run(tmp_path_factory.mktemp("outputs") / "smoke", tiny_target, target_tokenizer, epochs=1.0,
+                        export_fractions=[0.5, 1.0])
 
 
 def random_export(tiny_target, out: Path, seed: int = 0) -> Path:

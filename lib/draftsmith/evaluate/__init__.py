@@ -7,6 +7,7 @@ The stage entry is `stage.evaluate_run`. Around it, one idea a module:
     decode         one speculative decode: draft, verify, accept, the rounds it took
     metrics        acceptance from the rounds, novel vs repeating text, speed-up estimate, verdict
     methods        the methods compared: no drafter, prompt lookup, every export of the drafter
+    measure        our decoder over every method, prompt and temperature, resumable
     results        the stage's files under `<run>/eval/` (rounds measured, the report) and their names
     engine         the same methods measured inside vLLM (a child process: `engine_child`), summed up
                    by `engine_summary`
