@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from draftsmith.budget import MIN_SAMPLES, SpendBudget, TokenBudget, prompt_tokens_bound
+from draftsmith.budget import SpendBudget, TokenBudget, prompt_tokens_bound
 
 
 def simulate(budget, max_tokens, slots, draw, seed, prompts=10**9):

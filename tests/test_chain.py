@@ -5,7 +5,6 @@ main output exists, the report renders with its figures, and the API key used is
 outputs/ (executed notebooks, logs, ledgers, shards included).
 """
 
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -80,7 +80,6 @@ def _canonical(tok, vocab, ids):
 
 
 def test_model_backend_samples_canonical_masked_text_and_bills_the_sampled_ids(model_emu):
-    import json
 
     emu = model_emu
     tok, vocab = emu.emulator.tokenizer, emu.emulator.vocab

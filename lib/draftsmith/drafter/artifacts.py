@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from ..files import read_jsonl, replacing, write_json_atomic, write_text_atomic
 from ..paths import Run
+from .export import is_export
 from .vocab import DraftVocab
 
 
@@ -160,9 +161,9 @@ def read_exports(run_or_dir) -> list[dict]:
     found = []
     for e in items:
         d = Path(e["dir"])
-        if not (d / "config.json").is_file():
+        if not is_export(d):
             d = out / d.name
-        if not (d / "config.json").is_file():
+        if not is_export(d):
             raise FileNotFoundError(f"{path}: export {e['dir']!r} (step {e['step']}) not found")
         found.append({"step": int(e["step"]), "fraction": float(e["fraction"]), "dir": d})
     return found

@@ -136,6 +136,15 @@ def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DrafterCo
     return out
 
 
+def read_export_config(export_dir: str | Path) -> dict:
+    """The config.json of an export folder (FileNotFoundError if the folder holds no export)."""
+    return json.loads((Path(export_dir) / "config.json").read_text())
+
+
+def is_export(folder: str | Path) -> bool:
+    return (Path(folder) / "config.json").is_file()
+
+
 def config_of_export(config: dict) -> DrafterConfig:
     fields = DrafterConfig.__dataclass_fields__
     missing = [f for f in fields if f not in config]
@@ -148,7 +157,7 @@ def load_exported(export_dir: str | Path, target_path: str | Path, dtype: torch.
                   device: str | torch.device = "cpu") -> Eagle3Drafter:
     """The drafter of an export folder, with the target's embedding, in eval mode."""
     export_dir = Path(export_dir)
-    config = json.loads((export_dir / "config.json").read_text())
+    config = read_export_config(export_dir)
     if config.get("architectures") != [ARCHITECTURE]:
         raise ValueError(f"{export_dir}/config.json: architectures {config.get('architectures')}, "
                          f"expected [{ARCHITECTURE!r}]")
@@ -171,7 +180,7 @@ def for_engine(export_dir: str | Path, engine: str) -> Path:
     itself if it already does (as this version writes it), else a sibling `<name>-<engine>` with the same weights (hard link
     when the filesystem allows) and the config rewritten."""
     src = Path(export_dir)
-    config = json.loads((src / "config.json").read_text())
+    config = read_export_config(src)
     cfg = config_of_export(config)
     extra = {k: v for k, v in config["draftsmith"].items() if k not in ("aux_layer_ids", "aux_layer_convention", "engine")}
     wanted = export_config(cfg, config["draftsmith"]["aux_layer_ids"], engine, config["torch_dtype"], extra)

@@ -6,7 +6,6 @@ reused only for the same method. `engine_methods_for` gives the same methods as 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 from .. import layers
 from ..drafter import load_exported
 from ..drafter.artifacts import read_exports
-from ..drafter.export import for_engine
+from ..drafter.export import for_engine, read_export_config
 from ..target.identity import fingerprint
 from . import engine
 from .proposers import Eagle3Proposer, PromptLookup
@@ -31,7 +30,7 @@ class Method:
 
 def export_layer_ids(export_dir: Path) -> list[int]:
     """The export's auxiliary layer ids in draftsmith's (output) convention."""
-    cfg = json.loads((export_dir / "config.json").read_text())
+    cfg = read_export_config(export_dir)
     ds = cfg.get("draftsmith") or {}
     if "aux_layer_ids" not in ds:
         raise KeyError(f"{export_dir}/config.json: no draftsmith.aux_layer_ids; the engine-side ids "

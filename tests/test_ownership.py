@@ -1,0 +1,94 @@
+"""Every file that crosses a stage boundary has one owner module: only it names the file, so only it
+writes and reads it; stages, benches and notebooks ask the owner. Checked on the code itself: a
+string literal that is such a file name (docstrings aside) may appear only in its owner."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+from draftsmith.paths import REPO_ROOT
+
+LIB = REPO_ROOT / "lib" / "draftsmith"
+
+# file name -> the modules (under lib/draftsmith) allowed to name it, in stage order
+OWNERS = {
+    # stage 01
+    "routing.json": {"providers/outputs.py"}, "spend.json": {"providers/outputs.py"},
+    "endpoints.csv": {"providers/outputs.py"}, "cost_plan.csv": {"providers/outputs.py"},
+    # stage 02
+    "raw_responses.jsonl": {"store.py"}, "errors.jsonl": {"store.py"}, "manifest.json": {"store.py"},
+    "timeline.jsonl": {"store.py"},
+    # stage 03 (report.json: stage 03's and stage 06's, each in its own folder)
+    "report.json": {"tokens/outputs.py", "evaluate/results.py"},
+    # stage 04
+    "index.json": {"shards.py"}, "extract_config.json": {"hidden/stage.py"},
+    # summary.json: stage 01's, stage 04's and stage 05's, each in its own folder
+    "summary.json": {"providers/outputs.py", "shards.py", "drafter/artifacts.py"},
+    # stage 05
+    "heldout.json": {"drafter/artifacts.py"}, "metrics.jsonl": {"drafter/artifacts.py"},
+    "exports.json": {"drafter/artifacts.py"}, "vocab.safetensors": {"drafter/artifacts.py"},
+    "supervision.safetensors": {"drafter/artifacts.py"}, "train_config.json": {"drafter/artifacts.py"},
+    # an export folder in the engines' format; a target checkpoint in Hugging Face's
+    "model.safetensors": {"drafter/export.py"},
+    "config.json": {"drafter/export.py", "target/checkpoint.py", "target/identity.py",
+                    "target/tiny.py", "local.py"},
+    "tokenizer_config.json": {"target/checkpoint.py"}, "draftsmith_target.json": {"target/tiny.py"},
+    # stage 06
+    "rounds.jsonl": {"evaluate/results.py"}, "engine_rounds.jsonl": {"evaluate/results.py"},
+    "engine_job.json": {"evaluate/results.py"}, "bench_prompts_sharegpt.json": {"evaluate/results.py"},
+    # the runner's
+    "run_params.yaml": {"runner.py"}, "report.html": {"report.py"},
+}
+FILE = re.compile(r"[\w.*-]+\.(?:jsonl?|csv|safetensors|yaml|html)")
+
+
+def _names(text: str) -> set[str]:
+    """The owned file names a string literal spells (as itself or as the last part of a path)."""
+    if " " in text.strip():
+        return set()
+    last = text.strip().rstrip("/").split("/")[-1]
+    return {last} if last in OWNERS else set()
+
+
+def _literals(source: str) -> set[str]:
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            found |= _names(node.value)
+    return found
+
+
+def _users() -> dict[str, dict[str, set[str]]]:
+    """file name -> {where it is named: ...}, over the library, the benches and the notebooks' code."""
+    users: dict[str, set[str]] = {name: set() for name in OWNERS}
+    sources = [(str(p.relative_to(LIB)), p.read_text()) for p in sorted(LIB.rglob("*.py"))]
+    sources += [(f"bench/{p.name}", p.read_text()) for p in sorted((REPO_ROOT / "bench").glob("*.py"))]
+    for nb in sorted((REPO_ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        sources.append((f"notebooks/{nb.name}", "\n".join(l for l in code.splitlines() if not l.lstrip().startswith(("%", "!")))))
+    for where, text in sources:
+        for name in _literals(text):
+            users[name].add(where)
+    return users
+
+
+def test_every_stage_boundary_file_is_named_only_by_its_owner():
+    users = _users()
+    strays = {name: sorted(where - OWNERS[name]) for name, where in users.items() if where - OWNERS[name]}
+    assert not strays, f"named outside their owner (ask the owner instead): {strays}"
+    unused = sorted(name for name, where in users.items() if not where)
+    assert not unused, f"owned names no module uses any more (drop them from OWNERS): {unused}"
+
+
+def test_the_check_sees_a_path_built_by_hand():
+    """The scan is not blind: a reader building an owned path the way stages used to is caught."""
+    assert _literals('p = run.root / "providers" / "routing.json"\n') == {"routing.json"}
+    assert _literals('p = Path(folder) / "generate/x/raw_responses.jsonl"\n') == {"raw_responses.jsonl"}
+    assert _literals('"""Reads routing.json."""\nmsg = "see providers/routing.json for why"\n') == set()
