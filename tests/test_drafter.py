@@ -115,11 +115,11 @@ def test_notebook_05_holds_the_one_default_of_each_training_setting():
 
     import nbformat
 
-    from draftsmith import runner
+    from draftsmith import parameters
     from draftsmith.paths import NOTEBOOKS_DIR
 
     path = NOTEBOOKS_DIR / "05_train_drafter.ipynb"
-    declared = runner.read_parameters(path)
+    declared = parameters.read_parameters(path)
     calls = [n for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"
              for n in ast.walk(ast.parse(c.source)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "TrainConfig"]
     assert len(calls) == 1

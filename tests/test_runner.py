@@ -7,7 +7,7 @@ import nbformat
 import pytest
 import yaml
 
-from draftsmith import cli, runner
+from draftsmith import cli, parameters, runner
 from draftsmith.paths import NOTEBOOKS_DIR, REPO_ROOT
 
 PARAMS = sorted((REPO_ROOT / "params").glob("*.yaml"))
@@ -36,7 +36,7 @@ def toy_stages(tmp_path):
     make_notebook(d / "02_second.ipynb",
                   'run_name = "x"\noutputs_dir = "outputs"\nflag = False\nitems = []\n',
                   ["x = 1", "assert not flag, 'flag was set'"])
-    return runner.discover(d)
+    return parameters.discover(d)
 
 
 def test_runner_rejects_an_unknown_key_naming_it(tmp_path, capsys):
@@ -61,9 +61,9 @@ def test_runner_rejects_a_wrongly_typed_value_naming_it(tmp_path, capsys):
 
 
 def test_every_params_file_passes_the_runner_checks():
-    stages = runner.discover()
+    stages = parameters.discover()
     for f in PARAMS:
-        values = runner.effective_params(stages, str(f), [])
+        values = parameters.effective_params(stages, str(f), [])
         assert values["run_name"] and Path(values["outputs_dir"]).is_absolute(), f
 
 
@@ -81,19 +81,19 @@ def test_notebooks_have_one_parameters_cell_python3_kernel_and_no_outputs():
     for p in nbs:
         nb = nbformat.read(p, as_version=4)
         assert nb.metadata["kernelspec"]["name"] == "python3", p.name
-        runner.parameters_cell(nb)  # exactly one
+        parameters.parameters_cell(nb)  # exactly one
         for c in nb.cells:
             if c.cell_type == "code":
                 assert not c.outputs and c.execution_count is None, f"{p.name} has stored outputs"
-        runner.read_parameters(p)  # plain literals only
-    runner.declared(runner.discover())  # same type for a name everywhere
+        parameters.read_parameters(p)  # plain literals only
+    parameters.declared(parameters.discover())  # same type for a name everywhere
 
 
 def test_runner_passes_only_declared_parameters_with_absolute_paths(toy_stages, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     f = tmp_path / "p.yaml"
     f.write_text(yaml.safe_dump({"run_name": "r1", "outputs_dir": "out", "count": 5, "flag": False}))
-    values = runner.effective_params(toy_stages, str(f), [("rate", "2")])
+    values = parameters.effective_params(toy_stages, str(f), [("rate", "2")])
     assert values["outputs_dir"] == str(tmp_path / "out") and values["rate"] == 2
     run = runner.run_stages(toy_stages, values, echo=False)
     assert json.loads((run.root / "first.json").read_text()) == {"count": 5, "rate": 2, "outputs_dir": str(tmp_path / "out")}
@@ -106,7 +106,7 @@ def test_runner_passes_only_declared_parameters_with_absolute_paths(toy_stages, 
 
 
 def test_a_failing_stage_names_the_notebook_and_cell(toy_stages, tmp_path):
-    values = runner.effective_params(toy_stages, None, [("run_name", "r2"), ("outputs_dir", str(tmp_path)),
+    values = parameters.effective_params(toy_stages, None, [("run_name", "r2"), ("outputs_dir", str(tmp_path)),
                                                          ("flag", "true")])
     with pytest.raises(runner.StageFailed) as e:
         runner.run_stages(toy_stages, values, echo=False)
@@ -116,14 +116,14 @@ def test_a_failing_stage_names_the_notebook_and_cell(toy_stages, tmp_path):
 
 
 def test_stage_selection_by_number_name_and_list(toy_stages):
-    assert [s.title for s in runner.select(toy_stages, "2")] == ["02_second"]
-    assert [s.title for s in runner.select(toy_stages, "first,02")] == ["01_first", "02_second"]
-    with pytest.raises(runner.ParamError, match="unknown stage 'third'"):
-        runner.select(toy_stages, "third")
+    assert [s.title for s in parameters.select(toy_stages, "2")] == ["02_second"]
+    assert [s.title for s in parameters.select(toy_stages, "first,02")] == ["01_first", "02_second"]
+    with pytest.raises(parameters.ParamError, match="unknown stage 'third'"):
+        parameters.select(toy_stages, "third")
 
 
 def test_a_run_without_a_params_file_is_refused_unless_defaults_is_given(capsys, monkeypatch, toy_stages):
-    monkeypatch.setattr(runner, "discover", lambda: toy_stages)
+    monkeypatch.setattr(parameters, "discover", lambda: toy_stages)
     assert cli.main(["run", "02"]) == 2
     assert "give a params file with -f" in capsys.readouterr().err
     assert cli.main(["run", "02", "--defaults", "-f", str(PARAMS[0])]) == 2
@@ -174,7 +174,7 @@ def test_an_unwritable_outputs_folder_is_one_line_not_a_traceback(tmp_path, caps
 
 def test_a_failing_stage_points_to_its_traceback_in_the_log_with_the_same_cell_number(
         toy_stages, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(runner, "discover", lambda: toy_stages)
+    monkeypatch.setattr(parameters, "discover", lambda: toy_stages)
     f = tmp_path / "p.yaml"
     f.write_text(yaml.safe_dump({"run_name": "r3", "outputs_dir": str(tmp_path), "flag": True}))
     assert cli.main(["run", "all", "-f", str(f)]) == 1
@@ -199,9 +199,9 @@ def test_ctrl_c_stops_the_run_with_one_line_and_exit_130(toy_stages, tmp_path):
 
     make_notebook(toy_stages[0].path, 'run_name = "x"\noutputs_dir = "outputs"\n',
                   ["import time\nprint('sleeping', flush=True)\ntime.sleep(60)"])
-    script = ("import sys\nfrom pathlib import Path\nfrom draftsmith import cli, runner\n"
-              f"stages = runner.discover(Path({str(toy_stages[0].path.parent)!r}))\n"
-              "runner.discover = lambda: stages\n"
+    script = ("import sys\nfrom pathlib import Path\nfrom draftsmith import cli, parameters\n"
+              f"stages = parameters.discover(Path({str(toy_stages[0].path.parent)!r}))\n"
+              "parameters.discover = lambda: stages\n"
               f"sys.exit(cli.main(['run', '01', '--defaults', '-p', 'outputs_dir', {str(tmp_path)!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)
     log = tmp_path / "x" / "logs" / "01_first.log"
@@ -217,8 +217,8 @@ def test_ctrl_c_stops_the_run_with_one_line_and_exit_130(toy_stages, tmp_path):
 def test_notebooks_opened_by_hand_run_the_demos_datasets_and_budgets():
     """Run All in Lab with the defaults and `make demo` generate the same samples into the same run."""
     demo = yaml.safe_load((REPO_ROOT / "params" / "demo.yaml").read_text())
-    stages = runner.discover()
-    known = runner.declared(stages)  # the default the runner uses for a key no params file sets
+    stages = parameters.discover()
+    known = parameters.declared(stages)  # the default the runner uses for a key no params file sets
     for key in ("run_name", "outputs_dir", "datasets", "model", "max_tokens"):
         assert key not in demo, key
         for stage in stages:

@@ -3,7 +3,7 @@ the demo still runs on exactly the values it ran on before the files were trimme
 
 import yaml
 
-from draftsmith import cli, runner
+from draftsmith import cli, parameters
 from draftsmith.paths import REPO_ROOT
 
 PARAMS = sorted((REPO_ROOT / "params").glob("*.yaml"))
@@ -45,7 +45,7 @@ DEMO_0FEC386 = {
 
 
 def test_params_files_hold_only_overrides_of_what_the_notebooks_declare():
-    known = runner.declared(runner.discover())
+    known = parameters.declared(parameters.discover())
     for f in PARAMS:
         for key, value in yaml.safe_load(f.read_text()).items():
             assert key in known, f"{f.name}: {key!r} is declared by no notebook"
@@ -54,9 +54,9 @@ def test_params_files_hold_only_overrides_of_what_the_notebooks_declare():
 
 
 def test_every_stage_of_the_demo_runs_on_the_values_it_ran_on_before_the_trim():
-    stages = runner.discover()
-    values = runner.effective_params(stages, str(REPO_ROOT / "params" / "demo.yaml"), [], REPO_ROOT)
-    before = runner.absolutize(DEMO_0FEC386, REPO_ROOT)
+    stages = parameters.discover()
+    values = parameters.effective_params(stages, str(REPO_ROOT / "params" / "demo.yaml"), [], REPO_ROOT)
+    before = parameters.absolutize(DEMO_0FEC386, REPO_ROOT)
     for stage in stages:
         given = {k: values[k] for k in stage.params if k in before}
         assert given == {k: before[k] for k in given}, stage.title
@@ -71,7 +71,7 @@ def test_check_prints_every_value_a_stage_uses_and_where_it_comes_from(capsys, t
     assert cli.main(["run", "04", "-f", demo, "--check", "-p", "outputs_dir", "out"]) == 0
     out = capsys.readouterr().out
     lines = {line.split("=")[0].strip(): line for line in out.splitlines() if " = " in line}
-    assert set(lines) == set(runner.select(runner.discover(), "04")[0].params)
+    assert set(lines) == set(parameters.select(parameters.discover(), "04")[0].params)
     assert lines["shard_mb"].split("#")[1].strip() == demo and "8.0" in lines["shard_mb"]
     assert lines["hidden_dtype"].endswith("# default of 04_hidden_states.ipynb") and "'bf16'" in lines["hidden_dtype"]
     assert lines["outputs_dir"] == f"    outputs_dir = {str(tmp_path / 'out')!r}  # -p outputs_dir"  # made absolute

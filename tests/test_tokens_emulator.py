@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import yaml
 
-from draftsmith import cli, generate, runner, tokens
+from draftsmith import cli, generate, parameters, tokens
 from draftsmith.datasets import parse_datasets
 from draftsmith.emulator import running
 from draftsmith.emulator.catalogue import Quirks, default_catalogue
@@ -51,7 +51,7 @@ def generate_and_validate(tmp_path, backend: str, budget: int, max_tokens: int, 
         assert result.complete, result.message
         ledger = {line["generation_id"]: line for line in emu.ledger_lines() if line["billed"]}
     if notebook:  # the smoke params, less the keys of stages whose notebooks may not exist yet
-        declared = runner.read_parameters(REPO_ROOT / "notebooks" / "03_validate_tokens.ipynb")
+        declared = parameters.read_parameters(REPO_ROOT / "notebooks" / "03_validate_tokens.ipynb")
         smoke = yaml.safe_load((REPO_ROOT / "params" / "smoke.yaml").read_text())
         params = tmp_path / "params.yaml"
         params.write_text(yaml.safe_dump({**{k: v for k, v in smoke.items() if k in declared}, "datasets": datasets}))

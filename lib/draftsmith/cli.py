@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import runner
+from . import parameters, runner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     try:
-        stages = runner.discover()
+        stages = parameters.discover()
         if args.list:
             for s in stages:
                 print(f"{s.title}")
@@ -41,12 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.stage:
             ap.error("give a stage (or 'all'), or --list")
         if bool(args.file) == args.defaults:
-            raise runner.ParamError("give a params file with -f params/X.yaml, or --defaults to run the "
+            raise parameters.ParamError("give a params file with -f params/X.yaml, or --defaults to run the "
                                     "notebooks' own defaults (the demo) on purpose" if not args.file else
                                     "give -f or --defaults, not both")
-        chosen = runner.select(stages, args.stage)
+        chosen = parameters.select(stages, args.stage)
         sources: dict[str, str] = {}
-        values = runner.prepare(stages, chosen, args.file, [tuple(p) for p in args.param], sources=sources)
+        values = parameters.prepare(stages, chosen, args.file, [tuple(p) for p in args.param], sources=sources)
         if args.check:
             from .preflight import dataset_summaries
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"parameters of {', '.join(s.title for s in chosen)}: ok")
             return 0
         run = runner.run_stages(chosen, values)
-    except runner.ParamError as e:
+    except parameters.ParamError as e:
         print(f"draftsmith: parameter error: {e}", file=sys.stderr)
         return 2
     except runner.Interrupted as e:

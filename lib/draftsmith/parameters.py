@@ -1,0 +1,230 @@
+"""The stages and their parameters: what each notebook declares, and the values a run gives them.
+
+A stage is a notebook `notebooks/NN_name.ipynb`; its one cell tagged `parameters` declares the
+parameters it takes as `name = literal  # help`, and that literal is the setting's one default.
+A params file (and `-p` overrides) hold only what differs: they are merged over the defaults, a
+key that no notebook declares or a value of the wrong type is rejected (naming the file and key),
+relative paths become absolute (relative to where `draftsmith` is run), and `prepare` runs every
+value check of the chosen stages (`preflight`) before anything starts or pays.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import yaml
+
+from .paths import NOTEBOOKS_DIR
+
+PATH_SUFFIXES = ("_dir", "_file", "_path")
+
+
+class ParamError(ValueError):
+    """A parameter problem the user must fix; the message names the file and key."""
+
+
+@dataclass
+class Param:
+    name: str
+    default: object
+    help: str
+    notebook: str
+
+    @property
+    def type_name(self) -> str:
+        return "any" if self.default is None else type(self.default).__name__
+
+
+@dataclass
+class Stage:
+    number: str
+    name: str
+    path: Path
+    params: dict[str, Param]
+
+    @property
+    def title(self) -> str:
+        return self.path.stem
+
+
+def parameters_cell(nb) -> int:
+    idx = [i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if len(idx) != 1:
+        raise ParamError(f"expected exactly one cell tagged 'parameters', found {len(idx)}")
+    return idx[0]
+
+
+def read_parameters(path: Path) -> dict[str, Param]:
+    """`name = literal  # help` lines of the notebook's parameters cell, in order."""
+    nb = nbformat.read(path, as_version=4)
+    src = nb.cells[parameters_cell(nb)].source
+    tree = ast.parse(src)
+    lines = src.splitlines()
+    out: dict[str, Param] = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise ParamError(f"{path.name}: parameters cell line {node.lineno}: only `name = literal` allowed")
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            raise ParamError(f"{path.name}: parameter {node.targets[0].id!r} must be a plain literal") from None
+        line = lines[node.end_lineno - 1]
+        help_ = line.split("#", 1)[1].strip() if "#" in line[node.end_col_offset:] else ""
+        out[node.targets[0].id] = Param(node.targets[0].id, value, help_, path.name)
+    return out
+
+
+def discover(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Stage]:
+    stages = []
+    for p in sorted(notebooks_dir.glob("[0-9][0-9]_*.ipynb")):
+        num, name = p.stem.split("_", 1)
+        stages.append(Stage(num, name, p, read_parameters(p)))
+    return stages
+
+
+def select(stages: list[Stage], which: str) -> list[Stage]:
+    if which == "all":
+        return stages
+    chosen = []
+    for part in which.split(","):
+        part = part.strip()
+        hit = [s for s in stages if part in (s.number, s.name, s.title) or (part.isdigit() and int(part) == int(s.number))]
+        if not hit:
+            names = ", ".join(s.title for s in stages)
+            raise ParamError(f"unknown stage {part!r}; stages are: {names} (or 'all')")
+        chosen.extend(h for h in hit if h not in chosen)
+    return chosen
+
+
+def declared(stages: list[Stage]) -> dict[str, Param]:
+    """Every parameter any notebook declares; the same name must have the same type everywhere."""
+    out: dict[str, Param] = {}
+    for s in stages:
+        for name, p in s.params.items():
+            q = out.get(name)
+            if q is not None and q.default is not None and p.default is not None and \
+                    _kind(q.default) != _kind(p.default):
+                raise ParamError(f"parameter {name!r} is {q.type_name} in {q.notebook} but {p.type_name} in {p.notebook}")
+            if q is None or q.default is None:
+                out[name] = p
+    return out
+
+
+def _kind(v) -> str:
+    return "number" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v).__name__
+
+
+def check_type(name: str, value, p: Param, source: str) -> None:
+    d = p.default
+    if d is None:
+        return
+    ok = (isinstance(value, bool) if isinstance(d, bool)
+          else isinstance(value, int) and not isinstance(value, bool) if isinstance(d, int)
+          else isinstance(value, (int, float)) and not isinstance(value, bool) if isinstance(d, float)
+          else isinstance(value, type(d)))
+    if not ok:
+        raise ParamError(f"{source}: parameter {name!r} must be {p.type_name} (declared in {p.notebook}), "
+                         f"got {type(value).__name__} {value!r}")
+
+
+def load_params(file: str | None, overrides: list[tuple[str, str]], known: dict[str, Param],
+                sources: dict[str, str] | None = None) -> dict:
+    """Params file + `-p` overrides, checked against what the notebooks declare. `sources`, when
+    given, is filled with where each value came from (the file, or `-p KEY`)."""
+    values: dict = {}
+    sources = {} if sources is None else sources
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise ParamError(f"params file {file!r} not found")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            raise ParamError(f"{file}: not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ParamError(f"{file}: must be a mapping of parameter names to values")
+        for k, v in loaded.items():
+            _check_known(k, known, file)
+            check_type(k, v, known[k], file)
+            values[k], sources[k] = v, file
+    for k, raw in overrides:
+        _check_known(k, known, "-p")
+        v = yaml.safe_load(raw) if raw != "" else ""
+        if isinstance(known[k].default, str) and not isinstance(v, str):
+            v = raw
+        check_type(k, v, known[k], f"-p {k}")
+        values[k], sources[k] = v, f"-p {k}"
+    if "datasets" in values and values["datasets"] is not None:
+        from .datasets import parse_datasets
+
+        try:
+            parse_datasets(values["datasets"])
+        except ValueError as e:
+            raise ParamError(f"{file or '-p'}: {e}") from None
+    return values
+
+
+def _check_known(key, known: dict[str, Param], source: str) -> None:
+    if key not in known:
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ParamError(f"{source}: unknown parameter {key!r}: no notebook declares it{hint} "
+                         f"(see `draftsmith run --list`)")
+
+
+def absolutize(values: dict, base: Path) -> dict:
+    """Relative paths (keys ending in _dir/_file/_path, and datasets[].path) made absolute."""
+    from .target.tiny import VARIANTS
+
+    def fix(v):
+        if isinstance(v, str) and v and v not in VARIANTS and not os.path.isabs(os.path.expanduser(v)):
+            return str((base / v).resolve())
+        return os.path.expanduser(v) if isinstance(v, str) else v
+
+    out = dict(values)
+    for k, v in values.items():
+        if k.endswith(PATH_SUFFIXES):
+            out[k] = fix(v)
+    if isinstance(out.get("datasets"), list):
+        out["datasets"] = [{**d, "path": fix(d["path"])} if isinstance(d, dict) and "path" in d else d
+                           for d in out["datasets"]]
+    return out
+
+
+def effective_params(stages_all: list[Stage], file: str | None, overrides: list[tuple[str, str]],
+                     base: Path | None = None, sources: dict[str, str] | None = None) -> dict:
+    """Defaults of every notebook, overlaid by the params file and the overrides, paths absolute.
+    `sources`, when given, maps each key to where its value came from."""
+    known = declared(stages_all)
+    values = {name: p.default for name, p in known.items()}
+    given: dict[str, str] = {}
+    values.update(load_params(file, overrides, known, given))
+    if sources is not None:
+        sources.update({name: f"default of {p.notebook}" for name, p in known.items()}, **given)
+    if not values.get("run_name"):
+        raise ParamError(f"{file or '-p'}: run_name is required")
+    return absolutize(values, base or Path.cwd())
+
+
+def prepare(stages_all: list[Stage], chosen: list[Stage], file: str | None,
+            overrides: list[tuple[str, str]], base: Path | None = None,
+            sources: dict[str, str] | None = None) -> dict:
+    """`effective_params`, then every value check of the chosen stages and a writable run folder:
+    one ParamError listing every problem, before anything starts or pays. `sources`, when given,
+    maps each key to where its value came from."""
+    from . import preflight
+
+    sources = {} if sources is None else sources
+    values = effective_params(stages_all, file, overrides, base, sources)
+    problems = preflight.check(chosen, values, sources)
+    if not problems:
+        problem = preflight.check_outputs(values, sources.get("outputs_dir", "outputs_dir"))
+        problems = [problem] if problem else []
+    if problems:
+        raise ParamError("\n  ".join([f"{len(problems)} problem(s), nothing was run:"] + problems))
+    return values
