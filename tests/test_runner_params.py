@@ -76,3 +76,12 @@ def test_check_prints_every_value_a_stage_uses_and_where_it_comes_from(capsys, t
     assert lines["hidden_dtype"].endswith("# default of 04_hidden_states.ipynb") and "'bf16'" in lines["hidden_dtype"]
     assert lines["outputs_dir"] == f"    outputs_dir = {str(tmp_path / 'out')!r}  # -p outputs_dir"  # made absolute
     assert "parameters of 04_hidden_states: ok" in out
+
+
+def test_a_setting_several_notebooks_declare_has_one_default():
+    defaults: dict[str, dict[str, str]] = {}
+    for stage in parameters.discover():
+        for name, p in stage.params.items():
+            defaults.setdefault(name, {})[stage.path.stem] = repr(p.default)
+    two = {name: by for name, by in defaults.items() if len(set(by.values())) > 1}
+    assert not two, f"declared with different defaults: {two}"
