@@ -55,6 +55,14 @@ class Dist:
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def all_gather(self, obj) -> list:
+        """On every rank every rank's `obj`, in rank order."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def close(self) -> None:
         if self.owned and dist.is_initialized():
             dist.destroy_process_group()

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from ..shards import HiddenShards
 from . import artifacts, data
@@ -61,9 +60,7 @@ def prepare(cfg: TrainConfig, shards: HiddenShards, lm_head: torch.Tensor, d: "D
         part = data.supervision(shards, list(range(d.rank, len(shards), d.world)), lm_head, vocab.t2d,
                                 cfg.max_len, d.device, desc=f"teacher argmax (rank {d.rank})")
         if d.world > 1:
-            parts = [None] * d.world
-            dist.all_gather_object(parts, part)
-            part = {i: s for p in parts for i, s in p.items()}
+            part = {i: s for p in d.all_gather(part) for i, s in p.items()}
         sup = data.Supervision.from_parts(part, len(shards))
         if d.main:
             artifacts.write_supervision(out, sup.flat, sup.offsets, key)

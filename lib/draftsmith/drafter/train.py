@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import layers
@@ -202,6 +201,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
     }
     if d.main:
         artifacts.write_summary(out, summary)
+    d.close()
     return summary
 
 
@@ -228,8 +228,6 @@ def main(argv=None) -> int:
         print("usage: torchrun --nproc_per_node N -m draftsmith.drafter.train CONFIG.json", file=sys.stderr)
         return 2
     train(TrainConfig.from_json(argv[0]), log=lambda *a: print(*a, flush=True))
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0
 
 
