@@ -192,3 +192,18 @@ def test_the_routing_written_is_the_routing_stage_02_reads(tmp_path):
     path.write_text('{"provider": ')
     with pytest.raises(ValueError, match="routing.json"):
         outputs.read_routing(run)
+
+
+def test_an_answer_with_nothing_to_compare_is_no_evidence_of_another_model():
+    """A provider that drops the reasoning of an answer that is all reasoning leaves nothing to
+    compare: that prompt is left out of its median, so it is not flagged for it."""
+    import pandas as pd
+
+    nan = float("nan")
+    rows = [{"tag": t, "prompt": i, "tokens": 10, "cost": 0.0, "reference_tokens": 10, "prefix_agreement": a}
+            for t, agreements in (("ref/int4", (1.0, 1.0, 1.0)), ("drops/int4", (nan, nan, 1.0)),
+                                  ("other/int4", (0.1, 0.0, 1.0)), ("silent/int4", (nan, nan, nan)))
+            for i, a in enumerate(agreements)]
+    s = probe.probe_summary(pd.DataFrame(rows), 0.5).set_index("tag")
+    assert s.loc["drops/int4", "agreement"] == 1.0
+    assert probe.outliers(s.reset_index()) == ["other/int4"]

@@ -66,12 +66,15 @@ def probe(api: Api, model: str, endpoints: pd.DataFrame, prompts: list[list[dict
                 compared += n
             rows.append({"tag": tag, "prompt": i, "tokens": sum(map(len, toks[tag, i])), "cost": costs[tag, i],
                          "reference_tokens": sum(map(len, toks[ref, i])),
-                         "prefix_agreement": common / max(1, compared)})
+                         # nothing to compare (e.g. a provider that drops the reasoning of an answer
+                         # that is all reasoning) is no evidence either way: NaN, left out of the median
+                         "prefix_agreement": common / compared if compared else float("nan")})
     return pd.DataFrame(rows)
 
 
 def probe_summary(per_prompt: pd.DataFrame, min_agreement: float) -> pd.DataFrame:
-    """Median agreement per endpoint (robust to one odd answer) and the outlier flag."""
+    """Median agreement per endpoint over the answers that could be compared (robust to one odd
+    answer) and the outlier flag (never for an endpoint none of whose answers could be compared)."""
     s = per_prompt.groupby("tag").agg(agreement=("prefix_agreement", "median"),
                                       mean_agreement=("prefix_agreement", "mean"),
                                       length_ratio=("tokens", "sum")).reset_index()
