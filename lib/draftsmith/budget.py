@@ -209,13 +209,17 @@ class SpendBudget:
             return None
         return self.balance - (self.spent - self._spent_at_poll)
 
+    @property
+    def left(self) -> float:
+        """Dollars the run may still spend, reservations aside: under the limit and above the floor."""
+        room = self.limit - self.spent
+        if self.balance_left is not None:
+            room = min(room, self.balance_left - self.floor)
+        return room
+
     def headroom(self) -> float:
         """Dollars a new request may still reserve."""
-        room = self.limit - self.spent - self.reserved
-        left = self.balance_left
-        if left is not None:
-            room = min(room, left - self.floor - self.reserved)
-        return room
+        return self.left - self.reserved
 
     def try_reserve(self, amount: float) -> bool:
         if amount > self.headroom():

@@ -31,13 +31,6 @@ def blocked_message(eng) -> str:
 # is spent at a trickle. When the money cannot finish the job anyway, that trickle only delays
 # the top-up the job needs: below `money_bound_stop_fraction` of the slots, stop starting
 # requests, let those in flight finish (they are paid for), and stop with what to top up.
-def _money_left(eng) -> float:
-    left = eng.spend.limit - eng.spend.spent
-    if eng.spend.balance_left is not None:
-        left = min(left, eng.spend.balance_left - eng.spend.floor)
-    return max(0.0, left)
-
-
 def _left_to_finish(eng) -> tuple[float, int] | None:
     """(expected dollars, requests) to finish every dataset's budget, in flight included, at the
     run's cost and length per response so far; None if unknown (nothing paid yet, or a dataset
@@ -56,14 +49,14 @@ def _left_to_finish(eng) -> tuple[float, int] | None:
     return left * eng.spend.spent / done, math.ceil(left * samples / done)
 
 
-def _top_up_usd(eng, worst: float) -> float:
+def _top_up_usd(eng, worst: float, left: tuple[float, int] | None = None) -> float:
     """About what to add to finish with every slot busy to the end: the expected cost of what is
     left, plus a worst case for each slot it will use, less the money left."""
-    left = _left_to_finish(eng)
+    left = left or _left_to_finish(eng)
     if left is None:
         return 0.0
     usd, requests = left
-    return max(0.0, usd + min(eng.opts.concurrency, requests) * worst - _money_left(eng))
+    return max(0.0, usd + min(eng.opts.concurrency, requests) * worst - max(0.0, eng.spend.left))
 
 
 def maybe_wind_down(eng) -> None:
@@ -71,11 +64,11 @@ def maybe_wind_down(eng) -> None:
     if eng.winding_down or not fraction or eng.in_flight >= fraction * min(eng.opts.concurrency, eng.aimd.limit):
         return
     left = _left_to_finish(eng)
-    if left is None or left[0] <= _money_left(eng):
+    if left is None or left[0] <= eng.spend.left:
         return
     need = left[0]
     why, worst = eng.blocked
-    top_up = _top_up_usd(eng, worst)
+    top_up = _top_up_usd(eng, worst, left)
     money = (f"${eng.spend.balance_left - eng.spend.floor:.2f} above the balance floor" if why == "balance"
              else f"${eng.spend.limit - eng.spend.spent:.2f} below spend_limit_usd")
     action = "top up" if why == "balance" else "raise spend_limit_usd by"
