@@ -1,5 +1,6 @@
 # Two commands: `make demo` runs the whole chain on the embedded default, `make test` runs the tests.
-# `make lab` opens the notebooks in JupyterLab with the project's kernel (LAB_ARGS: e.g. --no-browser --port=8899).
+# `make lab` opens working copies of the notebooks (in lab/) in JupyterLab with the project's kernel
+# (LAB_ARGS: e.g. --no-browser --port=8899).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -26,8 +27,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Lab works on copies in $(LAB_DIR)/ (git-ignored): its autosave writes outputs and edited values into
+# the notebook it has open, while notebooks/ holds the defaults `draftsmith run` reads. A copy is made
+# where $(LAB_DIR)/ has none; delete one to start it again from notebooks/.
+LAB_DIR ?= lab
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $(LAB_ARGS)
+	mkdir -p "$(LAB_DIR)"
+	for nb in notebooks/*.ipynb; do copy="$(LAB_DIR)/$${nb##*/}"; \
+	  if [ ! -e "$$copy" ]; then cp "$$nb" "$$copy"; \
+	  elif [ "$$nb" -nt "$$copy" ]; then echo "$$copy is older than $$nb: delete it to work on the new one"; fi; done
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(LAB_DIR)" $(LAB_ARGS)
 
 bench: $(STAMP)
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         chosen = parameters.select(stages, args.stage)
         sources: dict[str, str] = {}
         values = parameters.prepare(stages, chosen, args.file, [tuple(p) for p in args.param], sources=sources)
+        from .preflight import warnings
+
+        for line in warnings(chosen, values, sources):
+            print(f"draftsmith: warning: {line}", file=sys.stderr)
         if args.check:
             from .preflight import dataset_summaries
 

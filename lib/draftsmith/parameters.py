@@ -4,8 +4,9 @@ A stage is a notebook `notebooks/NN_name.ipynb`; its one cell tagged `parameters
 parameters it takes as `name = literal  # help`, and that literal is the setting's one default.
 A params file (and `-p` overrides) hold only what differs: they are merged over the defaults, a
 key that no notebook declares or a value of the wrong type is rejected (naming the file and key),
-relative paths become absolute (relative to where `draftsmith` is run), and `prepare` runs every
-value check of the chosen stages (`preflight`) before anything starts or pays.
+relative paths (`datasets` and `imports` entries too) become absolute, relative to where
+`draftsmith` is run, and `prepare` runs every value check of the chosen stages (`preflight`)
+before anything starts or pays.
 """
 
 from __future__ import annotations
@@ -60,8 +61,16 @@ def parameters_cell(nb) -> int:
 
 
 def read_parameters(path: Path) -> dict[str, Param]:
-    """`name = literal  # help` lines of the notebook's parameters cell, in order."""
+    """`name = literal  # help` lines of the notebook's parameters cell, in order. A stage notebook
+    carrying outputs was run and saved in place (Jupyter's autosave), so its parameters cell may
+    hold one session's values instead of the shipped defaults: it is refused, not read."""
     nb = nbformat.read(path, as_version=4)
+    ran = [i + 1 for i, c in enumerate(nb.cells)
+           if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
+    if ran:
+        raise ParamError(f"{path}: cell {ran[0]} holds outputs: the notebook was run and saved in place, so its "
+                         f"parameters cell may no longer hold the defaults; restore it as shipped (in a git clone: "
+                         f"git checkout -- {path}) and explore in `make lab`, which opens copies in lab/")
     src = nb.cells[parameters_cell(nb)].source
     tree = ast.parse(src)
     lines = src.splitlines()
@@ -165,7 +174,7 @@ def load_params(file: str | None, overrides: list[tuple[str, str]], known: dict[
         try:
             parse_datasets(values["datasets"])
         except ValueError as e:
-            raise ParamError(f"{file or '-p'}: {e}") from None
+            raise ParamError(f"{sources['datasets']}: {e}") from None
     return values
 
 
@@ -178,7 +187,7 @@ def _check_known(key, known: dict[str, Param], source: str) -> None:
 
 
 def absolutize(values: dict, base: Path) -> dict:
-    """Relative paths (keys ending in _dir/_file/_path, and datasets[].path) made absolute."""
+    """Relative paths (keys ending in _dir/_file/_path, datasets[].path, imports[].path) made absolute."""
     from .target.tiny import VARIANTS
 
     def fix(v):
@@ -190,9 +199,10 @@ def absolutize(values: dict, base: Path) -> dict:
     for k, v in values.items():
         if k.endswith(PATH_SUFFIXES):
             out[k] = fix(v)
-    if isinstance(out.get("datasets"), list):
-        out["datasets"] = [{**d, "path": fix(d["path"])} if isinstance(d, dict) and "path" in d else d
-                           for d in out["datasets"]]
+    for k in ("datasets", "imports"):
+        if isinstance(out.get(k), list):
+            out[k] = [{**d, "path": fix(d["path"])} if isinstance(d, dict) and isinstance(d.get("path"), str) else d
+                      for d in out[k]]
     return out
 
 
@@ -207,7 +217,7 @@ def effective_params(stages_all: list[Stage], file: str | None, overrides: list[
     if sources is not None:
         sources.update({name: f"default of {p.notebook}" for name, p in known.items()}, **given)
     if not values.get("run_name"):
-        raise ParamError(f"{file or '-p'}: run_name is required")
+        raise ParamError(f"{given.get('run_name', file or '-p')}: run_name is required")
     return absolutize(values, base or Path.cwd())
 
 

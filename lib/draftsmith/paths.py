@@ -16,6 +16,17 @@ NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 STAGES = ("providers", "generate", "tokens", "hidden", "drafter", "eval")
 
 
+# A run or dataset name becomes a folder or file name under the run: no separator, no `.`/`..`.
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_name(field: str, name) -> None:
+    """Raise ValueError naming `field` unless `name` is safe as one folder or file name."""
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name):
+        raise ValueError(f"{field} {name!r}: use letters, digits, '.', '_' and '-', starting with a letter or "
+                         f"digit (it names a folder of the run)")
+
+
 def resolve(path: str | Path, base: Path = REPO_ROOT) -> Path:
     p = Path(path).expanduser()
     return p if p.is_absolute() else (base / p).resolve()
@@ -25,8 +36,7 @@ class Run:
     """The folder of run `run_name`: `<outputs_dir>/<run_name>/`, one subfolder per stage."""
 
     def __init__(self, outputs_dir: str | Path, run_name: str):
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_name or ""):
-            raise ValueError(f"run_name {run_name!r}: use letters, digits, '.', '_' and '-'")
+        check_name("run_name", run_name)
         self.name = run_name
         self.root = resolve(outputs_dir) / run_name
 

@@ -1,20 +1,25 @@
 """Checks of a run's parameter values and inputs, made before any stage starts or pays.
 
 The runner already checks names and types; this checks what a type cannot say: counts and limits
-that must be positive, prompt files that exist and hold at least one usable prompt, a source for
-the API key when the API is not the local emulator, a target that exists, an outputs folder that
-can be written. Only the parameters the selected stages declare are checked, and each problem is
-one line naming where the value came from (the params file, `-p KEY`, or a notebook's default).
+that must be positive, run and dataset names that are safe as folder names, prompt files that exist
+and hold at least one usable prompt, import files that exist and hold at least one usable answer,
+the API key each api_base needs (a key file given with `api_base: local` is read too), a target
+that exists and whose tokenizer loads (one shipped as code only with trust_remote_code), an
+outputs folder that can be written. Only the parameters the selected stages
+declare are checked, and each problem is one line naming where the value came from (the params
+file, `-p KEY`, or a notebook's default). `warnings` names what is allowed but likely a mistake.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from .apikey import api_key_for
-from .datasets import DatasetReader, parse_datasets
-from .paths import Run
+from .apikey import api_key_for, read_api_key
+from .datasets import DatasetReader, parse_datasets, stable_id
+from .imports import ImportSpec, answered, parse_imports, to_raw
+from .paths import Run, check_name
 
 # parameter: (is the value acceptable, what it must be)
 RULES = {
@@ -59,43 +64,117 @@ def check(stages, values: dict, sources: dict[str, str]) -> list[str]:
         v = values.get(name)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not ok(v):
             problems.append(f"{where(name)}: {name} must be {must}, got {v!r}")
+    problems += _names(values, "datasets" in declared, where)
     if "target_model_path" in declared:
         problems += _target(values["target_model_path"], where("target_model_path"))
+    if {"target_model_path", "trust_remote_code"} <= declared:
+        problems += _tokenizer(values["target_model_path"], bool(values.get("trust_remote_code")), where)
     if any("api_base" in s.params for s in stages):  # the stages that send prompts
         problems += _datasets(values.get("datasets") or [], where("datasets"))
-        if values.get("api_base") != "local":
-            try:
-                api_key_for(str(values.get("api_base")), values.get("api_key_file"))
-            except (OSError, ValueError, RuntimeError) as e:
-                key = "api_key_file" if values.get("api_key_file") else "api_base"
-                problems.append(f"{where(key)}: api_base is {values.get('api_base')!r}: {e}")
+        problems += _api_key(values, where)
+    if "imports" in declared:
+        problems += _imports(values.get("imports") or [], values.get("datasets") or [], where("imports"))
     return problems
 
 
-def dataset_summaries(values: dict) -> list[str]:
-    """One line per prompt file: prompts found and rows skipped (with file:line), as a full read."""
-    out = []
+def warnings(stages, values: dict, sources: dict[str, str]) -> list[str]:
+    """What is allowed but likely a mistake, one line each: two datasets of the stages that send
+    prompts reading one file (each of its prompts is asked, and paid for, once per dataset)."""
+    if not any("api_base" in s.params for s in stages):
+        return []
+    by_file: dict[Path, list[str]] = {}
     for spec in parse_datasets(values.get("datasets") or []):
+        by_file.setdefault(Path(spec.path).resolve(), []).append(spec.name)
+    return [f"{sources.get('datasets', 'default')}: datasets {names} read the same file {path}: each of its prompts "
+            f"is asked, and paid for, once per dataset" for path, names in by_file.items() if len(names) > 1]
+
+
+def dataset_summaries(values: dict) -> list[str]:
+    """One line per prompt file: prompts found and rows skipped (with file:line), as a full read,
+    and those an import answers (stage 02 never asks them); then which datasets stage 02 samples."""
+    specs = parse_datasets(values.get("datasets") or [])
+    imports = parse_imports(values.get("imports") or [], [s.name for s in specs])
+    out, sample, imported = [], [], []
+    for spec in specs:
         reader = DatasetReader(spec)
-        for _ in reader:
-            pass
-        out.append(reader.summary())
+        done = answered(imports, spec.name)
+        n = sum(1 for p in reader if done and (p.sample_id in done or stable_id(p.messages) in done))
+        line = reader.summary()
+        if n:
+            line += f"; {'all' if n == reader.count else n} answered by imports, not asked"
+        out.append(line)
+        (imported if n and n == reader.count else sample).append(spec.name)
+    out.append(f"{len(sample)} datasets to sample through the API: {', '.join(sample) or 'none'}; "
+               f"{len(imported)} imported: {', '.join(imported) or 'none'}")
     return out
 
 
 def check_outputs(values: dict, source: str) -> str | None:
-    """Can the run folder be created and written? The problem, or None."""
+    """Can the run folder be created and written (run_name already checked)? The problem, or None."""
     try:
         root = Run(values["outputs_dir"], values["run_name"]).root
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
-    except ValueError as e:
-        return f"{source}: {e}"
     except OSError as e:
         return f"{source}: outputs_dir {values['outputs_dir']!r} cannot be written: {e.strerror or e}"
     return None
+
+
+def _names(values: dict, datasets: bool, where) -> list[str]:
+    """The run name, and the dataset names when the stages use datasets, name folders and files."""
+    named = [("run_name", values.get("run_name"), where("run_name"))]
+    if datasets:
+        named += [(f"datasets[{i}] name", d.get("name"), where("datasets"))
+                  for i, d in enumerate(values.get("datasets") or [])]
+    problems = []
+    for field, name, source in named:
+        try:
+            check_name(field, name)
+        except ValueError as e:
+            problems.append(f"{source}: {e}")
+    return problems
+
+
+def _api_key(values: dict, where) -> list[str]:
+    """The key the stages will read (apikey.py). With `api_base: local` a key file, when given, is
+    read as local.py reads it; without one the emulator gets a throwaway key."""
+    base, key_file = str(values.get("api_base")), values.get("api_key_file")
+    try:
+        if base != "local":
+            api_key_for(base, key_file)
+        elif key_file:
+            read_api_key(key_file)
+    except (OSError, ValueError, RuntimeError) as e:
+        return [f"{where('api_key_file' if key_file else 'api_base')}: api_base is {base!r}: {e}"]
+    return []
+
+
+def _imports(imports: list, datasets: list, where: str) -> list[str]:
+    """Each import file exists, names a dataset (imports.parse_imports) and holds an answer
+    stage 03 can use (imports.to_raw), read up to the first one."""
+    try:
+        specs = parse_imports(imports, [d["name"] for d in datasets])
+    except (OSError, ValueError) as e:
+        return [f"{where}: {e}"]
+    return [f"{where}: {p}" for p in map(_no_answer, specs) if p]
+
+
+def _no_answer(spec: ImportSpec) -> str | None:
+    skipped = []
+    with open(spec.path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                to_raw(json.loads(raw), spec.name)
+                return None
+            except ValueError as e:  # bad JSON and bytes that are not UTF-8 are ValueErrors too
+                skipped.append(f"{spec.path}:{lineno}: {e}")
+    why = (f"; skipped: {skipped[0]}" + (f" (+{len(skipped) - 1} more)" if len(skipped) > 1 else "")
+           if skipped else " (the file is empty)")
+    return f"imports[{spec.index}] {spec.name!r}: no usable answer in {spec.path}{why}"
 
 
 def _target(path: str, where: str) -> list[str]:
@@ -103,6 +182,29 @@ def _target(path: str, where: str) -> list[str]:
 
     problem = checkpoint_problem(path)
     return [f"{where}: {problem}"] if problem else []
+
+
+def _tokenizer(path: str, trust_remote_code: bool, where) -> list[str]:
+    """A checkpoint folder's tokenizer loads as the stages will load it: one shipped as code is
+    refused without trust_remote_code (naming the field), and an error in that code (an import
+    that moved, ...) shows now, before anything runs or pays. Built-in targets are left to their build."""
+    import sys
+
+    from .target.checkpoint import load_tokenizer, remote_code_refusal
+    from .target.remote_code import tokenizer_code
+
+    folder = Path(str(path)).expanduser()
+    if not (folder / "config.json").is_file():
+        return []
+    try:
+        code = tokenizer_code(folder)
+        if code and not trust_remote_code:
+            return [f"{where('trust_remote_code')}: {remote_code_refusal(folder, code)}"]
+        load_tokenizer(folder, trust_remote_code, log=lambda m: print(f"draftsmith: {m}", file=sys.stderr))
+    except Exception as e:  # the checkpoint's own code may raise anything
+        return [f"{where('target_model_path')}: target_model_path {str(path)!r}: its tokenizer does not load: "
+                f"{type(e).__name__}: {e}"]
+    return []
 
 
 def _datasets(datasets: list, where: str) -> list[str]:
