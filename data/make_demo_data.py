@@ -1,5 +1,7 @@
 """Writes the demo prompt datasets (data/demo/*.jsonl) from offline text: the standard library's
-own docstrings and a few hand-written templates. Deterministic; re-run to regenerate.
+own docstrings and a few hand-written templates. Deterministic: `python data/make_demo_data.py`
+rewrites them byte for byte (tests/test_demo_data.py checks it); a folder argument writes there instead.
+legacy.jsonl is not from here: answers sampled with vLLM from the tiny-test target (README, Mixing sources).
 
   code.jsonl     messages format, 240 rows: questions about stdlib functions and classes,
                  some with a system prompt, some multi-turn, a few without an id
@@ -9,9 +11,10 @@ own docstrings and a few hand-written templates. Deterministic; re-run to regene
 
 import json
 import random
+import sys
 from pathlib import Path
 
-from draftsmith.target import stdlib_docstrings
+from draftsmith.target.corpus import stdlib_docstrings
 
 OUT = Path(__file__).resolve().parent / "demo"
 SYSTEMS = ["You are a concise Python expert.", "Answer in plain English, briefly.",
@@ -67,6 +70,7 @@ def chat_rows(rng):
 
 
 if __name__ == "__main__":
+    OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
     rng = random.Random(1234)
     OUT.mkdir(parents=True, exist_ok=True)
     for name, rows in (("code", code_rows(rng)), ("chat", chat_rows(rng))):

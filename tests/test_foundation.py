@@ -180,8 +180,39 @@ def test_waiting_for_another_process_building_the_target_is_never_silent(tmp_pat
         out.mkdir()
         (out / "config.json").write_text("{}")  # the other process finishes
     waiter.join(10)
-    assert lines[0].startswith("waiting for another process building target 'tiny-test' (0s so far; lock ")
-    assert lines[-1] == out and any(str(x).startswith("done waiting") for x in lines)
+    assert lines[0].startswith("[target build] waiting for another process building target 'tiny-test' (0s so "
+                               "far; lock ")
+    assert lines[-1] == out and any(str(x).startswith("[target build] done waiting") for x in lines)
+
+
+def test_an_interrupted_target_build_resumes_from_its_last_checkpoint_to_the_same_weights(tmp_path, monkeypatch):
+    """Ctrl-C (here: raised where the build logs its step 4 of 6, just after the checkpoint there) keeps
+    the checkpoint in the build's temporary folder; the next build trains only steps 5 and 6 and ends
+    with the weights of a build that was never interrupted."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    monkeypatch.setitem(tiny.VARIANTS, "tiny-test",
+                        dataclasses.replace(tiny.VARIANTS["tiny-test"], steps=6, seq_len=32))
+    whole = tiny.build_tiny_target("tiny-test", root=tmp_path / "whole", log=lambda *x: None, checkpoint_every=2)
+
+    def ctrl_c_at_step_4(line):
+        if "step 4/6" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tiny.build_tiny_target("tiny-test", root=tmp_path / "cut", log=ctrl_c_at_step_4, checkpoint_every=2)
+    partial = tmp_path / "cut" / f".{tiny.variant_key('tiny-test')}.partial"
+    assert (partial / tiny.TRAIN_CHECKPOINT).is_file()
+    lines: list[str] = []
+    resumed = tiny.build_tiny_target("tiny-test", root=tmp_path / "cut", log=lines.append, checkpoint_every=2)
+    assert any(line.startswith("[target build]   resuming from the checkpoint at step 4 (") for line in lines), lines
+    steps = [line.split()[3] for line in lines if " loss " in line]
+    assert steps == ["5/6", "6/6"], lines
+    wa, wb = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    assert not partial.exists() and not (resumed / tiny.TRAIN_CHECKPOINT).exists()
 
 
 def test_the_library_cites_only_documents_in_the_repository():
@@ -218,7 +249,7 @@ def test_a_target_path_without_a_checkpoint_is_named_before_any_stage_starts(tmp
     assert cli.main(["run", "04", "-f", str(f)]) == 2
     err = capsys.readouterr().err
     assert f"{f}: target_model_path '{tmp_path / 'nowhere'}': no config.json there; give a Hugging Face " \
-           f"checkpoint folder or one of the built-in targets ['tiny', 'tiny-test']" in err
+           f"checkpoint folder or one of the built-in targets ['kimi-mini', 'kimi-mini-bf16', 'tiny', 'tiny-test']" in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 

@@ -1,6 +1,7 @@
 """report.html as a person sees it: stage 01 run through `draftsmith run`, its report opened in a
 real headless Chromium (Debian's package; `.ci/run` installs it). In the rendered page every figure
-has loaded, no warning text shows, and no table cell is cut short with "…"."""
+has loaded, no warning text shows, no table cell is cut short with "…", nothing is wider than the
+window (wide tables scroll in their own box), and no folder of this machine is named."""
 
 import json
 import re
@@ -16,6 +17,12 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 # Runs in the page once it has loaded; the verdict is written into the DOM that --dump-dom prints.
 PROBE = """<script>
+const W = () => document.documentElement.clientWidth;
+const scrollsInside = e => {
+  for (let a = e.parentElement; a; a = a.parentElement)
+    if (["auto", "scroll"].includes(getComputedStyle(a).overflowX)) return a.getBoundingClientRect().right <= W() + 1;
+  return false;
+};
 window.addEventListener("load", () => {
   const imgs = [...document.images];
   const cells = [...document.querySelectorAll("td, th")].map(c => c.innerText.trim());
@@ -25,6 +32,15 @@ window.addEventListener("load", () => {
     cells: cells.length,
     truncated: cells.filter(t => t.endsWith("…") || t.endsWith("...")),
     warnings: document.body.innerText.split("\\n").filter(l => /Warning\\b/.test(l)),
+    page: [document.documentElement.scrollWidth, document.documentElement.clientWidth],
+    // wider than the window and not inside a box that scrolls sideways: cut off for the reader
+    wide: [...document.body.querySelectorAll("*")].filter(e => e.getBoundingClientRect().right > W() + 1
+      && !scrollsInside(e)).map(e => e.tagName + " " + (e.innerText || "").slice(0, 60)).slice(0, 10),
+    // every table and code block ends inside the page; what does not fit scrolls in that box itself
+    boxes: [...document.querySelectorAll("table, pre")].filter(e => e.getBoundingClientRect().right > W() + 1)
+      .map(e => e.tagName + " " + (e.innerText || "").slice(0, 60)),
+    scrolling: [...document.querySelectorAll("*")].filter(e => e.scrollWidth > e.clientWidth + 1
+      && ["auto", "scroll"].includes(getComputedStyle(e).overflowX)).length,
   };
   const out = document.createElement("pre");
   out.id = "verdict";
@@ -54,13 +70,24 @@ def test_report_renders_in_chromium_with_every_figure_no_warning_and_whole_colum
     page = tmp_path / "page.html"
     page.write_text(report.read_text(encoding="utf-8").replace("</body>", PROBE + "</body>"), encoding="utf-8")
     browser = [chromium(), *FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([*browser, "--virtual-time-budget=5000", "--dump-dom", page.as_uri()],
-                         capture_output=True, text=True, timeout=120).stdout
+    dom = subprocess.run([*browser, "--window-size=800,2000", "--virtual-time-budget=5000", "--dump-dom",
+                          page.as_uri()], capture_output=True, text=True, timeout=120).stdout
     verdict = json.loads(re.search(r'<pre id="verdict">(.*?)</pre>', dom, re.S).group(1).replace("&quot;", '"'))
     assert verdict["images"] >= 2 and verdict["broken"] == [], verdict
     assert verdict["cells"] > 20 and verdict["truncated"] == [], verdict
     assert verdict["warnings"] == [], verdict
+    assert verdict["wide"] == [] and verdict["boxes"] == [] and verdict["page"][0] <= verdict["page"][1], verdict
+    assert verdict["scrolling"] >= 1, verdict  # the endpoint tables are wider than 800 px: they scroll in their box
     shot = tmp_path / "report.png"
     subprocess.run([*browser, f"--screenshot={shot}", "--window-size=1200,2400", report.as_uri()],
                    capture_output=True, timeout=120)
     assert shot.stat().st_size > 20_000  # a rendered page, not a blank one
+
+
+def test_report_names_no_folder_of_this_machine(report):
+    """Shared as is: the run folder, the repository and the home folder appear in relative or `~`
+    form only (embedded figures aside, whose base64 may spell anything)."""
+    html = re.sub(r"data:[\w/+.-]+;base64,[A-Za-z0-9+/=\s]+", "", report.read_text(encoding="utf-8"))
+    for folder in (report.parents[1], REPO, Path.home()):
+        assert str(folder) + "/" not in html and f"{folder}<" not in html and f"{folder}`" not in html, folder
+    assert "notebooks themselves are in <code>notebooks</code>" in html

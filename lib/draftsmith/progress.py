@@ -38,11 +38,12 @@ def wait_for_lock(f, what: str, log=print, interval: float = 10.0) -> None:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
-            now = time.monotonic()
-            if last is None or now - last >= interval:
-                log(f"waiting for {what} ({now - t0:.0f}s so far; lock {f.name})")
-                last = now
-            time.sleep(min(0.5, interval))
+            pass  # held elsewhere; wait outside the handler, so Ctrl-C is one clean KeyboardInterrupt
+        now = time.monotonic()
+        if last is None or now - last >= interval:
+            log(f"waiting for {what} ({now - t0:.0f}s so far; lock {f.name})")
+            last = now
+        time.sleep(min(0.5, interval))
     if last is not None:
         log(f"done waiting for {what} after {time.monotonic() - t0:.0f}s")
 
@@ -92,9 +93,14 @@ class Progress:
         self._last = time.monotonic()
         print(self.line(), flush=True)
 
-    def close(self) -> None:
+    def close(self, ended: bool = False) -> None:
+        """`ended`: the work is complete even if it stopped short of `total` (a dataset that ran out
+        of prompts below its budget). A notebook bar then ends neutral (blue) instead of the red
+        tqdm gives any bar closed short of its total, which reads as a failure."""
         if self._bar is not None:
             self._bar.close()
+            if ended and self.total and self.n < self.total and hasattr(self._bar, "container"):
+                self._bar.display(bar_style="info", check_delay=False)
             self._bar = None
         elif self.mode == "log":
             self._emit()

@@ -21,6 +21,19 @@ def coverage_figure(vocab: DraftVocab):
     return fig
 
 
+# One look per TTT step, told apart by colour and by line style alike (so also in greyscale), each
+# colour dark enough to read on white.
+STEP_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
+STEP_STYLES = ("-", "--", ":", "-.")
+STEP_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def step_style(i: int) -> dict:
+    """Colour, line style and marker of TTT step `i` in every curve of stage 05."""
+    return {"color": STEP_COLORS[i % len(STEP_COLORS)], "ls": STEP_STYLES[i % len(STEP_STYLES)],
+            "marker": STEP_MARKERS[i % len(STEP_MARKERS)]}
+
+
 def curves_figure(metrics: list[dict], baseline: dict | None = None):
     """Against the optimizer step, one line per TTT step: train loss, held-out KL to the target
     (loss minus the teacher's entropy, 0 = a perfect copy) and held-out acc_i."""
@@ -28,11 +41,15 @@ def curves_figure(metrics: list[dict], baseline: dict | None = None):
     held = [r for r in metrics if r["split"] == "heldout"]
     k = len((train or held)[0]["loss_i"]) if (train or held) else 0
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    every = max(1, len(train) // 8)
     for i in range(k):
-        c = plt.cm.viridis(i / max(k - 1, 1))
-        axes[0].plot([r["step"] for r in train], [r["loss_i"][i] for r in train], color=c, lw=0.8, label=f"step {i}")
-        axes[1].plot([r["step"] for r in held], [r["kl_i"][i] for r in held], "o-", color=c, ms=3, label=f"step {i}")
-        axes[2].plot([r["step"] for r in held], [r["acc_i"][i] for r in held], "o-", color=c, ms=3, label=f"acc_{i}")
+        # hollow markers of different shapes, staggered along the train curve: steps whose curves
+        # coincide still show one mark each
+        st = {**step_style(i), "mfc": "none", "lw": 1.4}
+        axes[0].plot([r["step"] for r in train], [r["loss_i"][i] for r in train], ms=5,
+                     markevery=(i * every // max(k, 1), every), label=f"step {i}", **st)
+        axes[1].plot([r["step"] for r in held], [r["kl_i"][i] for r in held], ms=4 + 2 * i, label=f"step {i}", **st)
+        axes[2].plot([r["step"] for r in held], [r["acc_i"][i] for r in held], ms=4 + 2 * i, label=f"acc_{i}", **st)
     if baseline:
         axes[2].axhline(baseline["acc"], color="k", ls=":", label="unigram")
     axes[0].set(title="train loss per TTT step", xlabel="optimizer step", ylabel="soft cross-entropy")

@@ -11,7 +11,10 @@ from .export import for_engine, serving_command
 
 
 def vocab_table(summary: dict) -> pd.DataFrame:
-    return pd.Series(summary["vocab"]).to_frame("draft vocabulary")
+    """Sizes as whole numbers (1024, not 1024.000000), coverages and fractions as percentages."""
+    shown = {k: "n/a" if v is None else f"{v:.1%}" if isinstance(v, float) else str(v)
+             for k, v in summary["vocab"].items()}
+    return pd.Series(shown).to_frame("draft vocabulary")
 
 
 def heldout_table(summary: dict) -> pd.DataFrame:

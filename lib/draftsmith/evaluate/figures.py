@@ -20,6 +20,8 @@ def stage_figures(report: dict) -> dict[str, Figure]:
             "per_position.png": positions(view)}
     if report["temperatures"]:
         figs["speedup.png"] = speedup_estimate(report)
+    if report.get("benchmarks"):
+        figs["benchmarks.png"] = benchmarks(report)
     return figs
 
 
@@ -39,9 +41,17 @@ def _label(t: dict) -> str:
     return "greedy (T = 0)" if t["temperature"] <= 0 else f"sampling (T = {t['temperature']:g})"
 
 
-def _color(t: dict, name: str) -> str:
-    """The same color for a method in every figure."""
-    return f"C{list(t['methods']).index(name)}"
+# vLLM's ngram and our prompt lookup are two implementations measured apart, so two colours.
+KIND_COLORS = {"none": "#7f7f7f", "ngram": "#ff7f0e", "prompt_lookup": "#9467bd"}
+
+
+def _color(t: dict, name: str):
+    """The same colour for a method in every figure, in the engine's view and in our decoder's:
+    one per baseline, and blues for the drafter's exports, darker as training goes on."""
+    s = t["methods"][name]
+    if s["kind"] in KIND_COLORS:
+        return KIND_COLORS[s["kind"]]
+    return plt.cm.Blues(0.3 + 0.7 * (s.get("fraction") or 1.0))
 
 
 def by_dataset(report: dict) -> Figure:
@@ -137,5 +147,40 @@ def speedup_estimate(report: dict) -> Figure:
         ax.set_ylabel("estimated speed-up")
         ax.set_title(f"speed-up estimate, {_label(t)}, k = {report['k']}", fontsize=10)
     panels[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def benchmarks(report: dict) -> Figure:
+    """Acceptance length per benchmark (MT-bench, HumanEval, user files), every method, the
+    engine's numbers when measured there; the published Kimi-K2.5 drafters' acceptance lengths as
+    hatched grey bars beside ours when the report has them."""
+    from .tables import benchmark_view
+
+    source, temps = benchmark_view(report)
+    view = {"temperatures": temps}
+    names = [s["name"] for s in report["benchmarks"]["sets"]]
+    refs = [r for r in report["benchmarks"]["references"] or [] if r["metric"] == "acceptance_length"]
+    fig, panels = _panels(view, 1.6 + 1.2 * len(names) * (1 + 0.2 * len(refs)), 4.0)
+    for ax, t in panels:
+        summary = t["methods"]
+        n = len(summary) + len(refs)
+        x = np.arange(len(names))
+        w = 0.8 / n
+        for i, (name, s) in enumerate(summary.items()):
+            vals = [s["per_dataset"].get(b, {}).get("acceptance_length", float("nan")) for b in names]
+            bars = ax.bar(x + (i - (n - 1) / 2) * w, vals, w, color=_color(t, name), label=name)
+            ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
+        for j, r in enumerate(refs):
+            vals = [r["benchmarks"].get(b, float("nan")) for b in names]
+            bars = ax.bar(x + (len(summary) + j - (n - 1) / 2) * w, vals, w, color=str(0.55 + 0.2 * j), hatch="//",
+                          edgecolor="white", label=f"{r['drafter']} (published)")
+            ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_xticks(x, names)
+        ax.set_ylabel("acceptance length (tokens per verification)")
+        ax.set_ylim(0, max(ax.get_ylim()[1], report["k"] + 1) * 1.15)
+        ax.set_title(f"benchmarks, {_label(t)}, k = {report['k']} ({source})", fontsize=10)
+    panels[0][0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig

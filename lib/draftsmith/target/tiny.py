@@ -9,7 +9,10 @@ uses plus one shared row for all the others (see `_train`): exact, and cheap eno
 the demo target reaches a training loss near 4.3 nats instead of the ~6.7 a full 129K softmax gets
 in the same time. Expect no more than fluent-looking nonsense from a model this small.
 
-`build_tiny_target` builds a variant once into the cache (deterministic for the seed);
+`build_tiny_target` builds a variant once into the cache (deterministic for the seed). Training
+saves a checkpoint every `CHECKPOINT_EVERY` steps in the build's temporary folder, so a build that is
+interrupted (Ctrl-C, a killed kernel) resumes from its last checkpoint, to the same weights an
+uninterrupted build gets. Every line a build logs starts with `BUILD_LOG`.
 `draftsmith.target.checkpoint.resolve_target` calls it for a built-in name. The folder loads with
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` like any checkpoint.
 """
@@ -20,11 +23,11 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..files import replacing
 from ..progress import wait_for_lock
 from .corpus import training_stream
 
@@ -103,34 +106,79 @@ def variant_key(name: str) -> str:
 
 _BUILD_VERSION = 4  # 4: head_dim 32, which vLLM's CPU attention runs (24 it rejects)
 
+BUILD_LOG = "[target build] "   # starts every line a build logs (report.html leaves them out)
+CHECKPOINT_EVERY = 20           # training steps between two checkpoints of a build
+TRAIN_CHECKPOINT = "train_checkpoint.pt"
 
-def build_tiny_target(name: str = "tiny", root: Path | None = None, log=print) -> Path:
+
+def build_tiny_target(name: str = "tiny", root: Path | None = None, log=print,
+                      checkpoint_every: int = CHECKPOINT_EVERY) -> Path:
     """Build (or reuse) a built-in target in `root` (default: the cache). Safe against concurrent
-    builders: one builds under a lock, the others wait and reuse it."""
+    builders: one builds under a lock, the others wait and reuse it. The build works in
+    `root/.KEY.partial/`, where its training checkpoint lives until the finished folder is renamed
+    into place; a later build of the same variant resumes from that checkpoint."""
     root = Path(root) if root is not None else cache_dir() / "targets"
     out = root / variant_key(name)
     if (out / "config.json").is_file():
         return out
     root.mkdir(parents=True, exist_ok=True)
+    say = lambda message: log(BUILD_LOG + message)  # noqa: E731
     with open(root / f".{out.name}.lock", "w") as lock:
-        wait_for_lock(lock, f"another process building target {name!r}", log)
+        wait_for_lock(lock, f"another process building target {name!r}", say)
         if (out / "config.json").is_file():
             return out
-        tmp = root / f".{out.name}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        _build(name, tmp, log)
+        tmp = root / f".{out.name}.partial"
+        tmp.mkdir(exist_ok=True)
+        _build(name, tmp, say, checkpoint_every)
+        (tmp / TRAIN_CHECKPOINT).unlink()
         os.replace(tmp, out)
     return out
 
 
-def _train(model, stream: list[int], v: Variant, log, t0: float) -> float:
+def _resume(path: Path, key: str, model, shared, opt, sched, log) -> int:
+    """Load the training state saved at `path` into the given objects; the step to go on from
+    (0: nothing usable saved, start at the beginning)."""
+    import torch
+
+    if not path.is_file():
+        return 0
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint means: train from the start
+        log(f"  {path}: unreadable ({type(e).__name__}: {e}); training from step 1")
+        return 0
+    if state.get("key") != key:
+        log(f"  {path}: saved by another build ({state.get('key')!r}); training from step 1")
+        return 0
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        shared.copy_(state["shared"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    log(f"  resuming from the checkpoint at step {state['step']} ({path})")
+    return int(state["step"])
+
+
+def _save_checkpoint(path: Path, key: str, step: int, model, shared, opt, sched) -> None:
+    import torch
+
+    with replacing(path) as tmp:
+        torch.save({"key": key, "step": step, "model": model.state_dict(), "shared": shared.detach(),
+                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "rng": torch.get_rng_state()}, tmp)
+
+
+def _train(model, stream: list[int], v: Variant, log, t0: float, checkpoint: Path, key: str,
+           every: int) -> float:
     """Next-token training whose softmax runs over the ~12K tokens the corpus uses plus ONE shared
     row standing for all the others: every token the corpus never uses gets the same embedding, so
     its logit is the same and the full 129K-way softmax is exactly the (12K+1)-way one with that
     logit counted N times (+log N). Same objective, about 8x cheaper per step on a CPU than the
     full softmax, so the minutes available buy a model that has learned the corpus's words and the
     template rather than only its unigram. Returns the probability the finished model leaves on
-    never-seen tokens (on the last batch)."""
+    never-seen tokens (on the last batch). Saves the training state to `checkpoint` every `every`
+    steps and after the last one, and resumes from what is saved there."""
     import torch
     import torch.nn.functional as F
 
@@ -145,9 +193,10 @@ def _train(model, stream: list[int], v: Variant, log, t0: float) -> float:
     warmup = max(1, v.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / v.steps)))
+    start = _resume(checkpoint, key, model, shared, opt, sched, log)
     model.train()
     span = v.batch_size * v.seq_len
-    for step in range(v.steps):
+    for step in range(start, v.steps):
         x = torch.tensor(stream[step * span:(step + 1) * span]).view(v.batch_size, v.seq_len)
         h = model.model(input_ids=x).last_hidden_state[:, :-1].reshape(-1, v.hidden_size)
         logits = torch.cat([h @ emb[seen].T, (h @ shared + log_n)[:, None]], dim=1)
@@ -157,8 +206,12 @@ def _train(model, stream: list[int], v: Variant, log, t0: float) -> float:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 20 == 0 or step == v.steps - 1:
-            log(f"  step {step + 1}/{v.steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+        saved = (step + 1) % every == 0 or step + 1 == v.steps
+        if saved:
+            _save_checkpoint(checkpoint, key, step + 1, model, shared, opt, sched)
+        if saved or step == start:
+            log(f"  step {step + 1}/{v.steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s"
+                + (", checkpoint saved)" if saved else ")"))
     # Finish the shared row's optimisation alone (convex in it, and cheap: the hidden states stay
     # fixed): the corpus never uses these tokens, so their probability should be as low as the
     # geometry of the hidden states allows.
@@ -194,7 +247,7 @@ def make_tokenizer():
     return tok
 
 
-def _build(name: str, out: Path, log) -> None:
+def _build(name: str, out: Path, log, checkpoint_every: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -222,12 +275,13 @@ def _build(name: str, out: Path, log) -> None:
     stream = training_stream(tok, v.steps * v.batch_size * v.seq_len, v.seed)
     log(f"building target {name!r}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
         f"{v.steps} steps of {v.batch_size}x{v.seq_len} tokens")
-    mass = _train(model, stream, v, log, t0)
+    key = variant_key(name)
+    mass = _train(model, stream, v, log, t0, out / TRAIN_CHECKPOINT, key, checkpoint_every)
     log(f"  probability on tokens the corpus never uses: {mass:.2e}")
     model.eval()
     model.generation_config.do_sample = True
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     (out / "draftsmith_target.json").write_text(json.dumps(
-        {"variant": name, "key": out.name.split(".tmp")[0], **asdict(v)}, indent=1))
+        {"variant": name, "key": key, **asdict(v)}, indent=1))
     log(f"target {name!r} built in {time.time() - t0:.0f}s")

@@ -27,8 +27,9 @@ def _delta_hist(rows: list[dict]):
     if deltas:
         lo, hi = max(min(deltas), -30), min(max(deltas), 30)
         ax.hist([min(max(d, lo), hi) for d in deltas], bins=range(lo, hi + 2), align="left", log=True, color="#4c72b0")
+        ax.set_ylim(bottom=0.3)  # the log axis starts below 1, so a bin of one sample shows as a bar
     ax.set_xlabel("billed − reconstructed completion tokens (clipped to ±30)")
-    ax.set_ylabel("samples")
+    ax.set_ylabel("samples (log scale)")
     ax.set_title("Per-sample completion-token delta (0 = exact)")
     fig.tight_layout()
     return fig

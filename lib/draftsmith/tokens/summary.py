@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from .. import sources
 
+# Causes that leave the text as the target wrote it: the provider only counts (bills) it otherwise,
+# or sampled a token split the rebuilt ids spell canonically. Training ids are rebuilt from the
+# text with the target's own template, so samples flagged only for these are fit to train on.
+BILLING_ONLY = ("other_tokenizer", "billing_offset", "non_canonical_split")
+
 
 def provider_table(report: dict):
     """One row per provider: samples, exact-match and clean rates, relative error, cause, flag."""
@@ -36,7 +41,32 @@ def summary(report: dict) -> str:
         lines += sources.summary_lines(report)
     for p, f in report["flagged_providers"].items():
         lines.append(f"FLAGGED {p}: cause {f['cause']}; " + "; ".join(f["reasons"]))
+    lines.append(verdict(report))
     for name, d in report["datasets"].items():
         if d["malformed_lines"]:
             lines.append(f"{name}: {d['malformed_lines']} malformed lines skipped, e.g. {d['problems'][0]}")
     return "\n".join(lines)
+
+
+def verdict(report: dict) -> str:
+    """One line: is the data as kept fit to train on, why, and what to do when it is not."""
+    t, flagged = report["totals"], report["flagged_providers"]
+    if not t["flagged"] and not flagged:
+        return "verdict: fit to train on: no sample and no provider is flagged"
+    if report["exclude_flagged"]:
+        return (f"verdict: fit to train on: exclude_flagged leaves the {t['flagged']} flagged samples and every "
+                f"sample of a flagged provider out ({t['excluded']} excluded, {t['kept']} kept)")
+    harmful = {p: f["cause"] or f["reasons"][0] for p, f in flagged.items() if f["cause"] not in BILLING_ONLY}
+    if harmful:
+        kept = sum(report["providers"][p]["samples"] for p in harmful)
+        return ("verdict: NOT fit to train on as kept: " + ", ".join(f"{p} ({c})" for p, c in harmful.items())
+                + f" returned text unlike the target's, and their {kept} samples are kept because exclude_flagged "
+                f"is off; re-run stage 03 with -p exclude_flagged true (or leave them out of stage 02's routing)")
+    if flagged:
+        causes = sorted({f["cause"] for f in flagged.values()})
+        return (f"verdict: fit to train on as kept: the flagged providers differ from the target only in how "
+                f"they count tokens ({', '.join(causes)}); the text is the target's, and the training ids are "
+                f"rebuilt from it with the target's own template")
+    return (f"verdict: fit to train on as kept: no provider is flagged; {t['flagged']} samples "
+            f"({t['flagged'] / t['samples']:.1%}) are flagged one by one (a count off by more than the "
+            f"tolerance, or an issue) and kept because exclude_flagged is off; set it to leave them out")
