@@ -234,22 +234,3 @@ def test_a_template_whose_prompt_does_not_open_reasoning_is_refused(rec):
                                     "{% if add_generation_prompt %}" + tiny.ASSISTANT)
     with pytest.raises(ValueError, match="does not end by opening a reasoning block"):
         Reconstructor(rec.tokenizer, bad)
-
-
-class TiktokenLike:
-    """The calling convention of Kimi's remote-code tokenizer: encode(text, allow_special_tokens)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def encode(self, text, allow_special_tokens=True):
-        self.calls.append((text, allow_special_tokens))
-        return [len(text)]
-
-
-def test_kimi_tokenizer_convention_keeps_model_text_plain():
-    enc = tokens.Encoder(TiktokenLike())
-    assert enc.kind == "tiktoken"
-    enc.plain(["<|im_end|>"])
-    enc.template(["<|im_user|>"])
-    assert enc.tokenizer.calls == [("<|im_end|>", False), ("<|im_user|>", True)]

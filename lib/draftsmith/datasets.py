@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .paths import check_name, resolve
+from .paths import resolve
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
@@ -63,7 +63,6 @@ class DatasetSpec:
         for key in ("name", "path"):
             if not isinstance(entry.get(key), str) or not entry[key]:
                 raise ValueError(f"{where}: dataset field {key!r} must be a non-empty string, got {entry.get(key)!r}")
-        check_name(f"{where} name", entry["name"])
         budget = entry.get("output_token_budget")
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
             raise ValueError(f"{where}: output_token_budget of {entry['name']!r} must be a positive int, got {budget!r}")

@@ -29,6 +29,7 @@ RULES = {
     "max_attempts": (lambda v: v >= 1, "at least 1"),
     "request_timeout_s": (lambda v: v > 0, "more than 0 seconds"),
     "stop_grace_s": (lambda v: v >= 0, "0 or more seconds"),
+    "outage_limit_s": (lambda v: v > 0, "more than 0 seconds"),
     "balance_floor_usd": (lambda v: v >= 0, "0 or more dollars"),
     "temperature": (lambda v: v >= 0, "0 or more"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -190,12 +191,20 @@ def _tokenizer(path: str, trust_remote_code: bool, where) -> list[str]:
     that moved, ...) shows now, before anything runs or pays. Built-in targets are left to their build."""
     import sys
 
-    from .target.checkpoint import load_tokenizer, remote_code_refusal
-    from .target.remote_code import tokenizer_code
+    from .target.checkpoint import BUILT_IN_TARGETS, checkpoint_problem, load_tokenizer, remote_code_refusal, \
+        tokenizer_code
 
-    folder = Path(str(path)).expanduser()
-    if not (folder / "config.json").is_file():
+    if str(path) in BUILT_IN_TARGETS:  # known without building: the Kimi-shaped ones ship tokenizer code
+        from .target import kimi_mini
+        from .target.kimi_tokenizer import tokenizer_config
+
+        if str(path) in kimi_mini.VARIANTS and not trust_remote_code:
+            code = tokenizer_config()["auto_map"]["AutoTokenizer"][0]
+            return [f"{where('trust_remote_code')}: {remote_code_refusal(path, code)}"]
         return []
+    if checkpoint_problem(path):
+        return []
+    folder = Path(str(path)).expanduser()
     try:
         code = tokenizer_code(folder)
         if code and not trust_remote_code:

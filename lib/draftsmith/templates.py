@@ -20,15 +20,29 @@ from pathlib import Path
 # Kimi-K2.5: no newlines between turns and no default system prompt (K2-Thinking inserted one; K2.5
 # does not). Every assistant turn already in the conversation renders its reasoning as an empty
 # <think></think>, the last one included; the generation prompt opens the reasoning block, or closes
-# it at once when the caller passes thinking=False. The real checkpoint ships its own (longer: tools,
-# media) chat_template.jinja, which renders these conversations the same way; this copy is for a
-# tokenizer folder without a template and for tests.
+# it at once when the caller passes thinking=False. Tools are declared in a `tool_declare` system
+# turn; an assistant turn's `tool_calls` follow its text between the tool-call section markers (id,
+# then the arguments as the JSON string the API carries); a tool result is a system turn named
+# `tool` that opens with `## Return of {tool_call_id}`. The real checkpoint ships its own (longer:
+# media) chat_template.jinja; this copy is the built-in Kimi-style target's and the one
+# `chat_template_file: kimi-k2.5` names.
 KIMI_K25_CHAT_TEMPLATE = (
+    "{% macro text(content) %}{% if content is string %}{{ content }}{% elif content %}"
+    "{% for part in content %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{% endmacro %}"
+    "{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}<|im_system|>system<|im_middle|>{{ message['content'] }}<|im_end|>"
-    "{% elif message['role'] == 'user' %}<|im_user|>user<|im_middle|>{{ message['content'] }}<|im_end|>"
+    "{% if message['role'] == 'system' %}<|im_system|>system<|im_middle|>{{ text(message['content']) }}<|im_end|>"
+    "{% elif message['role'] == 'user' %}<|im_user|>user<|im_middle|>{{ text(message['content']) }}<|im_end|>"
     "{% elif message['role'] == 'assistant' %}"
-    "<|im_assistant|>assistant<|im_middle|><think></think>{{ message['content'] }}<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|><think></think>{{ text(message['content']) }}"
+    "{% if message.get('tool_calls') %}<|tool_calls_section_begin|>{% for call in message['tool_calls'] %}"
+    "<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>"
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}<|tool_call_end|>"
+    "{% endfor %}<|tool_calls_section_end|>{% endif %}<|im_end|>"
+    "{% elif message['role'] == 'tool' %}<|im_system|>tool<|im_middle|>## Return of {{ message['tool_call_id'] }}\n"
+    "{{ text(message['content']) }}<|im_end|>"
     "{% else %}{{ raise_exception('unsupported role: ' + message['role']) }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
@@ -103,3 +117,16 @@ def response_layout(render) -> Layout:
             f"by opening a reasoning block (it ends {prompt[-40:]!r}); only templates whose generation "
             "prompt opens the reasoning (DeepSeek, Kimi-K2.5) or that have none are supported")
     return layout
+
+
+def tool_calls_text(render, tool_calls: list[dict]) -> str:
+    """What the template writes for an assistant turn's `tool_calls` (OpenAI shape) between the
+    answer and the end-of-turn; "" when it renders none (a template without tool support)."""
+    user = [{"role": "user", "content": "Hello"}]
+    bare = render(user + [{"role": "assistant", "content": _PROBE}], False).split(_PROBE)[-1]
+    full = render(user + [{"role": "assistant", "content": _PROBE, "tool_calls": tool_calls}], False)
+    after = full.split(_PROBE)[-1]
+    if not after.endswith(bare):
+        raise ValueError(f"chat template: an assistant turn with tool calls does not end as one without "
+                         f"({after[-60:]!r} vs {bare!r})")
+    return after[:len(after) - len(bare)]

@@ -3,7 +3,9 @@
 A backend turns a `Job` (the prompt ids and sampling settings) into a stream of `(token_id, text)`
 pairs: the ids actually sampled, in the target tokenizer, each with the text it adds (`""` for
 `</think>` and the end-of-turn token). The response is `{reasoning}</think>{content}<eos>`: the
-prompt ends inside the reasoning (`<think>`), so everything before `</think>` is reasoning. The
+prompt ends inside the reasoning (`<think>`), so everything before `</think>` is reasoning. Both
+markers are read off the target's chat template (`templates.response_layout`), so a Kimi-style
+target ends its turn with `<|im_end|>` and a DeepSeek-style one with its end-of-sentence token. The
 stream ends after the end-of-turn token (finish `stop`) or after `max_tokens` ids (finish `length`).
 `completion_tokens` is the number of ids in the stream, `</think>` and end-of-turn included.
 """
@@ -13,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..target.tiny import END_THINK, EOS
+from ..encoding import Encoding
+from ..templates import response_layout
 
 
 @dataclass
@@ -36,16 +39,21 @@ class Vocab:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.end_think = tokenizer.convert_tokens_to_ids(END_THINK)
-        self.eos = tokenizer.convert_tokens_to_ids(EOS)
-        self.blank_line = tokenizer.encode("\n\n", add_special_tokens=False)  # one id in the target tokenizer
-        if self.end_think is None or self.eos is None or self.end_think == tokenizer.unk_token_id:
-            raise ValueError(f"target tokenizer lacks {END_THINK!r} or {EOS!r}")
+        self.encoding = Encoding(tokenizer)
+        layout = response_layout(lambda msgs, gen: tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=gen))
+        if not layout.thinking:
+            raise ValueError("the target's chat template has no reasoning block (its generation prompt must "
+                             "open one, e.g. with <think>); the emulator serves thinking models only")
+        self.end_think = self.encoding.one_id(layout.think_end, "end of reasoning")
+        self.eos = self.encoding.one_id(layout.end_of_turn, "end-of-turn")
+        self.blank_line = self.encoding.plain(["\n\n"])[0]  # one id in the built-in tokenizers
         self.size = len(tokenizer)
-        # every added special token except </think> and end-of-turn: a real model never emits them here
-        self.banned = sorted(i for i in tokenizer.added_tokens_decoder if i not in (self.end_think, self.eos))
+        # every added or reserved special token except </think> and end-of-turn: a real model never
+        # emits them here
+        self._special = self.encoding.special_ids
+        self.banned = sorted(self._special - {self.end_think, self.eos})
         self._token_to_id = tokenizer.get_vocab()
-        self._special = set(tokenizer.added_tokens_decoder)
 
     @lru_cache(maxsize=65536)
     def split(self, token_id: int) -> tuple[int, int] | None:
@@ -56,6 +64,6 @@ class Vocab:
         for i in range(len(s) // 2, 0, -1):
             for j in (i, len(s) - i):
                 a, b = self._token_to_id.get(s[:j]), self._token_to_id.get(s[j:])
-                if a is not None and b is not None and all("\ufffd" not in self.tokenizer.decode([x]) for x in (a, b)):
+                if a is not None and b is not None and all("\ufffd" not in self.encoding.decode([x]) for x in (a, b)):
                     return a, b
         return None

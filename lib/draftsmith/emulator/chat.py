@@ -1,6 +1,7 @@
 """POST chat/completions: from a request to the endpoint that answers it, as OpenRouter routes it.
 
-validate -> prompt ids (chat template) -> key checks (403) -> routing (404/503) -> credit checks
+validate (an unknown model: 400 `model_not_found`) -> prompt ids (chat template) -> key checks (403)
+-> the router's own faults (faults.Router) -> routing (404/503) -> credit checks
 (402) -> reserve its worst-case cost -> try endpoints in order: a provider that is down, at
 capacity (429) or fails before its first token (an injected fault) hands the request on to the
 next one silently; when none is left the last one's error goes back -> the response
@@ -24,11 +25,11 @@ from .accounts import Accounts
 from .backends import Vocab
 from .catalogue import Endpoint
 from .config import EmulatorConfig
-from .faults import BEFORE_FIRST_TOKEN, UPSTREAM_MESSAGES, draw
+from .faults import BEFORE_FIRST_TOKEN, UPSTREAM_MESSAGES, Router, draw, upstream_availability
 from .request import SAMPLING_PARAMS, BadRequest, PromptIds, parse
 from .response import Responses
 from .routing import RoutingError, parse_prefs, route
-from .wire import error_response
+from .wire import availability, error_response
 
 # error_type of the upstream failures (OpenRouter's typed error codes)
 _ERROR_TYPES = {429: "rate_limit_exceeded", 502: "provider_unavailable", 503: "provider_overloaded",
@@ -50,6 +51,7 @@ class Chat:
         self.active: Counter[str] = Counter()  # in-flight requests per endpoint tag
         self.asked: Counter[str] = Counter()  # times each prompt was asked (fault draws)
         self.rng = random.Random(cfg.seed)
+        self.router = Router(cfg.router_faults, cfg.seed, cfg.model)
         self._default_max_tokens = max(e.max_completion_tokens for e in endpoints)
 
     async def handle(self, request: web.Request):
@@ -59,6 +61,9 @@ class Chat:
             body = json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error_response(400, "Invalid JSON in request body")
+        if isinstance(body, dict) and body.get("model") != self.cfg.model:
+            return error_response(400, f"{body.get('model')} is not a valid model ID", {"error_type": "invalid_request"},
+                                  avail=availability("model_not_found", False))
         try:
             req = parse(body, self.cfg.model, self._default_max_tokens)
             prefs = parse_prefs(body.get("provider"))
@@ -71,11 +76,15 @@ class Chat:
         if denied is not None:
             self.stats["403"] += 1
             return denied
+        refused = self.router.refusal(req["prompt_key"])
+        if refused is not None:
+            self.stats[f"router_{refused.status}"] += 1
+            return refused
         try:
             used = {p for p in SAMPLING_PARAMS if p in body}
             candidates = route(prefs, self.endpoints, used, len(prompt_ids), req["max_tokens"], self.rng)
         except RoutingError as e:
-            return error_response(e.status, e.message, e.metadata)
+            return error_response(e.status, e.message, e.metadata, avail=e.avail)
 
         worst = self.accounts.worst_case(candidates, len(prompt_ids), req["max_tokens"])
         refusal = self.accounts.credit_check(candidates, len(prompt_ids), req["max_tokens"], worst)
@@ -117,7 +126,8 @@ class Chat:
                 headers = {"Retry-After": str(math.ceil(ep.retry_after_s))}
             self.responses.record(gen_id, ep, req, None, status, attempts, finish=None, billed=False, error=why,
                                   t_start=t_start, prompt_ids=prompt_ids)
-            return error_response(status, "Provider returned error", meta, headers)
+            return error_response(status, "Provider returned error", meta, headers,
+                                  avail=upstream_availability(status, meta.get("retry_after_seconds")))
         attempts.append({"provider": chosen.tag, "status": 200, "reason": fault or "ok"})
         self.active[chosen.tag] += 1
         try:

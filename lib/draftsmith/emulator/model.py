@@ -79,7 +79,7 @@ class Engine:
         self.active: list[_Seq] = []
         self.waiting: queue.SimpleQueue[_Seq] = queue.SimpleQueue()
         self.banned = torch.tensor(vocab.banned, dtype=torch.long)
-        self._tok = vocab.tokenizer._tokenizer
+        self._tok = vocab.encoding
 
     # ---- the forward over the slot cache ---------------------------------------------------------
 
@@ -281,7 +281,7 @@ class Engine:
             return ""
         if s.in_reasoning:
             s.n_reasoning += 1
-        text = self._tok.decode(s.out[s.anchor:], skip_special_tokens=False)
+        text = self._tok.decode(s.out[s.anchor:])
         delta = text[len(s.anchor_text):]
         s.anchor_text = text
         self._advance_anchor(s)
@@ -292,7 +292,7 @@ class Engine:
             return
         for p in range(len(s.out) - 8, s.anchor, -1):
             if _starts_word(self._tok, s.out[p]) and not _ends_space(self._tok, s.out[p - 1]):
-                s.anchor_text = s.anchor_text[len(self._tok.decode(s.out[s.anchor:p], skip_special_tokens=False)):]
+                s.anchor_text = s.anchor_text[len(self._tok.decode(s.out[s.anchor:p])):]
                 s.anchor = p
                 return
 
@@ -300,15 +300,15 @@ class Engine:
         if t in (self.vocab.end_think, self.vocab.eos):
             return True
         ids = s.out[s.anchor:] + [t]
-        text = self._tok.decode(ids, skip_special_tokens=False)
+        text = self._tok.decode(ids)
         if text.endswith("\ufffd"):  # half of a multi-byte character: never canonical on its own
             return False
-        return not self.canonical or self._tok.encode(text, add_special_tokens=False).ids == ids
+        return not self.canonical or self._tok.plain([text])[0] == ids
 
 
 @lru_cache(maxsize=200_000)
 def _piece(tok, i: int) -> str:
-    return tok.id_to_token(i) or ""
+    return tok.token(i)
 
 
 def _starts_word(tok, i: int) -> bool:

@@ -30,14 +30,16 @@ class Billing:
     """Token counts as a provider reports and bills them."""
 
     def __init__(self, tokenizer, kind: str):
+        from ..encoding import Encoding
+
         self.kind = kind
-        self._target = tokenizer._tokenizer
         self._other = merges_dropped_tokenizer() if kind == "merges-dropped" else None
+        self._target = Encoding(tokenizer) if self._other is not None else None
 
     def count(self, ids: list[int], true_count: int) -> int:
         if self._other is None:
             return true_count
-        text = self._target.decode(ids, skip_special_tokens=False)
+        text = self._target.decode(ids)
         return len(self._other.encode(text, add_special_tokens=False).ids)
 
 

@@ -79,7 +79,6 @@ class PromptIds:
 
     def __init__(self, vocab: Vocab):
         self.vocab = vocab
-        self._fast_tok = vocab.tokenizer._tokenizer
         self._prompts: OrderedDict[str, list[int]] = OrderedDict()
 
     def __call__(self, messages: list[dict], think: bool) -> list[int]:
@@ -91,7 +90,7 @@ class PromptIds:
             except Exception as e:  # the template raises on conversations it cannot render
                 raise BadRequest(f"messages: cannot apply the chat template: {e}") from None
             # what apply_chat_template(tokenize=True) does, minus its Python overhead
-            ids = self._fast_tok.encode(text, add_special_tokens=False).ids
+            ids = self.vocab.encoding.template([text])[0]
             self._prompts[key] = ids
             if len(self._prompts) > _REMEMBERED:
                 self._prompts.popitem(last=False)

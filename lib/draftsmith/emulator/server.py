@@ -29,13 +29,23 @@ from .synthetic import SyntheticBackend
 from .wire import API
 
 
-@lru_cache(maxsize=4)
 def _tokenizer(target_model_path: str | None):
-    """The target tokenizer (of the checkpoint, or the built-in one); loaded once per process."""
+    """The target tokenizer (of the checkpoint, or the built-in one). The emulator plays the
+    provider, which runs the tokenizer code a checkpoint ships (Kimi-K2.5's): it trusts that code.
+    The runner never gets here with such a checkpoint unless the user set trust_remote_code
+    (`draftsmith.preflight`)."""
     from ..target.checkpoint import load_tokenizer
     from ..target.tiny import make_tokenizer
 
-    return load_tokenizer(target_model_path, log=lambda *a: None) if target_model_path else make_tokenizer()
+    if not target_model_path:
+        return make_tokenizer()
+    return load_tokenizer(target_model_path, trust_remote_code=True, log=lambda *a: None)
+
+
+@lru_cache(maxsize=4)
+def _vocab(target_model_path: str | None) -> Vocab:
+    """The target's tokenizer and token facts; loaded once per process."""
+    return Vocab(_tokenizer(target_model_path))
 
 
 class Emulator:
@@ -48,7 +58,7 @@ class Emulator:
         endpoints = config.endpoints()
         self.ledger = Ledger(state_dir, config.credits)
         self.state_dir = Path(state_dir)
-        self.vocab = Vocab(_tokenizer(config.target_model_path))
+        self.vocab = _vocab(config.target_model_path)
         self.tokenizer = self.vocab.tokenizer
         self.backend = self._load_backend()
         self.stats: Counter[str] = Counter()

@@ -30,7 +30,7 @@ class SyntheticBackend:
     def __init__(self, vocab: Vocab, median_tokens: int = 300, reasoning_fraction: float = 0.4,
                  docstrings: int = 800):
         self.vocab = vocab
-        tok = vocab.tokenizer._tokenizer  # the Rust tokenizer: no Python overhead per call
+        tok = vocab.encoding  # batched, no Python overhead per token
         self.median_tokens, self.reasoning_fraction = median_tokens, reasoning_fraction
         self.ids, self.texts, self.starts = _corpus(tok, docstrings)
         # safe_end[e]: the last position <= e where the text can end canonically: before an id that
@@ -41,7 +41,7 @@ class SyntheticBackend:
                 last = e
             self.safe_end.append(last)
         self.safe_end.append(len(self.ids))
-        self.filler = tok.encode(" the", add_special_tokens=False).ids[0]
+        self.filler = tok.plain([" the"])[0][0]
         self.filler_text = tok.decode([self.filler])
         self._tok = tok
 
@@ -116,13 +116,12 @@ def _corpus(tok, docstrings: int) -> tuple[list[int], list[str], list[int]]:
     """The corpus as one stream: ids of every sentence with a leading space, one after the other,
     the text each id adds, and where each sentence starts. Built once per process."""
     texts = corpus_sentences(docstrings)
-    encoded = tok.encode_batch([" " + s for s in texts], add_special_tokens=False)
     ids, starts = [], []
-    for enc in encoded:
+    for enc in tok.plain([" " + s for s in texts]):
         starts.append(len(ids))
-        ids += enc.ids
+        ids += enc
     vocab = sorted(set(ids))
-    text_of = dict(zip(vocab, tok.decode_batch([[i] for i in vocab], skip_special_tokens=False)))
+    text_of = dict(zip(vocab, tok.decode_each(vocab)))
     return ids, [text_of[i] for i in ids], starts
 
 

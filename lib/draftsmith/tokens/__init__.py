@@ -20,11 +20,11 @@ the truth and the text's rebuild only measures how often the two agree. Each sam
 from .checks import Thresholds, check
 from .figures import figures
 from .outputs import Sample, read_checks, read_report, read_tokens, token_files
-from .rebuild import Encoder, Reconstructor, load_reconstructor
+from .rebuild import Reconstructor, load_reconstructor
 from .responses import BadLine, Response
 from .stage import build
 from .summary import provider_table, summary
 
-__all__ = ["BadLine", "Encoder", "Reconstructor", "Response", "Sample", "Thresholds", "build", "check", "figures",
+__all__ = ["BadLine", "Reconstructor", "Response", "Sample", "Thresholds", "build", "check", "figures",
            "load_reconstructor", "provider_table", "read_checks", "read_report", "read_tokens", "summary",
            "token_files"]

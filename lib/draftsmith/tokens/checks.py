@@ -13,7 +13,7 @@ from .responses import Response
 
 # What the model did rather than what its provider did: flags the sample, does not count against
 # the provider (a provider that dropped the answer also shows a count mismatch).
-RESPONSE_ISSUES = ("empty_content",)
+RESPONSE_ISSUES = ("empty_content", "tool_calls_not_rendered")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ def check(r: Response, b: Rebuilt, layout: Layout, thresholds: Thresholds) -> di
         issues.append("think_marker_in_content")
     if any(m in r.reasoning for m in layout.think_markers):
         issues.append("think_marker_in_reasoning")
+    if b.tool_calls_dropped:  # the ids lack the calls: the chat template (chat_template_file) renders none
+        issues.append("tool_calls_not_rendered")
     dr = None if r.billed_reasoning is None or not r.reasoning else r.billed_reasoning - b.reasoning_tokens
     return {
         "completion_delta": dc,
@@ -79,6 +81,8 @@ def _agreement(b: Rebuilt) -> dict:
 
 def _local_cause(issues, dc, dp, dr, billed_r, th: Thresholds) -> str | None:
     """The cause a sample shows on its own; `count_mismatch` is settled per provider (`analyse`)."""
+    if "tool_calls_not_rendered" in issues:
+        return "tool_calls_not_rendered"
     if dp:
         return "other_tokenizer" if dc else "prompt_template"
     if "reasoning_missing" in issues or "reasoning_excluded" in issues:

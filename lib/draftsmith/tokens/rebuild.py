@@ -4,64 +4,23 @@ Prompt ids: the chat template with the generation prompt, tokenized the way serv
 (template text through the tokenizer: a special-token string typed in a user message becomes that
 token, as it did for the target). Output ids: reasoning, think_end, content, end_of_turn
 (`templates.response_layout`); what the model wrote is encoded as plain text, so a literal
-"<think>" or tool-call marker in an answer is text, never a special token. No end-of-turn when the
+"<think>" or "<|im_end|>" in an answer is text, never a special token. The one exception is the
+template's tool-call markup: a model emits each tool-call marker as one id and the API returns it
+as text, so those strings map back to their ids; a response's `tool_calls` field is rendered after
+the content the way the template renders an assistant turn's tool calls. No end-of-turn when the
 response stopped on `length`. Where the engine's sampled ids were saved, they are the truth and the
-text's rebuild is kept beside them. Tokenizer calls are batched (one Rust call per batch for fast
-tokenizers), so 60M tokens take minutes (bench/bench_tokens.py).
+text's rebuild is kept beside them. Encoding goes through `draftsmith.encoding` (batched: one
+Rust or tiktoken call per batch), so 60M tokens take minutes (bench/bench_tokens.py).
 """
 
 from __future__ import annotations
 
-import inspect
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..templates import Layout, load_chat_template, response_layout
+from ..encoding import Encoding
+from ..templates import Layout, load_chat_template, response_layout, tool_calls_text
 from .responses import Response
-
-
-class Encoder:
-    """Batched text -> ids, two ways. `template`: added-token strings become their tokens (the
-    template's markup; prompts as engines tokenize them). `plain`: every character is text.
-
-    Fast tokenizers: one Rust batch call each; `plain` uses a copy of the tokenizer with its added
-    tokens removed (the tokenizer's own `split_special_tokens` still matches non-special added
-    tokens such as DeepSeek's `<think>` and tool-call markers). Kimi's tiktoken tokenizer (remote
-    code) takes `allow_special_tokens`. Any other slow tokenizer: `split_special_tokens`."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.kind = "fast" if backend is not None else (
-            "tiktoken" if "allow_special_tokens" in inspect.signature(tokenizer.encode).parameters else "slow")
-        if self.kind == "fast":
-            from tokenizers import Tokenizer
-
-            spec = json.loads(backend.to_str())
-            spec["added_tokens"] = []
-            self._template, self._plain = backend, Tokenizer.from_str(json.dumps(spec))
-
-    def template(self, texts: list[str]) -> list[list[int]]:
-        if self.kind == "fast":
-            return _encode_batch(self._template, texts)
-        if self.kind == "tiktoken":
-            return [list(self.tokenizer.encode(t, allow_special_tokens=True)) for t in texts]
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-    def plain(self, texts: list[str]) -> list[list[int]]:
-        if self.kind == "fast":
-            return _encode_batch(self._plain, texts)
-        if self.kind == "tiktoken":
-            return [list(self.tokenizer.encode(t, allow_special_tokens=False)) for t in texts]
-        return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-
-
-def _encode_batch(tok, texts: list[str]) -> list[list[int]]:
-    if not texts:
-        return []
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: no character offsets
-    return [e.ids for e in encode(texts, add_special_tokens=False)]
 
 
 @dataclass
@@ -71,6 +30,7 @@ class Rebuilt:
     reasoning_tokens: int  # plain-text tokens of the reasoning
     text_prompt_ids: list[int] | None = None  # where the engine's ids are saved: the ids rebuilt from the text
     text_output_ids: list[int] | None = None
+    tool_calls_dropped: bool = False  # the response made tool calls the template does not render
 
     @property
     def input_ids(self) -> list[int]:
@@ -92,9 +52,12 @@ class Reconstructor:
         self.template_origin = "chat_template_file" if chat_template else "tokenizer"
         self.source = source
         self.layout: Layout = response_layout(self.render)
-        self.encoder = Encoder(tokenizer)
+        self.encoder = Encoding(tokenizer, source)
         self.think_end_ids = self.encoder.template([self.layout.think_end])[0] if self.layout.thinking else []
         self.end_of_turn_ids = self.encoder.template([self.layout.end_of_turn])[0]
+        markup = self._tool_calls_text([_PROBE_CALL])
+        # the added tokens of the template's tool-call markup: returned as text, emitted as one id each
+        self.tool_tokens = {t: i for t, i in self.encoder.added.items() if t in markup}
 
     @classmethod
     def from_pretrained(cls, path, chat_template_file=None, trust_remote_code: bool = False) -> "Reconstructor":
@@ -110,13 +73,28 @@ class Reconstructor:
     def prompt_text(self, messages: list[dict]) -> str:
         return self.render(messages, True)
 
+    def output_content(self, r: Response) -> str:
+        """The answer as the model wrote it: the content, then its `tool_calls` as the template
+        renders them (nothing when the template renders none: the checks flag that sample)."""
+        return r.content + self._tool_calls_text(r.tool_calls) if r.tool_calls else r.content
+
+    def _tool_calls_text(self, calls: list[dict]) -> str:
+        try:
+            return tool_calls_text(self.render, calls)
+        except Exception:  # a template without tool support may raise on them: it renders none
+            return ""
+
     def rebuild(self, responses: list[Response]) -> list[Rebuilt]:
         """Ids of a batch of responses: two batched tokenizer calls (prompts, then the texts)."""
         prompts = self.encoder.template([r.prompt if r.prompt is not None else self.prompt_text(r.messages)
                                          for r in responses])
-        texts = self.encoder.plain([t for r in responses for t in (r.reasoning, r.content)])
+        answers = [self.output_content(r) for r in responses]
+        texts = self.encoder.plain([t for r, a in zip(responses, answers) for t in (r.reasoning, a)], self.tool_tokens)
         out = [self._assemble(r, p, texts[2 * i], texts[2 * i + 1]) for i, (r, p) in enumerate(zip(responses, prompts))]
-        return [self._saved(r, b) if r.output_ids is not None else b for r, b in zip(responses, out)]
+        out = [self._saved(r, b) if r.output_ids is not None else b for r, b in zip(responses, out)]
+        for r, a, b in zip(responses, answers, out):
+            b.tool_calls_dropped = bool(r.tool_calls) and a == r.content
+        return out
 
     def _saved(self, r: Response, text: Rebuilt) -> Rebuilt:
         """The engine's own ids, with the text's rebuild kept beside them for the agreement check.
@@ -147,6 +125,9 @@ class Reconstructor:
             if closed:
                 out += self.think_end_ids
         return Rebuilt(prompt, out + content + eot, len(reasoning))
+
+
+_PROBE_CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 @lru_cache(maxsize=2)

@@ -40,6 +40,7 @@ class Response:
     output_ids: list[int] | None = None  # the ids the engine sampled, when it returned them: the truth
     prompt_ids: list[int] | None = None  # the prompt ids the engine read, when it returned them
     prompt: str | None = None  # the rendered prompt, once rendered
+    tool_calls: list[dict] | None = None  # the message's tool calls (OpenAI shape), when it made any
 
     @property
     def expects_usage(self) -> bool:
@@ -87,6 +88,10 @@ class Response:
             raise BadLine("field 'prompt_ids' without 'output_ids': save both or neither")
         if ids["output_ids"] is not None:  # the ids are the truth; the engine's counts are theirs
             counts = dict.fromkeys(counts)
+        calls = row.get("tool_calls") or None
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+            raise BadLine("field 'tool_calls' must be a list of {id, type, function: {name, arguments}} objects")
         source = row.get("source") or "openrouter"  # stage 02 lines written before sources existed
         if not isinstance(source, str):
             raise BadLine(f"field 'source' must be a string, got {type(source).__name__}")
@@ -94,7 +99,7 @@ class Response:
                    row.get("generation_id"), msgs, texts["reasoning"], texts["content"],
                    row.get("finish_reason"), counts["prompt_tokens"], counts["completion_tokens"],
                    counts["reasoning_tokens"], excluded, disabled, source, imported,
-                   ids["output_ids"], ids["prompt_ids"])
+                   ids["output_ids"], ids["prompt_ids"], tool_calls=calls)
 
 
 def read_responses(run: Run, dataset: str, unit: str, path: Path):

@@ -88,6 +88,7 @@ def build(run: Run, datasets: list[DatasetSpec], target_model_path: str, chat_te
 
     specs = parse_imports(list(imports), [s.name for s in datasets])
     rec = load_reconstructor(str(resolve_target(target_model_path, log=log)), chat_template_file, trust_remote_code)
+    log(f"tokenizer: {type(rec.tokenizer).__name__} ({rec.encoder.kind}), vocabulary {rec.encoder.vocab_size:,}")
     parts, problems = {}, {}
     for spec in datasets:
         parts[spec.name], problems[spec.name] = [], []
@@ -108,7 +109,9 @@ def build(run: Run, datasets: list[DatasetSpec], target_model_path: str, chat_te
     outputs = {name: write_dataset(run, name, parts[name]) for name in parts}
     report = {
         "format": f"draftsmith-tokens/{FORMAT_VERSION}",
-        "target": {"tokenizer": rec.source, "chat_template": rec.template_origin, "encoder": rec.encoder.kind,
+        "target": {"tokenizer": rec.source, "chat_template": rec.template_origin,
+                   "tokenizer_kind": rec.encoder.kind, "tokenizer_class": type(rec.tokenizer).__name__,
+                   "vocab_size": rec.encoder.vocab_size, "tool_call_tokens": rec.tool_tokens,
                    "think_end": rec.layout.think_end, "think_end_ids": rec.think_end_ids,
                    "end_of_turn": rec.layout.end_of_turn, "end_of_turn_ids": rec.end_of_turn_ids},
         "thresholds": asdict(thresholds),
