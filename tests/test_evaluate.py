@@ -325,3 +325,58 @@ def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_a
                                                              "vllm_baseline"))
     assert "completion_tokens'] / m['spec_verify_ct']" in c["sglang_acceptance"]
     assert "--trust-remote-code" not in serving.serving_commands(d, "/m", 3, "bench.json")["sglang_server"]
+
+
+def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_held_out_prompts(
+        trained_run, tmp_path):
+    """`draftsmith run 06` with `eval_benchmarks` (our decoder, `eval_backend: hf`): a user's JSONL
+    file and MT-bench's first question, both turns, every method at T = 0 and 1; a table row per
+    benchmark, the bar figure, the commands that measure the same in SGLang and vLLM, and no
+    published column for a target that is not Kimi-K2.5."""
+    import shutil
+
+    from draftsmith import cli
+    from draftsmith.evaluate import tables
+    from draftsmith.paths import REPO_ROOT
+
+    run = tmp_path / "outputs" / "bench"
+    shutil.copytree(trained_run / "hidden", run / "hidden")
+    shutil.copytree(trained_run / "drafter", run / "drafter")
+    user = tmp_path / "gsm8k.jsonl"
+    user.write_text("".join(json.dumps({"id": f"g{i}", "messages": [{"role": "user", "content": q}]}) + "\n"
+                            for i, q in enumerate(["What is 12 * 7?", "Sum the numbers 1 to 10.", "Is 91 prime?"])))
+    spec = json.dumps([{"name": "gsm8k", "path": str(user), "prompts": 2, "max_new_tokens": 8},
+                       {"name": "mt_bench", "prompts": 1, "max_new_tokens": 6}])
+    assert cli.main(["run", "06", "-f", str(REPO_ROOT / "params" / "smoke.yaml"), "-p", "outputs_dir",
+                     str(run.parent), "-p", "run_name", run.name, "-p", "eval_benchmarks", spec]) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    b = report["benchmarks"]
+    assert [(s["name"], s["prompts"], s["turns"], s["max_new_tokens"]) for s in b["sets"]] == \
+        [("gsm8k", 2, 1, 8), ("mt_bench", 1, 2, 6)]
+    assert set(report["prompts"]) == {"code", "chat"}                   # the held-out numbers are kept apart
+    greedy = b["temperatures"]["0"]["methods"]
+    assert list(greedy) == ["none", "prompt lookup", "eagle3 50%", "eagle3"]
+    assert set(greedy["eagle3"]["per_dataset"]) == {"gsm8k", "mt_bench"}
+    assert greedy["none"]["acceptance_length"] == 1.0 and all(m["lossless"] for m in greedy.values())
+    assert b["references"] is None and b["engine"] is None
+    rows = [json.loads(line) for line in (run / "eval" / "rounds.jsonl").read_text().splitlines()]
+    mt = [r for r in rows if r["dataset"] == "mt_bench"]
+    assert len(mt) == 8 and all(len(r["turns"]) == 2 for r in mt)     # 4 methods x 2 temperatures, both turns
+    assert all(len(r["output"]) == sum(t["output_tokens"] for t in r["turns"]) <= 12 for r in mt)
+    assert {r["sample_id"] for r in rows if r["dataset"] == "gsm8k"} == {"g0", "g1"}
+    table = tables.benchmark_table(report)
+    assert list(table["benchmark"]) == ["gsm8k", "mt_bench"] * 2 and "eagle3 P(pos 3)" in table
+    assert not any("published" in c for c in table.columns)
+    assert "--sharegpt-output-len 8 --max-concurrency 1" in b["commands"]["gsm8k"]
+    assert len(json.loads((run / "eval" / "bench_gsm8k_sharegpt.json").read_text())) == 2
+    assert (run / "eval" / "figures" / "benchmarks.png").is_file()
+    assert "The field's benchmarks" in (run / "report.html").read_text()
+
+    from draftsmith.evaluate import figures, published   # the same report, had the target been Kimi-K2.5
+    kimi = {**report, "benchmarks": {**b, "references": published.REFERENCES}}
+    table = tables.benchmark_table(kimi)
+    assert table.loc[table.benchmark == "mt_bench", "lightseekorg/kimi-k2.5-eagle3 (published)"].tolist() == [2.687] * 2
+    assert table.loc[table.benchmark == "gsm8k", "AQ-MedAI/Kimi-K25-eagle3 (published, rate)"].tolist() == [0.518] * 2
+    assert "lightseekorg/kimi-k2.5-eagle3-mla" in tables.explain_benchmarks(kimi)
+    labels = figures.benchmarks(kimi).axes[0].get_legend_handles_labels()[1]
+    assert "lightseekorg/kimi-k2.5-eagle3 (published)" in labels and "AQ-MedAI/Kimi-K25-eagle3 (published)" not in labels

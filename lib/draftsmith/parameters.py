@@ -187,8 +187,9 @@ def _check_known(key, known: dict[str, Param], source: str) -> None:
 
 
 def absolutize(values: dict, base: Path) -> dict:
-    """Relative paths (keys ending in _dir/_file/_path, datasets[].path, imports[].path) made absolute."""
-    from .target.tiny import VARIANTS
+    """Relative paths (keys ending in _dir/_file/_path, datasets[].path, imports[].path,
+    eval_benchmarks[].path) made absolute; a built-in target's name stays a name."""
+    from .target.checkpoint import BUILT_IN_TARGETS as VARIANTS
 
     def fix(v):
         if isinstance(v, str) and v and v not in VARIANTS and not os.path.isabs(os.path.expanduser(v)):
@@ -199,7 +200,7 @@ def absolutize(values: dict, base: Path) -> dict:
     for k, v in values.items():
         if k.endswith(PATH_SUFFIXES):
             out[k] = fix(v)
-    for k in ("datasets", "imports"):
+    for k in ("datasets", "imports", "eval_benchmarks"):
         if isinstance(out.get(k), list):
             out[k] = [{**d, "path": fix(d["path"])} if isinstance(d, dict) and isinstance(d.get("path"), str) else d
                       for d in out[k]]

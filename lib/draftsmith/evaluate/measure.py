@@ -1,5 +1,9 @@
 """Our decoder over every method, prompt and temperature, resumable: what the rounds file
 (`results`) already holds for the same settings is not measured again.
+
+A benchmark prompt with follow-up turns (MT-bench) is one row: each follow-up is asked after the
+answer this decode gave to the turn before (`benchmarks.Turns`), and the rounds of all its turns
+are counted together, as the field counts both turns.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import time
 import torch
 
 from ..progress import Progress
-from .decode import decode
+from .decode import Decoded, decode
 from .methods import Method
 from .metrics import repeat_start, summarize, verdict
 from .prompts import HeldoutPrompt, prompt_seed
@@ -20,14 +24,49 @@ from .target_cache import Target
 ROUNDS_FORMAT = 3   # of a line of the rounds file; lines of another format are measured again
 
 
+def prompt_settings(p: HeldoutPrompt, *, k: int, max_new_tokens: int, temperature: float, seed: int,
+                    target_fingerprint: str) -> str:
+    """What a row of this prompt is measured with (a benchmark's own max_new_tokens and turns included)."""
+    s = {"k": k, "max_new_tokens": p.new_tokens(max_new_tokens), "temperature": temperature, "seed": seed,
+         "target": target_fingerprint, "format": ROUNDS_FORMAT}
+    if p.followups:
+        s["turns"] = 1 + len(p.followups)
+    return json.dumps(s, sort_keys=True)
+
+
+def decode_turns(target: Target, proposer, p: HeldoutPrompt, k: int, max_new_tokens: int, temperature: float,
+                 gen, turns) -> tuple[Decoded, list[dict]]:
+    """Every turn of the prompt, each follow-up after this decode's own answer; one `Decoded`
+    of all turns (outputs concatenated, rounds' starts shifted) and each turn's prompt/output length."""
+    d = decode(target, proposer, list(p.ids), k, max_new_tokens, temperature, gen)
+    parts, lengths, messages = [d], [{"prompt_tokens": len(p.ids), "output_tokens": len(d.output)}], list(p.messages)
+    for q in p.followups:
+        messages, ids = turns.follow(messages, parts[-1].output, q)
+        parts.append(decode(target, proposer, ids, k, max_new_tokens, temperature, gen))
+        lengths.append({"prompt_tokens": len(ids), "output_tokens": len(parts[-1].output)})
+    if len(parts) == 1:
+        return d, lengths
+    out = Decoded([])
+    for part in parts:
+        out.start += [s + len(out.output) for s in part.start]
+        out.drafted += part.drafted
+        out.accepted += part.accepted
+        out.produced += part.produced
+        out.top_prob += part.top_prob
+        out.output += part.output
+    return out, lengths
+
+
 def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutPrompt], *, k: int, max_new_tokens: int,
-                temperature: float, seed: int, results: Results, target_fingerprint: str) -> list[dict]:
+                temperature: float, seed: int, results: Results, target_fingerprint: str, turns=None) -> list[dict]:
     """Decode every prompt with every method (skipping what `results` already holds for these
-    settings); returns one row per (method, prompt)."""
-    settings = json.dumps({"k": k, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                           "seed": seed, "target": target_fingerprint, "format": ROUNDS_FORMAT}, sort_keys=True)
+    settings); returns one row per (method, prompt). `turns` (`benchmarks.Turns`) renders the
+    follow-up turns of prompts that have them."""
+    settings_of = {(p.dataset, p.sample_id): prompt_settings(
+        p, k=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+        target_fingerprint=target_fingerprint) for p in prompts}
     rows = []
-    todo = [(m, p) for m in methods for p in prompts if results.get(settings, m, p) is None]
+    todo = [(m, p) for m in methods for p in prompts if results.get(settings_of[p.dataset, p.sample_id], m, p) is None]
     with Progress(len(methods) * len(prompts), f"speculative decoding (T={temperature:g}, k={k})",
                   "decodes") as bar:
         bar.update(len(methods) * len(prompts) - len(todo))
@@ -35,6 +74,7 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
             proposer = None
             tokens = n_rounds = 0
             for p in prompts:
+                settings = settings_of[p.dataset, p.sample_id]
                 row = results.get(settings, m, p)
                 if row is None:
                     if proposer is None:
@@ -42,12 +82,15 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
                     gen = None if temperature <= 0 else \
                         torch.Generator().manual_seed(prompt_seed(seed, p.dataset, p.sample_id, 6))
                     t0 = time.perf_counter()
-                    d = decode(target, proposer, list(p.ids), k, max_new_tokens, temperature, gen)
+                    d, lengths = decode_turns(target, proposer, p, k, p.new_tokens(max_new_tokens), temperature,
+                                              gen, turns)
                     row = {"settings": settings, "method": m.name, "method_fingerprint": m.fingerprint,
                            "kind": m.kind, "dataset": p.dataset, "sample_id": p.sample_id,
                            "temperature": temperature, "prompt_tokens": len(p.ids), "output": d.output,
                            "repeat_start": repeat_start(list(p.ids), d.output), "rounds": d.rounds(),
                            "seconds": time.perf_counter() - t0}
+                    if p.followups:
+                        row["turns"] = lengths
                     results.add(row)
                     bar.update(1)
                 tokens += sum(row["rounds"]["produced"])
@@ -59,7 +102,7 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
 
 def decoder_report(model, methods: list[Method], prompts: list[HeldoutPrompt], layer_ids: list[int], *, k: int,
                    max_new_tokens: int, temperatures: list[float], seed: int, draft_cost_ratio: float,
-                   results: Results, target_fingerprint: str) -> tuple[dict, list[dict]]:
+                   results: Results, target_fingerprint: str, turns=None) -> tuple[dict, list[dict]]:
     """The report's `temperatures` (per temperature: every method's summary and the verdict) and
     the rows they were summed from."""
     by_t, rows = {}, []
@@ -67,7 +110,7 @@ def decoder_report(model, methods: list[Method], prompts: list[HeldoutPrompt], l
     try:
         for t in temperatures:
             mine = run_methods(target, methods, prompts, k=k, max_new_tokens=max_new_tokens, temperature=float(t),
-                               seed=seed, results=results, target_fingerprint=target_fingerprint)
+                               seed=seed, results=results, target_fingerprint=target_fingerprint, turns=turns)
             rows += mine
             summary = summarize(mine, methods, k, draft_cost_ratio)
             by_t[f"{float(t):g}"] = {"temperature": float(t), "methods": summary, "verdict": verdict(summary)}

@@ -1,4 +1,5 @@
-"""The prompts stage 06 measures on: samples stage 05 held out of training, as the tokens before the response.
+"""The prompts stage 06 measures on: samples stage 05 held out of training, as the tokens before the response
+(and the field's benchmark prompts, `benchmarks`, in the same shape).
 
 Which samples were held out is stage 05's to say (its held-out ids file); their tokens come from
 stage 04's hidden-state shards, so the prompt is exactly what the target saw when the drafter's
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..drafter.artifacts import read_heldout
 from ..paths import Run
@@ -21,6 +22,30 @@ class HeldoutPrompt:
     dataset: str
     sample_id: str
     ids: tuple[int, ...]   # the tokens the target saw before its response
+    # a benchmark's prompt (`benchmarks`) also has: the messages `ids` render, the user turns asked
+    # after the target's own answer, its own max_new_tokens per turn, and the tokens its follow-up
+    # turns add besides the answers (for the engine's context length)
+    messages: tuple = field(default=(), compare=False)
+    followups: tuple[str, ...] = ()
+    max_new_tokens: int | None = None
+    reserve: int = 0
+
+    def new_tokens(self, default: int) -> int:
+        """Tokens generated per turn: its own max_new_tokens, else the stage's."""
+        return self.max_new_tokens or default
+
+    def context_needed(self, default: int) -> int:
+        """The longest sequence its decode can reach: every turn's prompt and answers."""
+        return len(self.ids) + (1 + len(self.followups)) * self.new_tokens(default) + self.reserve
+
+    def job(self) -> dict:
+        """What the engine process (`engine_child`) decodes of it."""
+        out = {"dataset": self.dataset, "sample_id": self.sample_id, "ids": list(self.ids)}
+        if self.followups:
+            out |= {"messages": list(self.messages), "followups": list(self.followups)}
+        if self.max_new_tokens:
+            out["max_new_tokens"] = self.max_new_tokens
+        return out
 
 
 def heldout_prompts(run: Run, drafter_dir: str | os.PathLike, per_dataset: int) -> list[HeldoutPrompt]:

@@ -4,6 +4,7 @@
     engine_rounds.jsonl  vLLM: one line per (settings, method, temperature, prompt), its counters
     report.json          what the stage measured, summed up (NaN rates written as null)
     bench_prompts_sharegpt.json   the held-out prompts as a benchmark file for the serving engines
+    bench_<name>_sharegpt.json    the first turns of benchmark <name> (`eval_benchmarks`), the same way
     engine_job.json      what the vLLM engine process is to measure
 
 Lines are appended whole, so an interrupted stage resumes where it stopped: lines of other
@@ -22,6 +23,7 @@ ROUNDS = "rounds.jsonl"
 ENGINE_ROUNDS = "engine_rounds.jsonl"
 REPORT = "report.json"
 BENCH_PROMPTS = "bench_prompts_sharegpt.json"
+BENCHMARK_PROMPTS = "bench_{name}_sharegpt.json"
 ENGINE_JOB = "engine_job.json"
 
 
@@ -76,6 +78,12 @@ def write_engine_job(run: Run, job: dict) -> Path:
 
 def write_bench_prompts(run: Run, rows: list[dict]) -> Path:
     path = run.dir("eval") / BENCH_PROMPTS
+    write_text_atomic(path, json.dumps(rows, indent=1, ensure_ascii=False))
+    return path
+
+
+def write_benchmark_prompts(run: Run, name: str, rows: list[dict]) -> Path:
+    path = run.dir("eval") / BENCHMARK_PROMPTS.format(name=name)
     write_text_atomic(path, json.dumps(rows, indent=1, ensure_ascii=False))
     return path
 

@@ -127,3 +127,69 @@ def explain(report: dict) -> str:
                 s["lossless"] for s in m.values()) else "NO — see `mismatched_samples` in the report.")
         lines.append(line.replace("  ", " ").strip())
     return "\n\n".join(lines)
+
+
+def benchmark_view(report: dict) -> tuple[str, dict]:
+    """Which numbers the benchmark table and figure show: the engine's when stage 06 measured in
+    vLLM, else our decoder's; (name of the source, temperature key -> summaries)."""
+    b = report["benchmarks"]
+    if b["engine"]:
+        return f"vLLM {b['engine']['version']}", b["engine"]["temperatures"]
+    return "our decoder", b["temperatures"]
+
+
+def benchmark_table(report: dict) -> pd.DataFrame:
+    """One row per (temperature, benchmark): acceptance length of every method (each export, vLLM's
+    ngram or our prompt lookup, no drafter), the final drafter per draft position and its output
+    tok/s against no drafter; when the target is Kimi-K2.5 the published drafters' figures beside
+    (`published`), for a benchmark they report. Empty when no benchmark was asked for."""
+    if not report.get("benchmarks"):
+        return pd.DataFrame()
+    source, temps = benchmark_view(report)
+    sets = {s["name"]: s for s in report["benchmarks"]["sets"]}
+    refs = report["benchmarks"]["references"] or []
+    rows = []
+    for t in temps.values():
+        methods = t["methods"]
+        final = next(n for n, s in methods.items() if s["kind"] == "eagle3" and s.get("final"))
+        for name, info in sets.items():
+            row = {"T": t["temperature"], "benchmark": name, "prompts": info["prompts"], "turns": info["turns"],
+                   "max_new_tokens": info["max_new_tokens"], "measured in": source}
+            per = {m: s["per_dataset"].get(name, {}) for m, s in methods.items()}
+            row |= {m: p.get("acceptance_length") for m, p in per.items()}
+            row |= {f"{final} P(pos {j + 1})": p for j, p in enumerate(per[final].get("position_acceptance", []))}
+            row[f"{final} draft acceptance rate"] = per[final].get("draft_acceptance_rate")
+            if "tokens_per_s" in per[final]:
+                row |= {"tok/s none": per["none"].get("tokens_per_s"), f"tok/s {final}": per[final]["tokens_per_s"]}
+            row |= {f"{r['drafter']} (published{', rate' if r['metric'] != 'acceptance_length' else ''})":
+                    r["benchmarks"].get(name) for r in refs}
+            rows.append(row)
+    return pd.DataFrame(rows).round(3)
+
+
+def explain_benchmarks(report: dict) -> str:
+    """What the benchmark table says, and how the published figures beside it were measured (markdown)."""
+    b = report.get("benchmarks")
+    if not b:
+        return "`eval_benchmarks` is empty: no benchmark prompts were measured."
+    source, temps = benchmark_view(report)
+    lines = [f"Measured in {source}, k = {report['k']} drafts in a chain (SGLang 3-1-4 for k = 3), each prompt "
+             f"alone; " + "; ".join(f"{s['name']}: {s['prompts']} prompt(s) of {s['turns']} turn(s), up to "
+                                    f"{s['max_new_tokens']} new tokens per turn ({s['source']})" for s in b["sets"]) + "."]
+    held = report["engine"]["temperatures"] if b["engine"] else report["temperatures"]
+    for key, t in temps.items():
+        m = t["methods"]
+        final = next(n for n, s in m.items() if s["kind"] == "eagle3" and s.get("final"))
+        mode = "greedy" if t["temperature"] <= 0 else f"T = {t['temperature']:g}"
+        line = f"**{mode}:** " + "; ".join(
+            f"{s['name']} {m[final]['per_dataset'].get(s['name'], {}).get('acceptance_length', float('nan')):.2f}"
+            for s in b["sets"]) + " tokens per verification with the drafter (no drafter: 1.00)"
+        mine = held.get(key, {}).get("methods", {}).get(final)
+        if mine:
+            line += f"; on the held-out prompts of this run {mine['acceptance_length']:.2f}"
+        lines.append(line + ".")
+    if b["references"]:
+        lines.append("The target is Kimi-K2.5: the published drafters' figures are beside ours, as their cards give "
+                     "them (references, not measured here): " + "; ".join(
+                         f"[{r['drafter']}]({r['source']}): {r['kind']}, {r['setting']}, {r['how']}" for r in b["references"]))
+    return "\n\n".join(lines)
