@@ -91,6 +91,73 @@ def test_status_classification(status, error, action, kind):
         assert f.retry_after == 7 and f.provider == "Novita" and "rate limited" in f.message
 
 
+def _avail(code, retryable, **kw):
+    return {"code": code, "retryable": retryable, "retry_after": None, **kw}
+
+
+@pytest.mark.parametrize("status,error,action,kind", [
+    # retryable: waited out, whatever the status would have said (a 404 used to stop the run)
+    (404, {"message": "No allowed providers are available for the selected model.",
+           "availability": _avail("no_endpoints", True)}, "unavailable", "http_404"),
+    (503, {"message": "No available model provider that meets your routing requirements.",
+           "availability": _avail("temporarily_unavailable", True)}, "unavailable", "http_503"),
+    (429, {"message": "Capacity exhausted", "availability": _avail("capacity_exhausted", True)},
+     "unavailable", "http_429"),
+    (404, {"message": "filtered", "availability": _avail("constraint_filtered", True)}, "unavailable", "http_404"),
+    # not retryable: the action of the code
+    (400, {"message": "moonshotai/kimi-k9 is not a valid model ID", "availability": _avail("model_not_found", False)},
+     "fatal", "model_not_found"),
+    (400, {"message": "wrong endpoint", "availability": _avail("wrong_endpoint", False)}, "fatal", "wrong_endpoint"),
+    (404, {"message": "No endpoints", "availability": _avail("no_endpoints", False)}, "fatal", "no_provider"),
+    (404, {"message": "No allowed providers", "availability": _avail("constraint_filtered", False,
+                                                                      excluded_by=["quantizations"])},
+     "fatal", "constraint_filtered"),
+    # a code we do not know, not retryable: the status decides, as before
+    (503, {"message": "Provider returned error", "metadata": {"provider_name": "Novita"},
+           "availability": _avail("something_new", False)}, "retry", "http_503"),
+    # no object (or a malformed one): today's rules
+    (404, {"message": "No allowed providers", "availability": "soon"}, "fatal", "no_provider"),
+    # 402: limit_source first; a real 402 carries the "can only afford" text with either source
+    (402, {"message": "You requested up to 4096 tokens, but can only afford 1200.",
+           "metadata": {"limit_source": "openrouter_in_flight_budget"}}, "throttle", "in_flight_budget"),
+    (402, {"message": "You requested up to 4096 tokens, but can only afford 1200.",
+           "metadata": {"limit_source": "openrouter_credits", "reason": "in_flight_budget_exhausted"}},
+     "balance", "balance"),
+    (402, {"message": "Request weight exceeds budget", "metadata": {"limit_source": "openrouter_credits",
+                                                                    "reason": "weight_exceeds_budget"}},
+     "fatal", "weight_exceeds_budget"),
+])
+def test_availability_decides_first_and_limit_source_tells_402s_apart(status, error, action, kind):
+    f = client.classify_error(status, error)
+    assert (f.action, f.kind) == (action, kind), f
+
+
+def test_availability_retry_after_wins_over_the_header():
+    err = {"message": "busy", "availability": {"code": "capacity_exhausted", "retryable": True, "retry_after": 12}}
+    assert client.classify_error(429, err, retry_after=3).retry_after == 12
+    err["availability"]["retry_after"] = None
+    assert client.classify_error(429, err, retry_after=3).retry_after == 3
+
+
+def test_constraint_filtered_names_what_filtered():
+    f = client.classify_error(404, {"message": "No allowed providers", "availability": _avail(
+        "constraint_filtered", False, excluded_by=["quantizations", "max_price"])})
+    assert "quantizations" in str(f) and "max_price" in str(f)
+
+
+def test_availability_inside_a_200_and_in_a_stream_chunk_is_read_first():
+    retryable = {"code": 503, "message": "Provider returned error",
+                 "availability": _avail("temporarily_unavailable", True)}
+    f = client.parse_completion(json.dumps({"error": retryable}).encode())
+    assert (f.action, f.kind) == ("unavailable", "error_in_200")
+    gone = {"code": 400, "message": "x is not a valid model ID", "availability": _avail("model_not_found", False)}
+    assert client.parse_completion(json.dumps({"error": gone}).encode()).action == "fatal"
+    chunk = _sse({**HEAD, "choices": [{"index": 0, "delta": {"content": "Hi"}}]}, {**HEAD, "error": retryable},
+                 done=False)
+    f = _post(chunk, stream=True)
+    assert (f.action, f.kind) == ("unavailable", "stream_error")
+
+
 def test_retry_after_header_forms():
     assert client.retry_after_seconds("3") == 3.0
     assert client.retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0

@@ -320,7 +320,8 @@ def test_in_flight_budget_402_is_distinguishable_and_retryable(tmp_path):
         assert Counter(s for s, _, _ in results) == {200: 2, 402: 2}
         for s, h, j in results:
             if s == 402:
-                assert j["error"]["metadata"]["code"] == "in_flight_budget_exhausted" and h["Retry-After"] == "1"
+                meta = j["error"]["metadata"]
+                assert meta["limit_source"] == "openrouter_in_flight_budget" and h["Retry-After"] == "1"
         c = httpx.Client(base_url=emu.base_url, headers=emu.key.header())
         r = c.post("/chat/completions", json=body(max_tokens=3000))
         assert r.status_code == 402 and r.json()["error"]["metadata"]["code"] == "weight_exceeds_budget"
@@ -581,3 +582,28 @@ def test_require_parameters_and_data_collection_filter_endpoints(tmp_path):
         texts = {c.post("/chat/completions", json=body(seed=1, provider={"only": ["keeps"]})).json()
                  ["choices"][0]["message"]["reasoning"] for _ in range(3)}
         assert len(texts) == 1
+
+
+# ---- the router's own faults (availability errors) ----------------------------------------------
+
+def test_router_faults_answer_retryable_404s_and_503s_at_their_rates_and_a_retry_draws_afresh(tmp_path):
+    cfg = {**QUIET, "synthetic_tokens": 5, "router_faults": {"temporarily_unavailable": 0.2, "no_endpoints": 0.1}}
+    with running(cfg, state_dir=tmp_path) as emu:
+        c = httpx.Client(base_url=emu.base_url, headers=emu.key.header(), timeout=60)
+        seen = Counter()
+        for i in range(200):
+            r = c.post("/chat/completions", json=body(text=f"prompt {i}", max_tokens=5))
+            a = r.json()["error"]["availability"] if r.status_code != 200 else None
+            seen[(r.status_code, a and a["code"], a and a["retryable"])] += 1
+        assert set(seen) == {(200, None, None), (503, "temporarily_unavailable", True), (404, "no_endpoints", True)}
+        assert 20 <= seen[(503, "temporarily_unavailable", True)] <= 60 and 8 <= seen[(404, "no_endpoints", True)] <= 35
+        # the same prompt asked again until it is served: each ask draws anew
+        tries = 1
+        while c.post("/chat/completions", json=body(text="prompt again", max_tokens=5)).status_code != 200:
+            tries += 1
+        assert tries < 20
+
+
+def test_router_faults_are_checked_fields(tmp_path):
+    with pytest.raises(ValueError, match="router_faults.outage_code"):
+        running({"router_faults": {"outage_code": "sometimes"}}, state_dir=tmp_path).__enter__()

@@ -433,7 +433,7 @@ def test_throttling_never_spends_attempts_and_given_up_samples_are_in_the_last_l
                               headers={"Retry-After": "0"} if k % 2 else None)
         if k <= 5:
             return stub.error(402, "Too much spending in flight", {"reason": "in_flight_budget_exhausted",
-                                                                   "limit_source": "openrouter_credits"})
+                                                                   "limit_source": "openrouter_in_flight_budget"})
         return stub.ok()
     with Stub(answer) as stub:
         r = generate(stub, tmp_path, prompts(tmp_path, 20), max_attempts=2)

@@ -155,7 +155,7 @@ def test_a_storm_of_faults_still_completes(tmp_path, stream):
 
 def test_samples_out_of_attempts_go_to_errors_and_a_rerun_retries_them(tmp_path):
     one = [{"slug": "flaky", "name": "Flaky", "quantization": "int4", "prompt_price": 0.5, "completion_price": 2.0,
-            "faults": {"bad_gateway": 0.6}}]
+            "faults": {"error_200": 0.6}}]
     path = prompts_file(tmp_path / "p.jsonl", 40, "exhaust")
     ds = [{"name": "p", "path": str(path)}]
     with running(emu_config(providers=one), state_dir=tmp_path / "emu") as emu:
@@ -163,7 +163,7 @@ def test_samples_out_of_attempts_go_to_errors_and_a_rerun_retries_them(tmp_path)
     assert r.complete and r.session["exhausted_samples"] > 0
     assert "a re-run tries them again" in r.message
     err = [json.loads(x) for x in (tmp_path / "r/generate/p/errors.jsonl").read_text().splitlines()]
-    assert {e["action"] for e in err} == {"exhausted"} and {e["kind"] for e in err} == {"http_502"}
+    assert {e["action"] for e in err} == {"exhausted"} and {e["kind"] for e in err} == {"error_in_200"}
     assert len(saved(tmp_path, "p")) == 40 - len(err)
     with running(emu_config(providers=one, fault_scale=0.0), state_dir=tmp_path / "emu") as emu:
         r = generate(emu, tmp_path, ds, max_attempts=2)
@@ -441,3 +441,51 @@ def test_money_bound_tail_stops_for_a_top_up_and_the_top_up_finishes(tmp_path):
     early = job(0.5, "half")
     late = job(0.0, "none")
     assert early < late <= 0.01
+
+
+def test_a_balance_for_a_tenth_of_the_slots_is_spent_down_to_the_floor(tmp_path):
+    """A session whose money never filled its slots has no slow tail for the stop for a top-up to
+    cut: an account holding a tenth of what 40 slots reserve at their worst case is spent at the
+    concurrency it allows until not one more request fits, and stops with the balance stop."""
+    from draftsmith.budget import SpendBudget, prompt_tokens_bound
+
+    one = [{"slug": "alpha", "name": "Alpha", "quantization": "int4", "prompt_price": 0.5, "completion_price": 2.0}]
+    path = prompts_file(tmp_path / "p.jsonl", 400, "small-balance")
+    prices = SpendBudget(1.0)
+    prices.set_prices(0.5e-6, 2.0e-6)       # the provider's $/M tokens, per token
+    worst = max(prices.worst_cost(prompt_tokens_bound(p.messages), 32) for p in DatasetReader(DatasetSpec("p", str(path))))
+    credits = 0.1 * 40 * worst
+    with running(emu_config(credits=credits, fault_scale=0.0, providers=one), state_dir=tmp_path / "emu") as emu:
+        r = generate(emu, tmp_path, [{"name": "p", "path": str(path), "output_token_budget": 6000}], concurrency=40)
+        assert r.reason == "balance" and "ran out" in r.message and "keeps only" not in r.message, r.message
+        assert not any("winding down" in line for line in r.logs), r.logs
+        spent = sum(x["cost"] for x in emu.ledger_lines())
+        assert credits - spent < worst, (credits, spent, worst)     # down to the floor: not one more fits
+        keys = prompt_keys(path, "p")
+        rows = saved(tmp_path, "p")
+        assert sorted(billed(emu).elements()) == sorted(keys[x["sample_id"]] for x in rows)  # nothing paid is lost
+
+
+def test_an_interrupt_asks_the_cost_of_lost_answers_for_seconds_and_counts_the_rest_at_their_worst(tmp_path):
+    """The stop button (SIGINT) while answers lost to hung streams wait for /generation to know their
+    cost (here it would take minutes): the session ends within seconds, those bills counted at
+    their worst case in the manifest, so the next session's limit still holds them."""
+    cfg = {**PACED, "fault_scale": 1.0, "generation_delay_s": 600.0, "hang_s": 4.0,
+           "providers": [{**PACED["providers"][0], "faults": {"hang": 0.2}}]}
+    with running(emu_config(**cfg), state_dir=tmp_path / "emu") as emu:
+        path = prompts_file(tmp_path / "p.jsonl", 300, "lost-on-stop")
+        raw = tmp_path / "r" / "generate" / "p" / "raw_responses.jsonl"
+        arg = json.dumps({"base": emu.base_url, "key": emu.key.reveal(), "root": str(tmp_path), "model": MODEL,
+                          "datasets": [{"name": "p", "path": str(path)}], "concurrency": 16,
+                          "fast": {**FAST, "stream": True, "max_attempts": 30, "request_timeout_s": 1.0},
+                          "in_loop": True})
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, arg], env={**os.environ, "DRAFTSMITH_PROGRESS": "off"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_lines(raw, 10)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)      # recovery_patience_s is 120 s: not waited out
+        assert proc.returncode == 0 and "RESULT interrupted" in out, out
+        session = json.loads((tmp_path / "r" / "generate" / "manifest.json").read_text())["sessions"][-1]
+        assert "lost answers cost (up to 5s)" in out, (out, session)
+        assert session["lost_answers"] > session["lost_answers_costed"]
+        assert session["unknown_bills"] >= 1 and session["abandoned_reserved_usd"] > 0

@@ -1,4 +1,5 @@
-"""`draftsmith run STAGE|all -f params/X.yaml [-p KEY VALUE ...]`, `draftsmith run --list`.
+"""`draftsmith run STAGE|all -f params/X.yaml [-p KEY VALUE ...]`, `draftsmith run --list`,
+`draftsmith import-sglang IN OUT [--source NAME]` (SGLang `/generate` answers as an import file).
 
 Every user error ends in one line naming the file, line or field and a non-zero exit, never a
 Python traceback: 2 for parameters (nothing was run), 1 for a failed stage (its traceback is in
@@ -28,7 +29,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="check the parameters and read the prompt files, print every value the stages "
                         "would get and where it comes from, run nothing")
     r.add_argument("--list", action="store_true", help="list the stages and their parameters")
+    g = sub.add_parser("import-sglang", help="convert answers saved from SGLang's /generate into an import "
+                       "file (docs/sources.md)")
+    g.add_argument("input", help="JSONL: the prompt (messages, optional id, input_ids) and SGLang's answer")
+    g.add_argument("output", help="the import file to write (replaced whole)")
+    g.add_argument("--source", default="sglang", help="the source name its answers carry (default: sglang)")
     args = ap.parse_args(argv)
+    if args.cmd == "import-sglang":
+        return _import_sglang(args)
 
     try:
         stages = parameters.discover()
@@ -79,6 +87,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"draftsmith: outputs in {run.root}", file=sys.stderr)
     return 0
+
+
+def _import_sglang(args) -> int:
+    from .import_sglang import convert
+
+    try:
+        written, problems = convert(args.input, args.output, args.source)
+    except (OSError, ValueError) as e:
+        print(f"draftsmith: {e}", file=sys.stderr)
+        return 1
+    for line in problems[:20]:
+        print(f"draftsmith: skipped {line}", file=sys.stderr)
+    if len(problems) > 20:
+        print(f"draftsmith: ... and {len(problems) - 20} more skipped lines", file=sys.stderr)
+    print(f"draftsmith: wrote {written} answers to {args.output}" + (f", skipped {len(problems)} lines" if problems
+                                                                     else ""), file=sys.stderr)
+    return 0 if written else 1
 
 
 if __name__ == "__main__":

@@ -8,11 +8,23 @@ Every way a request can end is sorted into what the engine should do next (docs/
                               spends one of the sample's attempts
   Failure(action="throttle")  429, 402 in-flight spending budget - wait it out (backoff, lower
                               concurrency); never spends an attempt
+  Failure(action="unavailable") `error.availability.retryable: true` (the router cannot serve the
+                              model just now: capacity, transient upstream failures, no endpoint for
+                              the moment) - waited out like a throttle; a router answering only these
+                              for longer than the engine's outage limit stops the run
   Failure(action="permanent") 400 (e.g. context too long) - record the sample, do not retry
   Failure(action="fatal")     401 bad key, 403 a key/workspace/guardrail budget or permission, 404 or
                               a routing 503 (no endpoint meets the routing), 402
                               `weight_exceeds_budget` (this request alone is over the budget) - stop
   Failure(action="balance")   402 "can only afford": the balance is gone - stop dispatching
+
+Since August 2026 OpenRouter's errors carry `error.availability` {code, retryable, retry_after, ...};
+it is read first, wherever the error comes (a status, inside a 200, a stream chunk): retryable is
+waited out; not retryable keeps the action of its code (`model_not_found`, `wrong_endpoint`,
+`constraint_filtered`, `no_endpoints` stop the run), or of the status for other codes. A 402 is
+told apart by `metadata.limit_source` first (`openrouter_in_flight_budget` throttles,
+`openrouter_credits` is the balance); without these fields the older rules (status, reason, words
+of the message) decide.
 
 A non-streamed request is billed in full even when its answer is lost on the way (read timeout,
 cut connection), and so is a cut stream on a provider that cannot cancel: such failures carry
@@ -57,7 +69,7 @@ class Reply:
 
 @dataclass(slots=True)
 class Failure:
-    action: str                 # retry | throttle | permanent | fatal | balance
+    action: str                 # retry | throttle | unavailable | permanent | fatal | balance
     kind: str                   # short label counted in the manifest, e.g. http_429, error_in_200, timeout
     message: str
     status: int | None = None
@@ -127,6 +139,13 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
 
 
 ROUTING_WORDS = ("no endpoints", "no allowed providers", "no providers", "routing", "requirements")
+# availability codes that are not retryable stop the run, under these kinds (engine hints name the fix)
+STOP_CODES = {"model_not_found": "model_not_found", "wrong_endpoint": "wrong_endpoint",
+              "constraint_filtered": "constraint_filtered", "no_endpoints": "no_provider"}
+
+
+def _seconds(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
 
 
 def classify_error(status: int, error: dict | None, retry_after: float | None = None, in_200: bool = False) -> Failure:
@@ -138,9 +157,14 @@ def classify_error(status: int, error: dict | None, retry_after: float | None = 
     if raw and isinstance(raw, str) and raw not in message:
         message = f"{message} ({raw[:300]})"
     provider = meta.get("provider_name")
-    if retry_after is None and isinstance(meta.get("retry_after_seconds"), (int, float)):
-        retry_after = float(meta["retry_after_seconds"])
+    if retry_after is None:
+        retry_after = _seconds(meta.get("retry_after_seconds"))
     code = error.get("code")
+    avail = error.get("availability")
+    if isinstance(avail, dict) and isinstance(avail.get("retryable"), bool):
+        f = _by_availability(avail, status, message, retry_after, provider, in_200)
+        if f is not None:
+            return f
     if in_200:
         # Errors inside a 200 are retryable, except the unambiguous account and routing ones.
         status = code if isinstance(code, int) and code in (401, 402, 403, 404) else None
@@ -155,8 +179,13 @@ def classify_error(status: int, error: dict | None, retry_after: float | None = 
     elif status == 404 or (status == 503 and not provider and any(w in message.lower() for w in ROUTING_WORDS)):
         f.action, f.kind = "fatal", "no_provider"
     elif status == 402:
+        source = meta.get("limit_source")
         if reason == "weight_exceeds_budget":
             f.action, f.kind = "fatal", "weight_exceeds_budget"
+        elif source == "openrouter_in_flight_budget":
+            f.action, f.kind = "throttle", "in_flight_budget"
+        elif source == "openrouter_credits":
+            f.action, f.kind = "balance", "balance"
         elif "in_flight" in reason or "in-flight" in message.lower() or "in flight" in message.lower():
             f.action, f.kind = "throttle", "in_flight_budget"
         else:
@@ -169,6 +198,24 @@ def classify_error(status: int, error: dict | None, retry_after: float | None = 
         f.action = "permanent"
         f.kind = "bad_request" if status == 400 else f"http_{status}"
     return f
+
+
+def _by_availability(avail: dict, status: int, message: str, retry_after: float | None, provider: str | None,
+                     in_200: bool) -> Failure | None:
+    """The failure `error.availability` says; None for a non-retryable code it does not name (the
+    status decides then). Its `retry_after` wins over the header's."""
+    code = str(avail.get("code") or "unavailable")
+    where = "error_in_200" if in_200 else f"http_{status}"
+    if avail["retryable"]:
+        wait = _seconds(avail.get("retry_after"))
+        return Failure("unavailable", where, f"{message} [{code}, retryable]", status if not in_200 else None,
+                       wait if wait is not None else retry_after, provider)
+    if code not in STOP_CODES:
+        return None
+    what = avail.get("excluded_by") or avail.get("constraint")
+    if code == "constraint_filtered" and what:
+        message = f"{message} (filtered by {json.dumps(what, ensure_ascii=False)[:300]})"
+    return Failure("fatal", STOP_CODES[code], message, status if not in_200 else None, retry_after, provider)
 
 
 def _usage(u: dict | None) -> dict:

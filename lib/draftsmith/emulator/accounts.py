@@ -5,8 +5,10 @@ GET key, credits and generation?id= answer from the credit ledger, POST admin/to
 Before a chat request is served it passes the money checks here: 403 when the key lacks
 permission or its own budget is spent, 402 when its worst-case cost does not fit the key's whole
 limit, the balance, or the in-flight budget (a share of the balance held by the requests running;
-`hold` reserves a request's worst case while it runs). Every 402 carries the `limit_source`,
-a `remedy_hint` and, for the in-flight budget, the `reason`, as OpenRouter documents.
+`hold` reserves a request's worst case while it runs). Every 402 carries the `limit_source` and a
+`remedy_hint`; the in-flight budget's also `Retry-After`, and only its `limit_source`
+(`openrouter_in_flight_budget`) tells it from a balance shortage: its message is the same "can
+only afford" text, as 402s met in the wild are.
 """
 
 from __future__ import annotations
@@ -196,9 +198,9 @@ class Accounts:
                                          f"spending budget (${budget:.6f}).", "openrouter_credits",
                                          "weight_exceeds_budget")
             if self.reserved + worst > budget:
-                return _payment_required(f"Too much spending in flight: ${self.reserved:.6f} reserved by "
-                                         f"{self.in_flight} requests, budget ${budget:.6f}. Retry when some finish.",
-                                         "openrouter_in_flight_budget", "in_flight_budget_exhausted", retry_after=1)
+                left = max(0.0, budget - self.reserved)
+                return _payment_required(self._cannot_afford(candidates, prompt_tokens, max_tokens, left),
+                                         "openrouter_in_flight_budget", retry_after=1)
         return None
 
     def _cannot_afford(self, candidates, prompt_tokens: int, max_tokens: int, usd: float) -> str:

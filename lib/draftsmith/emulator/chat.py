@@ -62,8 +62,8 @@ class Chat:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error_response(400, "Invalid JSON in request body")
         if isinstance(body, dict) and body.get("model") != self.cfg.model:
-            return error_response(400, f"{body.get('model')} is not a valid model ID", {"error_type": "invalid_request"},
-                                  avail=availability("model_not_found", False))
+            return error_response(400, f"{body.get('model')} is not a valid model ID",
+                                  {"error_type": "invalid_request"}, avail=availability("model_not_found", False))
         try:
             req = parse(body, self.cfg.model, self._default_max_tokens)
             prefs = parse_prefs(body.get("provider"))

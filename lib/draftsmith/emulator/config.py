@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from .catalogue import Endpoint, Faults, Strict, default_catalogue
+from .faults import RouterFaults
 
 KEY_ENV = "DRAFTSMITH_EMULATOR_KEY"
 ADMIN_KEY_ENV = "DRAFTSMITH_EMULATOR_ADMIN_KEY"
@@ -33,6 +34,7 @@ class EmulatorConfig(Strict):
     fault_scale: float = Field(1.0, ge=0)  # multiplies every provider's fault rates (0 = no faults)
     faults: Faults | None = None  # if given, replaces every provider's fault rates (then fault_scale)
     hang_s: float = Field(30.0, ge=0)  # real seconds a hung connection stays silent before closing
+    router_faults: RouterFaults = RouterFaults()  # OpenRouter's own retryable errors and outage (faults.py)
     capacity_scale: float = Field(1.0, gt=0)  # multiplies every provider's concurrency capacity
     credits: float = Field(10.0, ge=0)  # initial credits in USD, used only when the state dir is new
     key_capped: bool = True  # /key shows limit = credits (False: limit null; use /credits)

@@ -2,10 +2,13 @@
 
 Filters (`only`, `ignore`, `quantizations` with fp4 covering mxfp4/nvfp4 and fp8 covering mxfp8,
 `max_price` in USD per million tokens, `data_collection`, `require_parameters`, context length)
-narrow the endpoints; nothing left is a 404. Then the order: `order` first (a base slug such as
-`deepinfra` names all of that provider's endpoints, a full slug such as `deepinfra/fp4` one), then,
-if `allow_fallbacks`, the rest; `sort` by price, throughput or latency; by default endpoints with
-an outage are skipped and the rest shuffled with weight 1/price² (cheap ones first, mostly).
+narrow the endpoints; nothing left is a 404 (`availability` `constraint_filtered`, naming the filters
+that removed endpoints in `excluded_by`; `no_endpoints` when the `order` without fallbacks names
+none; every endpoint down is a retryable 503 `temporarily_unavailable`). Then the order: `order`
+first (a base slug such as `deepinfra` names all of that provider's endpoints, a full slug such as
+`deepinfra/fp4` one), then, if `allow_fallbacks`, the rest; `sort` by price, throughput or
+latency; by default endpoints with an outage are skipped and the rest shuffled with weight
+1/price² (cheap ones first, mostly).
 Unknown keys in the `provider` object are a 400, as the real schema rejects them.
 """
 
@@ -18,6 +21,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from .catalogue import QUANTIZATIONS, Endpoint, Strict
+from .wire import availability
 
 Z = {"p50": 0.0, "p75": 0.6745, "p90": 1.2816, "p99": 2.3263}  # standard normal quantiles
 _COVERS = {"fp4": {"fp4", "mxfp4", "nvfp4"}, "fp8": {"fp8", "mxfp8"}}
@@ -65,9 +69,9 @@ class ProviderPrefs(Strict):
 
 
 class RoutingError(Exception):
-    def __init__(self, status: int, message: str, metadata: dict | None = None):
+    def __init__(self, status: int, message: str, metadata: dict | None = None, avail: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.metadata = status, message, metadata
+        self.status, self.message, self.metadata, self.avail = status, message, metadata, avail
 
 
 NO_PROVIDERS = "No allowed providers are available for the selected model."
@@ -102,30 +106,39 @@ def route(prefs: ProviderPrefs, endpoints: list[Endpoint], used_params: set[str]
           max_tokens: int, rng: random.Random) -> list[Endpoint]:
     """The endpoints to try, in order; raises RoutingError (404/400) when none may serve."""
     eps = list(endpoints)
+    excluded_by: list[str] = []
+
+    def keep(name: str, kept: list[Endpoint]) -> list[Endpoint]:
+        if len(kept) < len(eps):
+            excluded_by.append(name)
+        return kept
+
     if prefs.only is not None:
-        eps = [e for e in eps if any(names(e, s) for s in prefs.only)]
+        eps = keep("only", [e for e in eps if any(names(e, s) for s in prefs.only)])
     if prefs.ignore:
-        eps = [e for e in eps if not any(names(e, s) for s in prefs.ignore)]
+        eps = keep("ignore", [e for e in eps if not any(names(e, s) for s in prefs.ignore)])
     if prefs.quantizations is not None:
         allowed = set().union(*(_COVERS.get(q, {q}) for q in prefs.quantizations)) if prefs.quantizations else set()
-        eps = [e for e in eps if e.quantization in allowed]
+        eps = keep("quantizations", [e for e in eps if e.quantization in allowed])
     if prefs.max_price is not None:
         mp = prefs.max_price
-        eps = [e for e in eps if (mp.prompt is None or e.prompt_price <= mp.prompt)
-               and (mp.completion is None or e.completion_price <= mp.completion)]
-    if mp := prefs.max_price:
-        eps = [e for e in eps if mp.request is None or e.request_price <= mp.request]
+        eps = keep("max_price", [e for e in eps if (mp.prompt is None or e.prompt_price <= mp.prompt)
+                                 and (mp.completion is None or e.completion_price <= mp.completion)
+                                 and (mp.request is None or e.request_price <= mp.request)])
     if prefs.data_collection == "deny":
-        eps = [e for e in eps if e.data_collection == "deny"]
+        eps = keep("data_collection", [e for e in eps if e.data_collection == "deny"])
     if prefs.zdr:
-        eps = [e for e in eps if e.zdr]
+        eps = keep("zdr", [e for e in eps if e.zdr])
     if not eps:
-        raise RoutingError(404, NO_PROVIDERS, {"error_type": "not_found"})
+        raise RoutingError(404, NO_PROVIDERS, {"error_type": "not_found"},
+                           availability("constraint_filtered", False, excluded_by=excluded_by))
     if prefs.require_parameters:
         eps = [e for e in eps if used_params <= set(e.supported_parameters)]
         if not eps:
             raise RoutingError(404, NO_PARAMETERS, {"error_type": "not_found",
-                                                    "requested_parameters": sorted(used_params)})
+                                                    "requested_parameters": sorted(used_params)},
+                               availability("constraint_filtered", False, excluded_by=["require_parameters"],
+                                            constraint={"require_parameters": sorted(used_params)}))
     fits = [e for e in eps if prompt_tokens + max_tokens <= e.context_length and max_tokens <= e.max_completion_tokens]
     if not fits:
         longest = max(e.context_length for e in eps)
@@ -141,13 +154,15 @@ def route(prefs: ProviderPrefs, endpoints: list[Endpoint], used_params: set[str]
             first += [e for e in eps if names(e, s) and e not in first]
         if not prefs.allow_fallbacks:
             if not first:
-                raise RoutingError(404, NO_PROVIDERS, {"error_type": "not_found"})
+                raise RoutingError(404, NO_PROVIDERS, {"error_type": "not_found"},
+                                   availability("no_endpoints", False))
             return first
         return first + _default_order([e for e in eps if e not in first], prefs, rng)
     explicit = prefs.only is not None  # endpoints the user named are tried even during an outage
     ordered = _default_order(eps, prefs, rng, keep_down=explicit)
     if not ordered:
-        raise RoutingError(503, ALL_DOWN, {"error_type": "provider_unavailable"})
+        raise RoutingError(503, ALL_DOWN, {"error_type": "provider_unavailable"},
+                           availability("temporarily_unavailable", True))
     return ordered if prefs.allow_fallbacks else ordered[:1]
 
 

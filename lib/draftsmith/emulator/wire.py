@@ -7,7 +7,9 @@ and send whitespace every `interval` as keep-alive, so the JSON body (or an erro
 status 200) follows leading whitespace. Every response carries the `headers` it was given (the
 server passes `X-Generation-Id`). `cut` sends the headers and part of the body, then closes the
 connection (a response lost on the wire). A client gone away shows up as ConnectionResetError.
-Errors go out in OpenRouter's envelope, `{"error": {code, message, metadata}, "user_id"}`.
+Errors go out in OpenRouter's envelope, `{"error": {code, message, metadata}, "user_id"}`; an error
+about whether the model can be served carries `error.availability` {code, retryable, retry_after,
+...} as OpenRouter's have since August 2026 (`availability`).
 """
 
 from __future__ import annotations
@@ -22,15 +24,24 @@ PROCESSING = b": OPENROUTER PROCESSING\n\n"
 USER_ID = "user_emulator"
 
 
-def error_body(code: int, message: str, metadata: dict | None = None) -> dict:
+def availability(code: str, retryable: bool, retry_after: float | None = None, **more) -> dict:
+    """`error.availability`: model_not_found, capacity_exhausted, temporarily_unavailable,
+    constraint_filtered or no_endpoints; `more` adds `excluded_by` / `constraint` where they apply."""
+    return {"code": code, "retryable": retryable, "retry_after": retry_after, **more}
+
+
+def error_body(code: int, message: str, metadata: dict | None = None, avail: dict | None = None) -> dict:
     err = {"code": code, "message": message}
     if metadata is not None:
         err["metadata"] = metadata
+    if avail is not None:
+        err["availability"] = avail
     return {"error": err, "user_id": USER_ID}
 
 
-def error_response(code: int, message: str, metadata: dict | None = None, headers: dict | None = None):
-    return web.json_response(error_body(code, message, metadata), status=code, headers=headers)
+def error_response(code: int, message: str, metadata: dict | None = None, headers: dict | None = None,
+                   avail: dict | None = None):
+    return web.json_response(error_body(code, message, metadata, avail), status=code, headers=headers)
 
 
 def _dumps(obj) -> bytes:

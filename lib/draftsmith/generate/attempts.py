@@ -3,7 +3,11 @@
 An attempt is POSTed (client.py); a reply is saved at once (store.py) and its reservation settled
 at the billed cost. A failure is waited out (throttling: no attempt spent, the concurrency is
 lowered), retried after a back-off (a real failure, up to `max_attempts`), recorded (permanent, or
-out of attempts) or turned into a stop (the balance, the key or the routing). An answer lost
+out of attempts) or turned into a stop (the balance, the key, the model or the routing). A
+retryable availability error (the router cannot serve the model just now) is waited out like a
+throttle; the engine's `outage` clock (outage.py) stops the run when nothing but such errors came
+back for longer than `outage_limit_s`, and a sample that alone meets them for that long starts
+spending attempts (a prompt no provider can serve is not an outage). An answer lost
 after a provider took the request may still be billed: its reservation is held until
 `GET /generation` says what it cost (pricing.generation_cost); without a generation id it is
 counted at its worst case.
@@ -26,6 +30,10 @@ HINTS = {
     "forbidden": ("a key, workspace or guardrail budget is spent, or the key lacks permission (GET /key shows "
                   "`budgets`); no sample was written off: raise the budget or wait for it to reset"),
     "no_provider": "no endpoint meets the routing: check `model` and `provider` (and the routing stage 01 wrote)",
+    "model_not_found": "OpenRouter does not know the model {model!r}: check `model` (no sample was written off)",
+    "wrong_endpoint": "the model {model!r} is not served at this endpoint: check `model` and `api_base`",
+    "constraint_filtered": ("the routing constraints filtered every endpoint of {model!r}: loosen `provider` "
+                            "(quantizations, max_price, require_parameters) or the routing stage 01 wrote"),
     "weight_exceeds_budget": ("one request's worst case alone is more than the budget allows: lower max_tokens "
                               "or raise the budget (retrying cannot help)"),
 }
@@ -39,6 +47,7 @@ async def sample(eng, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) 
     worst, started = reserved, time.time()
     tokens = None
     failures = throttles = 0
+    unavailable_since = None     # this sample has met only retryable availability errors since then
     seen: dict = {}
     try:
         while True:
@@ -50,6 +59,7 @@ async def sample(eng, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) 
                 latency = time.monotonic() - t0
                 eng.aimd.observe_latency(latency)
                 eng.aimd.on_success()
+                eng.outage.answered()
                 if eng.server is not None:
                     res.provider = res.provider or eng.source
                 u = res.usage
@@ -60,8 +70,12 @@ async def sample(eng, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) 
                 eng.spend.settle(reserved, cost, u["prompt_tokens"], tokens)
                 reserved = 0.0
                 eng.money_freed.set()
-                d.store.write(p.sample_id, _response_line(eng, d, p, msgs_json, res, failures + throttles + 1,
-                                                      latency, started))
+                try:
+                    d.store.write(p.sample_id, _response_line(eng, d, p, msgs_json, res, failures + throttles + 1,
+                                                          latency, started))
+                except OSError as e:        # paid for, not saved (a full disk): the session stops
+                    tokens = None
+                    return eng.write_failed(e, d.store.raw_path, cost)
                 d.store.count_reply(u, res.finish_reason, res.provider)
                 eng.samples += 1
                 eng.tokens += tokens
@@ -76,7 +90,19 @@ async def sample(eng, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) 
             if res.action == "balance":
                 return eng.request_stop("balance", f"the OpenRouter balance ran out ({res.message})")
             if res.action == "fatal":
-                return eng.request_stop("fatal", f"{res}: {HINTS.get(res.kind, 'fix that')}")
+                hint = HINTS.get(res.kind, "fix that").format(model=eng.model)
+                return eng.request_stop("fatal", f"{res}: {hint}")
+            if res.action == "unavailable":
+                now = time.monotonic()
+                if eng.outage.unavailable(now, res.kind):
+                    return eng.request_stop("unavailable", eng.outage.message(now))
+                unavailable_since = unavailable_since or now
+                if now - unavailable_since <= eng.outage.limit_s:
+                    res.action = "throttle"       # waited out, as a throttle
+                else:
+                    res.action = "retry"          # only this prompt keeps failing: spend attempts
+            else:
+                unavailable_since = None
             if res.action == "throttle":
                 throttles += 1
                 eng.aimd.on_throttle()

@@ -47,7 +47,7 @@ class Api:
                     classify_error(r.status_code, _json(r).get("error"), retry_after_seconds(r.headers.get("Retry-After")))
             if isinstance(outcome, Reply):
                 return outcome
-            if outcome.action not in ("retry", "throttle") or attempt == self.attempts:
+            if outcome.action not in ("retry", "throttle", "unavailable") or attempt == self.attempts:
                 raise ApiError(outcome.status, str(outcome))
             time.sleep(backoff_delay(attempt, outcome.retry_after, base=0.25, cap=8.0))
         raise AssertionError("unreachable")

@@ -1,10 +1,12 @@
 """What the planned output budget costs, against the money there is.
 
-`cost_plan` prices each dataset's output budget (prompt tokens counted with the target tokenizer
-over the actual datasets) at the cheapest allowed endpoint, at the expected routing mix
-(OpenRouter's default weights 1/price^2) and at the most expensive one, and says how much of it the
-usable money (the lower of the balance and `spend_limit_usd`) buys; `plan_verdict` says so in one
-sentence before anything is spent on generation.
+Only what stage 02 will request is priced: prompts that an import file answers (`imports`, see
+imports.py) are counted apart and never priced, so a dataset answered elsewhere costs nothing
+(`imported_line` names them). `cost_plan` prices each dataset's output budget (prompt tokens
+counted with the target tokenizer over the prompts left to ask) at the cheapest allowed endpoint,
+at the expected routing mix (OpenRouter's default weights 1/price^2) and at the most expensive
+one, and says how much of it the usable money (the lower of the balance and `spend_limit_usd`)
+buys; `plan_verdict` says so in one sentence before anything is spent on generation.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..datasets import DatasetReader, DatasetSpec
+from ..datasets import DatasetReader, DatasetSpec, stable_id
+from ..imports import answered, parse_imports
 from ..progress import Progress
 
 
@@ -25,23 +28,46 @@ class DatasetTokens:
     prompt_tokens: int
     output_token_budget: int | None
     skipped: int
+    imported: int = 0   # prompts an import file answers: stage 02 does not ask them
 
 
-def count_prompt_tokens(datasets: list[DatasetSpec], tokenizer) -> list[DatasetTokens]:
-    """Prompt tokens of every dataset with the target tokenizer and chat template."""
+def count_prompt_tokens(datasets: list[DatasetSpec], tokenizer,
+                        imports: list[dict] | None = None) -> list[DatasetTokens]:
+    """Prompt tokens, with the target tokenizer and chat template, of every prompt stage 02 will
+    ask: those an import file answers are only counted (`imported`), as stage 02 skips them."""
+    specs = parse_imports(imports or [], [s.name for s in datasets])
     out = []
     for spec in datasets:
         reader = DatasetReader(spec)
-        total = 0
+        done = answered(specs, spec.name)
+        total = imported = 0
         with Progress(desc=f"tokens {spec.name}", unit="prompt") as bar:
             for p in reader:
+                bar.update()
+                if done and (p.sample_id in done or stable_id(p.messages) in done):
+                    imported += 1
+                    continue
                 total += len(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
                                                            return_dict=False))
-                bar.update()
         if reader.problems:
             print(reader.summary())
-        out.append(DatasetTokens(spec.name, reader.count, total, spec.output_token_budget, len(reader.problems)))
+        out.append(DatasetTokens(spec.name, reader.count - imported, total, spec.output_token_budget,
+                                 len(reader.problems), imported))
     return out
+
+
+def imported_line(tokens: list[DatasetTokens]) -> str:
+    """Which datasets stage 02 samples and which the imports answer (not priced)."""
+    sample = [t.name for t in tokens if t.prompts]
+    whole = [f"{t.name} ({t.imported:,} prompts)" for t in tokens if t.imported and not t.prompts]
+    part = [f"{t.name} ({t.imported:,} of {t.imported + t.prompts:,} prompts)" for t in tokens
+            if t.imported and t.prompts]
+    line = f"{len(sample)} datasets to sample through the API: {', '.join(sample) or 'none'}"
+    if whole:
+        line += f"; {len(whole)} imported, answered elsewhere and not priced: {', '.join(whole)}"
+    if part:
+        line += f"; answered in part by imports (those prompts not priced): {', '.join(part)}"
+    return line
 
 
 def mix_weights(allowed: pd.DataFrame) -> pd.Series:

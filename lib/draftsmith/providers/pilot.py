@@ -42,6 +42,7 @@ def expected_output(api: Api, run: Run, settings: dict, datasets: list[DatasetSp
         return float(expected_output_tokens), None
     table = outputs.reuse(run, "pilot", refresh)
     if table is None:
+        datasets = [s for s, t in zip(datasets, tokens) if t.prompts]   # not those the imports answer
         n = samples * len(datasets)
         mean_prompt = sum(t.prompt_tokens for t in tokens) / max(1, sum(t.prompts for t in tokens))
         worst = highest(table_worst_prices(allowed)).cost(mean_prompt * n, settings["max_tokens"] * n, n)
