@@ -157,6 +157,7 @@ def test_target_build_is_deterministic_for_a_seed(tmp_path, monkeypatch):
     b = tiny.build_tiny_target("tiny-test", root=tmp_path / "b", log=lambda *x: None)
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    monkeypatch.undo()  # the cache holds the real tiny-test, never this 2-step one
     assert resolve_target("tiny-test") != a  # the cache is separate from explicit roots
     with pytest.raises(FileNotFoundError, match="no config.json"):
         resolve_target(tmp_path / "nowhere")

@@ -19,7 +19,7 @@ OWNERS = {
     "endpoints.csv": {"providers/outputs.py"}, "cost_plan.csv": {"providers/outputs.py"},
     # stage 02
     "raw_responses.jsonl": {"store.py"}, "errors.jsonl": {"store.py"}, "manifest.json": {"store.py"},
-    "timeline.jsonl": {"store.py"},
+    "timeline.jsonl": {"store.py"}, "writer.lock": {"store.py"},
     # stage 03 (report.json: stage 03's and stage 06's, each in its own folder)
     "report.json": {"tokens/outputs.py", "evaluate/results.py"},
     # stage 04
@@ -34,7 +34,8 @@ OWNERS = {
     "model.safetensors": {"drafter/export.py"},
     "config.json": {"drafter/export.py", "target/checkpoint.py", "target/identity.py",
                     "target/tiny.py", "local.py"},
-    "tokenizer_config.json": {"target/checkpoint.py"}, "draftsmith_target.json": {"target/tiny.py"},
+    "tokenizer_config.json": {"target/checkpoint.py", "target/kimi_tokenizer.py"},
+    "draftsmith_target.json": {"target/tiny.py"},
     # stage 06
     "rounds.jsonl": {"evaluate/results.py"}, "engine_rounds.jsonl": {"evaluate/results.py"},
     "engine_job.json": {"evaluate/results.py"}, "bench_prompts_sharegpt.json": {"evaluate/results.py"},

@@ -140,3 +140,72 @@ def test_manifest_is_read_back_whole_and_a_damaged_one_is_named(tmp_path):
     (run.root / "generate" / "manifest.json").write_text('{"config": ')
     with pytest.raises(ValueError, match=r"manifest.json: not valid JSON"):
         store.read_manifest(run)
+
+
+HOLD = """
+import sys, time
+from draftsmith import store
+from draftsmith.paths import Run
+with store.writer_lock(Run(sys.argv[1], "r")):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_writer_lock_names_its_holder_and_dies_with_it(tmp_path):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(store.RunBusy, match=f"pid {child.pid} on host {socket.gethostname()}"):
+            with store.writer_lock(Run(tmp_path, "r")):
+                pass
+    finally:
+        os.kill(child.pid, signal.SIGKILL)      # no clean exit: nothing is left to clean up by hand
+        child.wait()
+    run = Run(tmp_path, "r")
+    with store.writer_lock(run):
+        with store.writer_lock(run):            # the same process may take it again (notebook, then library)
+            pass
+
+
+PARTIAL = """
+import resource, signal, sys
+from draftsmith.store import DatasetStore
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # past the size limit a write fails (EFBIG) instead
+s = DatasetStore(sys.argv[1], fsync_s=1e9)
+resource.setrlimit(resource.RLIMIT_FSIZE, (250, resource.RLIM_INFINITY))
+for i in range(5):
+    try:
+        s.write(f"s{i}", '{"sample_id": "s%d", "pad": "%s"}' % (i, "x" * 70))
+    except OSError as e:
+        print("refused", i, e.errno, flush=True)
+        break
+"""
+
+
+def test_a_line_the_disk_takes_only_in_part_is_cut_off_again(tmp_path):
+    """A file-size limit stands in for a full disk: the OS takes part of the third line, then refuses."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", PARTIAL, str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
+    assert r.stdout.startswith("refused 2"), r.stdout + r.stderr
+    text = (tmp_path / "d" / store.RESPONSES).read_text()
+    assert text.endswith("\n") and [json.loads(x)["sample_id"] for x in text.splitlines()] == ["s0", "s1"]
+    assert DatasetStore(tmp_path / "d").done == {"s0", "s1"}
+
+
+def test_room_is_refused_naming_what_the_plan_needs_and_what_is_free(tmp_path):
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    assert store.room_problem(tmp_path, 1000) is None
+    problem = store.room_problem(tmp_path, free * 2)
+    assert "not enough free space" in problem and str(tmp_path) in problem and "free" in problem
+    assert store.expected_bytes(prompt_bytes=200, responses=10, tokens=1000) > 10 * 200 + 1000

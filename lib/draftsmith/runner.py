@@ -78,10 +78,24 @@ def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
     return run
 
 
+def _check_no_other_writer(run: Run) -> None:
+    """Refuse at once, before any stage runs or any of the run's files is touched, when another
+    process is generating this run. Only a check: stage 02's kernel takes the lock itself."""
+    from . import store
+
+    try:
+        with store.writer_lock(run):
+            pass
+    except store.RunBusy as e:
+        raise StageFailed(f"stage 02 not started: {e}") from None
+
+
 def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None:
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
+    if any(stage.name == "generate" for stage in stages):
+        _check_no_other_writer(run)
     nb_dir = run.dir(_EXECUTED)
     write_text_atomic(run.root / "run_params.yaml", yaml.safe_dump(values, sort_keys=False, allow_unicode=True))
     _kernel_env()

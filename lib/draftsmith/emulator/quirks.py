@@ -29,12 +29,10 @@ def merges_dropped_tokenizer(tokenizer_json: str | None = None, keep: float = 0.
 class Billing:
     """Token counts as a provider reports and bills them."""
 
-    def __init__(self, tokenizer, kind: str):
-        from ..encoding import Encoding
-
+    def __init__(self, encoding, kind: str):
         self.kind = kind
         self._other = merges_dropped_tokenizer() if kind == "merges-dropped" else None
-        self._target = Encoding(tokenizer) if self._other is not None else None
+        self._target = encoding
 
     def count(self, ids: list[int], true_count: int) -> int:
         if self._other is None:

@@ -36,13 +36,16 @@ class Responses:
 
     def __init__(self, cfg: EmulatorConfig, vocab: Vocab, backend, ledger: Ledger, stats: Counter):
         self.cfg, self.vocab, self.backend, self.ledger, self.stats = cfg, vocab, backend, ledger, stats
-        self._billing: dict[str, Billing] = {}
+        # every endpoint's billing tokenizer is built here, at start: built on a first request it
+        # would hold up the event loop (and every request in flight) for a second or more
+        kinds = {ep.quirks.billing_tokenizer for ep in cfg.endpoints()}
+        self._billing = {kind: Billing(vocab.encoding, kind) for kind in kinds}
 
     def billing(self, ep: Endpoint) -> Billing:
-        """How `ep` counts billed tokens (its other tokenizer is built on first use)."""
+        """How `ep` counts billed tokens."""
         kind = ep.quirks.billing_tokenizer
-        if kind not in self._billing:
-            self._billing[kind] = Billing(self.vocab.tokenizer, kind)
+        if kind not in self._billing:  # an endpoint added after start
+            self._billing[kind] = Billing(self.vocab.encoding, kind)
         return self._billing[kind]
 
     def _job(self, req, prompt_ids, ep: Endpoint, nth: int) -> Job:

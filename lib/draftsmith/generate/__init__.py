@@ -2,6 +2,7 @@
 
 `run_generation(...)` is what notebook 02 calls; it returns a `GenerationResult`. The parts:
   options.py      what the stage is told (Options) and what it answers (GenerationResult)
+  run_settings.py the settings that shape a run's answers, kept in its manifest; a re-run under others is refused
   engine.py       the session: slots shared by the datasets, starts, stops, the bare-server case
   attempts.py     one sample's attempts, and what its failures and lost answers cost
   money.py        when money stops a start, and the stop for a top-up in the money-bound tail
@@ -28,12 +29,12 @@ import signal
 import threading
 from pathlib import Path
 
-from .. import client
+from .. import client, store
 from ..datasets import parse_datasets
 from ..imports import answered, parse_imports
 from ..paths import Run, resolve
 from ..providers import outputs as stage_01
-from . import bookkeeping
+from . import bookkeeping, run_settings
 from .engine import Engine
 from .options import GenerationResult, GenerationStopped, Options
 
@@ -45,12 +46,17 @@ def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model
                    top_p: float | None = None, seed: int | None = None, provider: dict | None = None,
                    reasoning: dict | None = None, stream: bool = False, native_precision: str | None = None,
                    allow_unknown_quantization: bool = False, imports: list[dict] | None = None, log=print,
-                   **options) -> GenerationResult:
+                   allow_changed_settings: bool = False, **options) -> GenerationResult:
     """Generate responses for `datasets` into `run.dir("generate")`, resuming whatever is there.
     `options`: the other fields of `Options` (balance_floor_usd, max_attempts, request_timeout_s, ...).
     Without stage 01's routing, `native_precision` is required: the engine then applies the
     precision policy itself. Prompts answered by an import file (`imports`, see imports.py) are not
     asked for: they are never paid for twice.
+
+    One process writes a run at a time (store.writer_lock: a second one raises RunBusy naming the
+    holder). A run that holds answers made under other settings is refused (SettingsChanged,
+    naming each difference) unless `allow_changed_settings`. A write error at the store (a full
+    disk) ends the session and raises GenerationStopped with what was paid for and not saved.
 
     Runs its own event loop (in a thread when one is already running, as in Jupyter). SIGINT and
     SIGTERM stop it cleanly; a second SIGINT gives up on the requests in flight at once."""
@@ -75,14 +81,24 @@ def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model
               "routing_source": str(stage_01.routing_file(run).relative_to(run.root)) if base_routing is not None
               else None,
               **{k: v for k, v in vars(opts).items() if k != "target_model_path"}}
-    engine = Engine(base_url, api_key, run, specs, settings, opts, config, log, policy)
     import_specs = parse_imports(imports or [], [s.name for s in specs])
-    for d in engine.datasets:
-        d.answered = answered(import_specs, d.name)
-        if d.answered:
-            log(f"{d.name}: prompts that an import file answers are skipped (stage 03 reads that file)")
-    _run_with_signals(engine)
-    return bookkeeping.result(engine)
+    shaping = run_settings.data_settings(settings, policy, opts.target_model_path)
+    with store.writer_lock(run):
+        diff = run_settings.check(run, [s.name for s in specs], shaping, allow_changed_settings)
+        engine = Engine(base_url, api_key, run, specs, settings, opts, config, log, policy)
+        engine.manifest.settings = {**(engine.manifest.settings or {}), **{s.name: shaping for s in specs}}
+        if diff:
+            engine.entry["settings_changed"] = diff
+            log(f"continuing run {run.name!r} with changed settings (allow_changed_settings): {'; '.join(diff)}")
+        for d in engine.datasets:
+            d.answered = answered(import_specs, d.name)
+            if d.answered:
+                log(f"{d.name}: prompts that an import file answers are skipped (stage 03 reads that file)")
+        _run_with_signals(engine)
+    result = bookkeeping.result(engine)
+    if result.reason in ("write_error", "no_room"):     # the disk cannot take more: the notebook stops here
+        raise GenerationStopped(result.message)
+    return result
 
 
 def _run_with_signals(engine: Engine) -> None:

@@ -10,7 +10,8 @@ from .. import store
 from .options import GenerationResult
 
 TODO = {"balance": "top up the balance, then re-run", "spend_limit": "raise spend_limit_usd, then re-run",
-        "fatal": "fix that, then re-run", "interrupted": "re-run"}
+        "fatal": "fix that, then re-run", "interrupted": "re-run",
+        "write_error": "free space on that disk (or fix the folder), then re-run", "no_room": "re-run"}
 
 
 async def tick(eng) -> None:
@@ -22,13 +23,16 @@ async def tick(eng) -> None:
         rate = 0.7 * rate + 0.3 * (eng.tokens - last_tokens) / max(1e-9, now - last_t)
         last_tokens, last_t = eng.tokens, now
         eng.progress.set(**progress_fields(eng, rate))
-        point(eng)
         eng.wake.set()       # the limit may have grown back, or a reservation been freed
-        if now - last_save >= 2:
-            for d in eng.datasets:
-                d.store.sync()
-            save_manifest(eng)
-            last_save = now
+        try:
+            point(eng)
+            if now - last_save >= 2:
+                for d in eng.datasets:
+                    d.store.sync()
+                save_manifest(eng)
+                last_save = now
+        except OSError as e:    # a full disk: the session stops (engine.write_failed)
+            eng.write_failed(e)
 
 
 def point(eng) -> None:
@@ -85,6 +89,7 @@ def save_manifest(eng, final: bool = False) -> None:
         exhausted_samples=eng.exhausted_samples, permanent_samples=eng.permanent_samples,
         lost_answers=eng.lost, lost_answers_costed=eng.recovered, unknown_bills=eng.unknown_bills,
         abandoned_reserved_usd=round(eng.abandoned_reserved, 8),
+        unsaved_answers=eng.unsaved, unsaved_cost=round(eng.unsaved_cost, 8),
         skipped_too_long={d.name: d.skipped for d in eng.datasets if d.skipped}, malformed_rows=problems)
     if final:
         eng.entry.update(ended=now(), status=eng.reason, message=eng.message, reserved_usd=0.0)
@@ -102,13 +107,17 @@ def result(eng) -> GenerationResult:
                      + (f", {len(d.store.permanent)} failed for good" if d.store.permanent else ""))
     summary = "; ".join(parts)
     stage_01 = ", stage 01 included" if eng.stage_01_usd else ""
-    spent = (f"spent ${eng.cost + eng.failed_attempts_cost + eng.abandoned_reserved:.4f} this session, "
+    spent = (f"spent ${eng.cost + eng.failed_attempts_cost + eng.abandoned_reserved + eng.unsaved_cost:.4f} "
+             f"this session, "
              f"${eng.spend.spent:.4f} in this run{stage_01} (limit ${eng.spend.limit:.2f})")
-    lost = eng.failed_attempts_cost + eng.abandoned_reserved
+    lost = eng.failed_attempts_cost + eng.abandoned_reserved + eng.unsaved_cost
     if lost > 0:
         unknown = (f", of which ${eng.abandoned_reserved:.4f} is counted at its worst case for "
                    f"{eng.unknown_bills} requests whose bill could not be read" if eng.unknown_bills else "")
-        paid = f"Paid for and not saved this session: ${lost:.4f} (failed attempts that were billed{unknown})"
+        parts = [f"failed attempts that were billed{unknown}"] if lost > eng.unsaved_cost else []
+        if eng.unsaved:
+            parts.append(f"${eng.unsaved_cost:.4f} for {eng.unsaved} answers that came back and could not be written")
+        paid = f"Paid for and not saved this session: ${lost:.4f} ({'; '.join(parts)})"
     else:
         paid = "Nothing paid for was lost"
     if done:

@@ -6,13 +6,21 @@ reserves its worst-case dollars first (budget.py). A worker runs one sample's at
 
 A stop (balance gone, spend limit, a refusal, SIGINT/SIGTERM) starts nothing new, gives the
 requests in flight `stop_grace_s` to finish and be saved, asks the cost of what it gave up on,
-and closes the files, so a re-run resumes exactly where this one ended.
+and closes the files, so a re-run resumes exactly where this one ended. After an interrupt or a
+write error that asking is cut to `STOPPED_PATIENCE_S` (what it does not learn is counted at its
+worst case), so a stop button frees the cell in seconds.
+
+A write error at the store (a full disk) stops the session too: nothing new starts, the requests
+in flight get `WRITE_ERROR_GRACE_S` to come back and be saved, and at the next save that fails
+the rest are given up on; every answer that came back and could not be saved is counted as paid
+for and not saved. Before anything is asked, the disk must hold what the plan expects to write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import aiohttp
 
@@ -27,7 +35,11 @@ from ..providers.endpoints import policy_routing
 from ..retry import Aimd
 from . import attempts, bare_server, bookkeeping, money
 from .options import Options
+from .outage import Outage
 from .prompt_queue import ContextCheck, DatasetQueue
+
+STOPPED_PATIENCE_S = 5.0     # after an interrupt or a write error: how long to ask what lost answers cost
+WRITE_ERROR_GRACE_S = 5.0    # after a write error: how long the requests in flight may come back
 
 
 class Engine:
@@ -69,6 +81,7 @@ class Engine:
             self.datasets.append(DatasetQueue(spec, saved, budget))
         self.spend = SpendBudget(opts.spend_limit_usd, opts.balance_floor_usd, spent)
         self.aimd = Aimd(opts.concurrency)
+        self.outage = Outage(opts.outage_limit_s)
         self.check: ContextCheck | None = None
         self.server: bare_server.BareServer | None = None   # set when api_base is not OpenRouter
         self.source = "openrouter"
@@ -86,6 +99,9 @@ class Engine:
         self.exhausted_samples = self.permanent_samples = 0
         self.cost = self.failed_attempts_cost = self.abandoned_reserved = 0.0
         self.lost = self.recovered = self.unknown_bills = 0    # answers lost after billing could start
+        self.unsaved, self.unsaved_cost = 0, 0.0               # answers paid for that the store could not write
+        self.write_error: str | None = None                    # what the store could not write
+        self.was_full = False        # every slot was busy at some moment (money.maybe_wind_down)
         self.recoveries: set[asyncio.Task] = set()             # asking /generation what one cost
         self._rr = 0
         self.entry = {"started": bookkeeping.now(), "status": "running",      # this session's line in the manifest
@@ -118,6 +134,7 @@ class Engine:
             self._rr = (self._rr + i + 1) % n
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self.was_full = self.was_full or self.in_flight >= min(self.opts.concurrency, self.aimd.limit)
             return d, p, worst, d.budget.start()
         return None
 
@@ -126,10 +143,14 @@ class Engine:
         this loop only wakes when a worker runs dry, on the periodic tick, or at a stop."""
         loop = asyncio.get_running_loop()
         while self.reason is None:
-            while (job := self._take()) is not None:
-                t = loop.create_task(self._worker(job))
-                self.tasks.add(t)
-                t.add_done_callback(self.tasks.discard)
+            try:
+                while (job := self._take()) is not None:
+                    t = loop.create_task(self._worker(job))
+                    self.tasks.add(t)
+                    t.add_done_callback(self.tasks.discard)
+            except OSError as e:        # setting aside a prompt too long for the context (errors.jsonl)
+                self.write_failed(e)
+                break
             if self.in_flight == 0 and self.reason is None:
                 if self.winding_down:
                     self.request_stop(*self.winding_down)
@@ -145,9 +166,25 @@ class Engine:
 
     async def _worker(self, job: tuple) -> None:
         while job is not None:
-            await attempts.sample(self, *job)
+            try:
+                await attempts.sample(self, *job)
+            except OSError as e:        # recording a failure in errors.jsonl
+                self.write_failed(e)
             job = self._take()
         self.wake.set()
+
+    def write_failed(self, e: OSError, path=None, cost: float | None = None) -> None:
+        """The store could not write (a full disk): count an answer paid for and not saved (`cost`,
+        when it was one), stop starting requests, give those in flight a few seconds to come back
+        and be saved, and give up on them at the next failure."""
+        if cost is not None:
+            self.unsaved += 1
+            self.unsaved_cost += cost
+        if self.write_error:
+            return self.cancel_all()
+        self.write_error = f"writing {path or e.filename or self.folder} failed: {e.strerror or e}"
+        self.stop_grace_s = min(self.stop_grace_s, WRITE_ERROR_GRACE_S)
+        self.request_stop("write_error", self.write_error)
 
     async def reserve(self, worst: float) -> float:
         """Reserve the dollars of a retry, waiting while other requests hold them; 0.0 if the run
@@ -180,11 +217,12 @@ class Engine:
         self.wake.set()
 
     def cancel_all(self) -> None:
-        """Give up on everything in flight now (a second SIGINT)."""
+        """Give up on everything in flight now (a second SIGINT, a second write error)."""
         self.stop_grace_s = 0
         self.request_stop("interrupted", "interrupted twice")
         for t in list(self.tasks) + list(self.recoveries):
-            t.cancel()
+            if t is not asyncio.current_task():
+                t.cancel()
 
     # -- background: balance polling, progress, periodic saves ------------------------------
     async def _poll_balance(self, reader: BalanceReader) -> None:
@@ -204,6 +242,10 @@ class Engine:
         if not any(d.budget.can_start() and d.peek() for d in self.datasets):
             self.reason = "nothing_to_do"
             self.message = "every dataset is done (budget reached or no prompts left); nothing was requested"
+            return self._close()
+        problem = store.room_problem(self.folder, self._expected_bytes())
+        if problem:
+            self.reason, self.message = "no_room", problem
             return self._close()
         budgets = [d.spec.output_token_budget for d in self.datasets]
         self.progress = Progress(total=sum(budgets) if all(budgets) else None, desc="generate", unit="tok")
@@ -243,6 +285,8 @@ class Engine:
                 await self._drain()
                 if self.recoveries:
                     patience = self.opts.recovery_patience_s if self.stop_grace_s else 0.0
+                    if self.reason in ("interrupted", "write_error"):
+                        patience = min(patience, STOPPED_PATIENCE_S)
                     self.log(f"asking GET /generation what {len(self.recoveries)} lost answers cost "
                              f"(up to {patience:.0f}s)")
                     _, pending = await asyncio.wait(set(self.recoveries), timeout=patience + 1.0)
@@ -256,6 +300,22 @@ class Engine:
             if self.reason is None:
                 self.reason, self.message = "interrupted", self.message or "interrupted"
             self._close()
+
+    def _expected_bytes(self) -> int:
+        """What this session expects to save: per dataset, the prompts left (lines of its file not
+        yet answered) at the mean length so far (half of max_tokens before any), up to its budget."""
+        need = 0
+        for d in self.datasets:
+            with open(d.spec.path, "rb") as f:
+                lines = max(1, sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b"")))
+            prompts = max(0, lines - len(d.store.done) - len(d.store.permanent))
+            t = d.store.totals
+            mean = t.completion_tokens / t.samples if t.samples else self.max_tokens / 2
+            tokens = prompts * mean
+            if d.spec.output_token_budget:
+                tokens = min(tokens, max(0, d.spec.output_token_budget - d.budget.done))
+            need += store.expected_bytes(os.path.getsize(d.spec.path) / lines, tokens / max(1.0, mean), tokens)
+        return need
 
     async def _bare_main(self, loop) -> None:
         """A bare OpenAI-compatible server: no prices, balance or routing (every reservation is $0),
@@ -305,17 +365,28 @@ class Engine:
 
     def _close(self) -> None:
         for d in self.datasets:
-            d.store.close()
+            self._closing(d.store.close, d.store.raw_path)
         if self.progress is not None:
             self.progress.set(**bookkeeping.progress_fields(self, 0.0))
-            self.progress.close()
-        bookkeeping.save_manifest(self, final=True)
+            self.progress.close(ended=self.reason in ("finished", "nothing_to_do"))
+        self._closing(lambda: bookkeeping.save_manifest(self, final=True), self.manifest.path)
         if self.progress is not None:       # the session ran: its last point
-            bookkeeping.point(self)
+            self._closing(lambda: bookkeeping.point(self), self.timeline.path)
             self.timeline.close()
         for d in self.datasets:
             if d.reader.problems:
                 self.log(d.reader.summary())
+
+    def _closing(self, write, path) -> None:
+        """A last write of the session; one the disk refuses is said, and ends the session as a write error."""
+        try:
+            write()
+        except OSError as e:
+            self.log(f"could not write {path}: {e.strerror or e}")
+            if self.reason in (None, "finished", "nothing_to_do"):
+                self.reason = "write_error"
+                self.message = f"writing {path} failed: {e.strerror or e}"
+            self.write_error = self.write_error or self.message
 
 
 

@@ -15,7 +15,9 @@ def block(eng, worst: float) -> None:
 
 def blocked_message(eng) -> str:
     why, worst = eng.blocked
-    top_up = _top_up_usd(eng, worst)
+    top_up = round(_top_up_usd(eng, worst), 2)
+    if top_up:
+        eng.entry["top_up_usd"] = top_up     # what to add, for whoever re-runs it (bench/rehearsal.py)
     if why == "balance":
         floor = f" (balance_floor_usd ${eng.spend.floor:.2f})" if eng.spend.floor else ""
         return (f"the balance ran out: ${eng.spend.balance_left:.4f} left{floor}, less than the next "
@@ -31,6 +33,10 @@ def blocked_message(eng) -> str:
 # is spent at a trickle. When the money cannot finish the job anyway, that trickle only delays
 # the top-up the job needs: below `money_bound_stop_fraction` of the slots, stop starting
 # requests, let those in flight finish (they are paid for), and stop with what to top up.
+# That tail is the end of a session that had every slot busy. A session whose money never filled
+# the slots (it started with a small balance) has no such tail: it is all trickle, and stopping it
+# would buy nothing at all, so it spends down to the floor at the concurrency its money allows and
+# ends with the balance stop.
 def _left_to_finish(eng) -> tuple[float, int] | None:
     """(expected dollars, requests) to finish every dataset's budget, in flight included, at the
     run's cost and length per response so far; None if unknown (nothing paid yet, or a dataset
@@ -61,7 +67,8 @@ def _top_up_usd(eng, worst: float, left: tuple[float, int] | None = None) -> flo
 
 def maybe_wind_down(eng) -> None:
     fraction = eng.opts.money_bound_stop_fraction
-    if eng.winding_down or not fraction or eng.in_flight >= fraction * min(eng.opts.concurrency, eng.aimd.limit):
+    if (eng.winding_down or not fraction or not eng.was_full
+            or eng.in_flight >= fraction * min(eng.opts.concurrency, eng.aimd.limit)):
         return
     left = _left_to_finish(eng)
     if left is None or left[0] <= eng.spend.left:

@@ -25,6 +25,7 @@ class Options:
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 60.0
     recovery_patience_s: float = 120.0   # how long to keep asking /generation the cost of a lost answer
+    outage_limit_s: float = 300.0        # only retryable availability errors for this long: stop (outage.py)
     target_model_path: str | None = None  # its tokenizer measures prompts that may be too long
     trust_remote_code: bool = False       # loading that tokenizer may run its own code (Kimi-K2.5)
 
@@ -34,6 +35,8 @@ class Options:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if not self.request_timeout_s or self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s!r}")
+        if not self.outage_limit_s or self.outage_limit_s <= 0:
+            raise ValueError(f"outage_limit_s must be positive, got {self.outage_limit_s!r}")
         if not 0 <= self.money_bound_stop_fraction <= 1:
             raise ValueError(f"money_bound_stop_fraction must be between 0 and 1, got {self.money_bound_stop_fraction!r}")
 
@@ -41,7 +44,8 @@ class Options:
 @dataclass
 class GenerationResult:
     status: str                 # finished | stopped
-    reason: str                 # finished | nothing_to_do | balance | spend_limit | fatal | interrupted
+    reason: str                 # finished | nothing_to_do | balance | spend_limit | fatal | unavailable | interrupted
+    #                             | write_error (the store could not write) | no_room (the disk cannot hold the plan)
     message: str
     folder: Path
     spent_usd: float
