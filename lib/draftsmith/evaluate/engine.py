@@ -47,7 +47,12 @@ def speculative_config(kind: str, k: int, export_dir: str | None = None, lookup_
 
 
 def settings_key(target_fingerprint: str, k: int, max_new_tokens: int, seed: int, dtype: str) -> str:
-    return json.dumps({"engine": f"vllm {VLLM_VERSION}", "target": target_fingerprint, "k": k,
+    """What a row of the engine rounds was measured with; the device kind is part of it, so what a
+    CPU engine could not start (`gpu_only`) is tried again on GPUs."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return json.dumps({"engine": f"vllm {VLLM_VERSION}", "device": device, "target": target_fingerprint, "k": k,
                        "max_new_tokens": max_new_tokens, "seed": seed, "dtype": dtype}, sort_keys=True)
 
 
@@ -56,17 +61,19 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
             tensor_parallel_size: int = 1, trust_remote_code: bool = False, log=print) -> list[dict]:
     """Decode every prompt (`prompts.HeldoutPrompt`) with every method ({name, kind, fingerprint,
     speculative_config, expect_layers (vLLM ids) or None, info}) at every temperature in vLLM,
-    appending to the run's engine rounds; returns the rows of these settings, measured now or before."""
+    appending to the run's engine rounds; returns the rows of these settings, measured now or before
+    (a method vLLM's CPU build cannot start has one row with its `gpu_only` line instead)."""
     out = results.engine_rounds_file(run)
     done = results.read_engine_rows(out, settings)
-    todo = [m for m in methods if any((m["fingerprint"], float(t), p.dataset, p.sample_id) not in done
-                                       for t in temperatures for p in prompts)]
+    gpu_only = {r["method_fingerprint"] for r in done.values() if r.get("gpu_only")}
+    todo = [m for m in methods if m["fingerprint"] not in gpu_only and any(
+        (m["fingerprint"], float(t), p.dataset, p.sample_id) not in done for t in temperatures for p in prompts)]
     if todo:
         job = {"target": str(target), "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
                "trust_remote_code": trust_remote_code, "k": k, "max_new_tokens": max_new_tokens,
                "seed": seed, "settings": settings, "out": str(out), "temperatures": [float(t) for t in temperatures],
-               "max_model_len": max(len(p.ids) for p in prompts) + max_new_tokens + k + 16,
-               "prompts": [{"dataset": p.dataset, "sample_id": p.sample_id, "ids": list(p.ids)} for p in prompts],
+               "max_model_len": max(p.context_needed(max_new_tokens) for p in prompts) + k + 16,
+               "prompts": [p.job() for p in prompts],
                "methods": todo, "done": [list(key) for key in done]}
         job_file = results.write_engine_job(run, job)
         log(f"vLLM {VLLM_VERSION}: {len(todo)} engine(s) to start ({', '.join(m['name'] for m in todo)}), "

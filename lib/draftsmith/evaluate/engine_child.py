@@ -13,6 +13,10 @@ Layer ids: with each eagle3 engine the child records the auxiliary layers the li
 and the ids vLLM's GPU model runner (Model Runner V2) reads from the same parsed config, which,
 unlike the CPU build's V1 runner, ignores `eagle_config.eagle_aux_hidden_state_layer_ids`.
 Both must be the ids the drafter was trained on, or the stage stops.
+
+Before the first engine the child applies `target.vllm_fixes`. An engine that vLLM's CPU build
+cannot start (`target.vllm_limits`: EAGLE-3 beside an MLA target) gets one row with its `gpu_only`
+line and no decodes; the other methods of its kind get the same line without another start.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..target.vllm_fixes import apply_fixes
+from ..target.vllm_limits import gpu_only_line
 from .prompts import prompt_seed
 from .results import append_row
 
@@ -43,10 +49,11 @@ def _delta(after: dict, before: dict, k: int) -> dict:
 
 
 def _engine_aux_layers(worker):
-    """In the worker: the target layers the live engine captures for the drafter."""
-    model = worker.model_runner.model
-    inner = getattr(model, "model", model)
-    return [int(i) for i in getattr(inner, "aux_hidden_state_layers", ())]
+    """In the worker: the target layers the live engine captures for the drafter (held by the
+    decoder stack: `model.model` of a text model, `language_model.model` of Kimi-K2.5's wrapper)."""
+    ids = next((m.aux_hidden_state_layers for m in worker.model_runner.model.modules()
+                if hasattr(m, "aux_hidden_state_layers")), ())
+    return [int(i) for i in ids]
 
 
 def gpu_runner_layer_ids(spec_config) -> list[int] | None:
@@ -58,44 +65,36 @@ def gpu_runner_layer_ids(spec_config) -> list[int] | None:
     return [int(i) for i in ids] if ids else None
 
 
-def expand_to_tokens(output, values, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
-    """vLLM's `expand_kernel` in torch, any dtype: request i's value (`replace_from` read as
-    `replace_to`) written to its tokens, cu_num_tokens[i-1]..cu_num_tokens[i] of `output`."""
-    import torch
-
-    cu = cu_num_tokens.long()
-    counts = torch.diff(cu, prepend=cu.new_zeros(1))
-    values = torch.where(values == replace_from, torch.full_like(values, replace_to), values)
-    output.copy_(torch.repeat_interleave(values, counts, output_size=output.numel()))
-
-
-def fix_cpu_expand_kernel() -> bool:
-    """vLLM 0.32.0's CPU build (no Triton) stands in for the rejection sampler's `expand_kernel` with
-    a C++ one over int64 tensors: given the batch's float32 temperatures it writes an int64 copy and
-    leaves the real output uninitialised, so at T > 0 the target's logits are divided by whatever
-    was in memory and every draft is rejected. Where that stand-in loses a float, it is replaced by
-    `expand_to_tokens` before any engine starts (vLLM binds it at each worker's start). True when
-    replaced; GPUs (Triton) and a fixed vLLM are left alone."""
-    import torch
-    from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
-
-    if HAS_TRITON or current_platform.device_type != "cpu":
-        return False
-    from vllm.utils import cpu_triton_utils
-
-    current_platform.import_kernels()
-    values, cu = torch.tensor([0.5, 2.0]), torch.tensor([3, 5], dtype=torch.int32)
-    out = torch.full((5,), -1.0)
-    cpu_triton_utils._expand_kernel_impl(out, values, cu, 0, 1)
-    if out.tolist() == [0.5, 0.5, 0.5, 2.0, 2.0]:
-        return False
-    cpu_triton_utils._expand_kernel_impl = expand_to_tokens
-    return True
-
-
 def _say(msg: str) -> None:
     print(f"[draftsmith] {msg}", flush=True)
+
+
+def _turns(llm, p: dict, sp, k: int, job: dict) -> dict:
+    """Decode one prompt; a benchmark's follow-up turns (`followups`) each after the answer the
+    engine gave to the turn before (`benchmarks.Turns`). One row's fields for all turns: outputs
+    and per-step counts concatenated, counters and seconds summed."""
+    ids, messages = p["ids"], p.get("messages")
+    row = {"output": [], "seconds": 0.0, "counters": {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * k},
+           "drafted": [], "accepted": []}
+    for question in [None] + p.get("followups", []):
+        if question is not None:
+            from .benchmarks import load_turns
+
+            messages, ids = load_turns(job["target"], job["trust_remote_code"]).follow(messages, answer, question)
+            row.setdefault("turns", [{"prompt_tokens": len(p["ids"]), "output_tokens": len(answer)}])
+        before = _counters(llm)
+        t1 = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
+        row["seconds"] += time.perf_counter() - t1
+        c, sdm, answer = _delta(_counters(llm), before, k), o.spec_decode_metrics, list(o.token_ids)
+        row["counters"] = {key: ([a + b for a, b in zip(row["counters"][key], c[key])] if key == "per_pos"
+                                 else row["counters"][key] + c[key]) for key in c}
+        row["output"] += answer
+        row["drafted"] += list(sdm.per_step_drafted) if sdm else []
+        row["accepted"] += list(sdm.per_step_accepted) if sdm else []
+        if question is not None:
+            row["turns"].append({"prompt_tokens": len(ids), "output_tokens": len(answer)})
+    return row
 
 
 def run_job(job: dict) -> None:
@@ -105,23 +104,35 @@ def run_job(job: dict) -> None:
 
     k, tp = job["k"], job["tensor_parallel_size"]
     done = {tuple(key) for key in job["done"]}
+    # language_model_only: a multimodal wrapper (Kimi-K2.5) builds no vision tower
     common = dict(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=job["seed"],
                   tensor_parallel_size=tp, trust_remote_code=job["trust_remote_code"], enable_prefix_caching=False,
-                  enforce_eager=True, disable_log_stats=False)
+                  enforce_eager=True, disable_log_stats=False, language_model_only=True)
     if tp == 1:
         common["distributed_executor_backend"] = "uni"
-    fixed = fix_cpu_expand_kernel()
-    if fixed:
-        _say("vLLM's CPU expand kernel loses the float temperatures of a batch (vLLM 0.32.0 CPU build); "
-             "replaced by a torch one, or no draft is ever accepted at T > 0")
+    fixed = "fix_cpu_expand_kernel" in apply_fixes(log=_say)
     out = Path(job["out"])
-    # ngram last: its proposer imports numba, whose llvmlite objects break the kernel-override scan
-    # of every later engine start in this process on vLLM's CPU build (0.32.0)
-    for m in sorted(job["methods"], key=lambda m: m["kind"] == "ngram"):
+    gpu_only: dict[str, str] = {}   # method kind -> vLLM's line: one failed start stands for its kind
+    for m in job["methods"]:
         t0 = time.perf_counter()
         spec = m["speculative_config"]
-        llm = LLM(**common, **({"speculative_config": spec, "per_request_spec_decode_metrics": "detailed"}
-                               if spec else {}))
+        line = gpu_only.get(m["kind"])
+        if line is None:
+            try:
+                llm = LLM(**common, **({"speculative_config": spec, "per_request_spec_decode_metrics": "detailed"}
+                                       if spec else {}))
+            except Exception as e:
+                line = gpu_only_line(e)
+                if line is None:
+                    raise
+                gpu_only[m["kind"]] = line
+                gc.collect()
+        if line is not None:
+            append_row(out, {"settings": job["settings"], "method": m["name"], "method_fingerprint": m["fingerprint"],
+                             "kind": m["kind"], "gpu_only": line, "temperature": None, "dataset": None,
+                             "sample_id": None})
+            _say(f"engine {m['name']!r}: {line}")
+            continue
         startup = time.perf_counter() - t0
         live = gpu = None
         if m["kind"] == "eagle3":
@@ -140,19 +151,11 @@ def run_job(job: dict) -> None:
             for p in job["prompts"]:
                 if (m["fingerprint"], t, p["dataset"], p["sample_id"]) in done:
                     continue
-                sp = SamplingParams(max_tokens=job["max_new_tokens"], temperature=t,
+                sp = SamplingParams(max_tokens=p.get("max_new_tokens", job["max_new_tokens"]), temperature=t,
                                     seed=prompt_seed(job["seed"], p["dataset"], p["sample_id"], 4) if t > 0 else None)
-                before = _counters(llm)
-                t1 = time.perf_counter()
-                o = llm.generate([{"prompt_token_ids": p["ids"]}], sp, use_tqdm=False)[0].outputs[0]
-                seconds = time.perf_counter() - t1
-                sdm = o.spec_decode_metrics
                 row = {"settings": job["settings"], "method": m["name"], "method_fingerprint": m["fingerprint"],
                        "kind": m["kind"], "dataset": p["dataset"], "sample_id": p["sample_id"], "temperature": t,
-                       "output": list(o.token_ids), "seconds": seconds,
-                       "counters": _delta(_counters(llm), before, k),
-                       "drafted": list(sdm.per_step_drafted) if sdm else [],
-                       "accepted": list(sdm.per_step_accepted) if sdm else [],
+                       **_turns(llm, p, sp, k, job),
                        "aux_layers_engine": live, "aux_layers_gpu_runner": gpu, "startup_s": startup,
                        "cpu_expand_kernel_replaced": fixed}
                 append_row(out, row)

@@ -17,7 +17,7 @@ def stage_figures(report: dict) -> dict[str, Figure]:
     """File name -> figure, for every figure this report has numbers for."""
     view = primary(report)
     figs = {"acceptance_by_dataset.png": by_dataset(view), "acceptance_vs_training.png": training(view),
-            "per_position.png": positions(view)}
+            "per_position.png": positions(view)} if view["temperatures"] else {}
     if report["temperatures"]:
         figs["speedup.png"] = speedup_estimate(report)
     if report.get("benchmarks"):
@@ -26,9 +26,12 @@ def stage_figures(report: dict) -> dict[str, Figure]:
 
 
 def primary(report: dict) -> dict:
-    """The report as the figures read it: the engine's numbers when stage 06 measured in vLLM,
-    else our decoder's."""
-    return {**report, "temperatures": report["engine"]["temperatures"]} if report.get("engine") else report
+    """The report as the figures read it: the engine's numbers when stage 06 measured the drafter in
+    vLLM, else our decoder's (also where the drafter's engine was GPU-only: `engine.gpu_only`)."""
+    engine = report.get("engine")
+    if engine and any(s["kind"] == "eagle3" for t in engine["temperatures"].values() for s in t["methods"].values()):
+        return {**report, "temperatures": engine["temperatures"]}
+    return report
 
 
 def _panels(report: dict, width: float, height: float = 3.6):

@@ -61,8 +61,14 @@ def explain_engine(report: dict) -> str:
     e, lines = report["engine"], []
     for key, t in e["temperatures"].items():
         m, v = t["methods"], t["vs_ours"]
-        name, final = next((n, s) for n, s in m.items() if s["kind"] == "eagle3" and s.get("final"))
         mode = "greedy" if t["temperature"] <= 0 else f"T = {t['temperature']:g}"
+        found = next(((n, s) for n, s in m.items() if s["kind"] == "eagle3" and s.get("final")), None)
+        if found is None:  # the drafter's engine could not start here (`gpu_only` below)
+            lines.append(f"**vLLM {e['version']}, {mode}, k = {report['k']}:** no drafter engine; ngram "
+                         f"{m['ngram']['acceptance_length']:.2f} tokens per verification, "
+                         f"{m['none']['tokens_per_s']:.0f} tok/s without speculation.")
+            continue
+        name, final = found
         ck = sorted((s["fraction"], s["acceptance_length"]) for s in m.values() if s["kind"] == "eagle3")
         line = (f"**vLLM {e['version']}, {mode}, k = {report['k']}:** drafter **{final['acceptance_length']:.2f}**, "
                 f"ngram {m['ngram']['acceptance_length']:.2f} tokens per verification "
@@ -82,6 +88,8 @@ def explain_engine(report: dict) -> str:
                      f"numbers, so they agree in expectation only (same rule: a draft is accepted with the target's "
                      f"probability of it).")
         lines.append(line)
+    for method, line in e.get("gpu_only", {}).items():
+        lines.append(f"`{method}` in vLLM: {line} (vLLM's CPU build cannot run it; a GPU build can).")
     if e.get("cpu_expand_kernel_replaced"):
         lines.append("vLLM 0.32.0's CPU build loses the batch's float temperatures in its rejection sampler (T > 0: "
                      "every draft rejected); this run replaced that one kernel with a correct torch version. "

@@ -1,11 +1,14 @@
 """Stage 04 as notebook 04 runs it: in this process, or as torchrun ranks fed one JSON config.
 
 `run_stage` takes the notebook's parameters and picks the way: `nproc_per_node` > 1 (`hf` on
-several GPUs, or gloo processes on a CPU) runs `launch`, anything else `extract` here. `launch`
+several GPUs, or gloo processes on a CPU) or `nnodes` > 1 (this node's part of a run over several,
+joined by torchrun's rendezvous; `vllm`: one engine per node) runs `launch`, anything else
+`extract` here. `launch`
 writes every setting into `extract_config.json` in the output folder and starts
 `python -m draftsmith.hidden CONFIG.json` as torchrun ranks (`draftsmith.torchrun`), as stage 05's
 training does with its config: the settings are declared once (`extract.Settings`). A failed
-torchrun is started again; it resumes from the whole shards.
+torchrun is started again; it resumes from the whole shards. Where vLLM's CPU build cannot run the
+target (`vllm` on INT4 MoE experts), the stage says so in one line and records it (`record_gpu_only`).
 """
 
 from __future__ import annotations
@@ -20,40 +23,70 @@ from .. import shards
 from ..files import write_json_atomic
 from ..paths import Run
 from ..tokens.outputs import token_files
-from ..torchrun import torchrun
+from ..target.identity import target_identity
+from ..target.vllm_limits import GpuOnly
+from ..torchrun import done_launching, launch_dir, torchrun
 from .extract import Settings, extract
 
 CONFIG = "extract_config.json"
 
 
 def run_stage(run: Run, target: str | os.PathLike, datasets: list | None = None, *, nproc_per_node: int = 1,
-              engine_options: dict | None = None, log=print, **settings) -> dict:
+              nnodes: int = 1, rdzv_endpoint: str = "", engine_options: dict | None = None, log=print,
+              **settings) -> dict:
     """Extract the run's stage-03 tokens (of `datasets`, or all) into its hidden-state folder and
-    return the summary. `engine_options` reach the engine only when `backend` is vllm."""
+    return the summary. `engine_options` reach the engine only when `backend` is vllm. `nnodes` > 1:
+    this node's part of a run over that many nodes joined at `rdzv_endpoint` (`draftsmith.torchrun`)."""
     files = token_files(run, datasets)
     if settings.get("backend") == "vllm":
         settings["engine_options"] = dict(engine_options or {})
-    if nproc_per_node > 1:
-        return launch(nproc_per_node, target, files, shards.hidden_dir(run), log=log, **settings)
-    return extract(target, files, shards.hidden_dir(run), log=log, **settings)
+    if nproc_per_node > 1 or nnodes > 1:
+        return launch(nproc_per_node, target, files, shards.hidden_dir(run), nnodes=nnodes,
+                      rdzv_endpoint=rdzv_endpoint, log=log, **settings)
+    try:
+        return extract(target, files, shards.hidden_dir(run), log=log, **settings)
+    except GpuOnly as e:
+        return record_gpu_only(shards.hidden_dir(run), target, e.line, log=log, **settings)
 
 
-def write_config(target, files, out_dir, **settings) -> Path:
-    """The one file a torchrun child reads: where, what, and every `Settings` field."""
+def record_gpu_only(out_dir: Path, target, line: str, *, log=print, **settings) -> dict:
+    """vLLM's CPU build cannot run this target (`target.vllm_limits`): say so in one line and write
+    it as the index and summary of a folder without shards (stages after this one have no features)."""
+    s = Settings(**settings)
+    identity = target_identity(target, bool(s.engine_options.get("trust_remote_code")))
+    record = {"backend": s.backend, "gpu_only": line, "layer_ids": s.output_ids(identity["num_hidden_layers"]),
+              "dtype": s.dtype, "target": identity, "samples": 0, "tokens": 0, "shards": 0, "hidden_dir": str(out_dir)}
+    log(f"stage 04 on {Path(target).name} with target_backend {s.backend}: {line}")
+    shards.write_index(out_dir, {**record, "hidden_size": identity["hidden_size"], "layer_convention": "output",
+                                 "num_samples": 0, "num_tokens": 0, "bytes": 0, "shards": []})
+    shards.write_summary(out_dir, record)
+    return record
+
+
+def write_config(target, files, out_dir, into: Path | None = None, **settings) -> Path:
+    """The one file a torchrun child reads (in `into`, by default `out_dir`): where, what, and every
+    `Settings` field."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / CONFIG
+    path = Path(into or out_dir) / CONFIG
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, {"target": str(target), "token_files": [str(f) for f in files], "out_dir": str(out_dir),
                              "settings": asdict(Settings(**settings))})
     return path
 
 
-def launch(nproc: int, target, files, out_dir, *, attempts: int = 2, log=print, **settings) -> dict:
-    """Run `extract` as `nproc` torchrun ranks on this machine (one per GPU, or gloo on CPU); returns
-    rank 0's summary. A failed torchrun is started again (`attempts` in all); whole shards are kept."""
-    config = write_config(target, files, out_dir, **settings)
+def launch(nproc: int, target, files, out_dir, *, nnodes: int = 1, rdzv_endpoint: str = "", attempts: int = 2,
+           log=print, **settings) -> dict:
+    """Run `extract` as `nproc` torchrun ranks on this machine (one per GPU, or gloo on CPU), of
+    `nnodes` machines in all; returns rank 0's summary. A failed torchrun is started again
+    (`attempts` in all); whole shards are kept."""
+    here = launch_dir(out_dir, nnodes)
+    config = write_config(target, files, out_dir, here, **settings)
     shards.remove_summary(out_dir)
-    torchrun(nproc, "draftsmith.hidden", [str(config)], attempts=attempts, log=log)
+    try:
+        torchrun(nproc, "draftsmith.hidden", [str(config)], nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+                 attempts=attempts, log=log)
+    finally:
+        done_launching(here, nnodes)
     return shards.read_summary(out_dir)
 
 

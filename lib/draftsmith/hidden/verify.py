@@ -18,12 +18,14 @@ TOLERANCE = {"bf16": (0.02, 0.98), "fp8": (0.06, 0.8)}
 VLLM_TOP1_SLACK = 0.08  # vLLM computes in bf16, the check in float32: near-ties may flip
 
 
-def check_stored(target, hidden_dir, device: str = "auto", enabled: bool = True) -> dict | None:
+def check_stored(target, hidden_dir, device: str = "auto", enabled: bool = True,
+                 trust_remote_code: bool = False) -> dict | None:
     """`verify_sample` of sample 0, raising AssertionError (with the numbers) when stored features
-    and the target disagree beyond rounding; None when not `enabled`."""
-    if not enabled:
+    and the target disagree beyond rounding; None when not `enabled` or when stage 04 stored
+    nothing because its engine is GPU-only here (the index says so)."""
+    if not enabled or shards.HiddenShards(hidden_dir).index.get("gpu_only"):
         return None
-    check = verify_sample(target, hidden_dir, 0, device)
+    check = verify_sample(target, hidden_dir, 0, device, trust_remote_code)
     index = shards.HiddenShards(hidden_dir).index
     max_err, min_top1 = TOLERANCE[index["dtype"]]
     if index.get("backend") == "vllm":
@@ -42,13 +44,13 @@ def check_table(check: dict | None):
     return pd.Series(keep, name="value", dtype=object).to_frame()
 
 
-def verify_sample(target, hidden_dir, i: int = 0, device: str = "auto") -> dict:
+def verify_sample(target, hidden_dir, i: int = 0, device: str = "auto", trust_remote_code: bool = False) -> dict:
     """Run the target alone on stored sample i and compare: stored aux vs its own
     `output_hidden_states` at the index's HF indices, and lm_head(stored last) vs its logits. Also
     the mean token norm of every layer, for the sanity plot."""
     hs = shards.HiddenShards(hidden_dir)
     s = hs.sample(i)
-    model = load_target(target, device)
+    model = load_target(target, device, trust_remote_code)
     dev = model.get_input_embeddings().weight.device
     with torch.inference_mode():
         out = model(input_ids=s["input_ids"][None].to(dev), output_hidden_states=True, use_cache=False)

@@ -20,7 +20,7 @@ def open_capture(backend: str, target, output_ids: list[int], *, device: str = "
                  **vllm_options):
     """A capture of `output_ids` on `target` through `backend` (`hf` or `vllm`)."""
     if backend == "hf":
-        return Capture(load_target(target, device), output_ids)
+        return Capture(load_target(target, device, vllm_options.get("trust_remote_code", False)), output_ids)
     if backend == "vllm":
         return VllmCapture(target, output_ids, log=log, **vllm_options)
     raise ValueError(f"target_backend must be one of {BACKENDS}, got {backend!r}")

@@ -1,8 +1,9 @@
 """The target's checkpoint: where it is, its config, tokenizer and weights, and the model itself.
 
-`target_model_path` names either a built-in tiny target (built once into the cache,
-`draftsmith.target.tiny`) or a Hugging Face checkpoint folder; `resolve_target` turns it into the
-folder. Everything else here reads that folder: the config (`target_config`), the tokenizer, single
+`target_model_path` names either a built-in target (built once into the cache: the Llama-shaped
+`tiny`/`tiny-test` of `draftsmith.target.tiny`, the Kimi-K2.5-shaped `kimi-mini`/`kimi-mini-bf16` of
+`draftsmith.target.kimi_mini`) or a Hugging Face checkpoint folder; `resolve_target` turns it into
+the folder. Everything else here reads that folder: the config (`target_config`), the tokenizer, single
 tensors straight from its safetensors without building the model (`target_tensors`, `final_norm`),
 and the whole model through transformers (`load_target`).
 """
@@ -13,16 +14,18 @@ import json
 import os
 from pathlib import Path
 
-from .tiny import VARIANTS, build_tiny_target
+from . import kimi_mini, tiny
+
+BUILT_IN_TARGETS = (*tiny.VARIANTS, *kimi_mini.VARIANTS)
 
 
 def checkpoint_problem(target_model_path: str | os.PathLike) -> str | None:
     """Why `target_model_path` names no target (None when it does), without building anything."""
     name = str(target_model_path)
-    if name in VARIANTS or (Path(name).expanduser() / "config.json").is_file():
+    if name in BUILT_IN_TARGETS or (Path(name).expanduser() / "config.json").is_file():
         return None
     return (f"target_model_path {name!r}: no config.json there; give a Hugging Face checkpoint folder or "
-            f"one of the built-in targets {sorted(VARIANTS)}")
+            f"one of the built-in targets {sorted(BUILT_IN_TARGETS)}")
 
 
 def resolve_target(target_model_path: str | os.PathLike, log=print) -> Path:
@@ -32,7 +35,11 @@ def resolve_target(target_model_path: str | os.PathLike, log=print) -> Path:
     if problem:
         raise FileNotFoundError(problem)
     name = str(target_model_path)
-    return build_tiny_target(name, log=log) if name in VARIANTS else Path(name).expanduser()
+    if name in tiny.VARIANTS:
+        return tiny.build_tiny_target(name, log=log)
+    if name in kimi_mini.VARIANTS:
+        return kimi_mini.build_kimi_mini(name, log=log)
+    return Path(name).expanduser()
 
 
 def target_config(target_path: str | os.PathLike) -> dict:
@@ -51,7 +58,10 @@ def load_tokenizer(target_model_path: str | os.PathLike, trust_remote_code: bool
     """The tokenizer of the target (built-in name or checkpoint folder). A checkpoint with a plain
     tokenizer.json (the built-in targets) loads without importing torch, seconds faster than
     AutoTokenizer; any other goes through AutoTokenizer (`trust_remote_code` is opt-in: Kimi-K2.5's
-    tiktoken tokenizer needs it)."""
+    tiktoken tokenizer needs it). A tokenizer shipped as code is refused without it rather than
+    silently replaced by transformers' generic conversion (`target.remote_code`)."""
+    from .remote_code import bridge_moved_imports
+
     path = resolve_target(target_model_path, log=log)
     config = path / "tokenizer_config.json"
     if (path / "tokenizer.json").is_file() and config.is_file() and \
@@ -59,9 +69,38 @@ def load_tokenizer(target_model_path: str | os.PathLike, trust_remote_code: bool
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(path)
+    code = tokenizer_code(path)
+    if code and not trust_remote_code:
+        raise ValueError(remote_code_refusal(path, code))
+    if code:
+        bridge_moved_imports(path, log=log)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def remote_code_refusal(path: str | os.PathLike, code: str) -> str:
+    """Why a checkpoint whose tokenizer is code is not loaded with trust_remote_code false."""
+    return (f"trust_remote_code is false, but the tokenizer of {path} is code shipped with the checkpoint "
+            f"(tokenizer_config.json auto_map: {code}); without that code transformers may build a "
+            f"generic tokenizer that splits text differently. Read the folder's .py files, then set "
+            f"trust_remote_code: true")
+
+
+def tokenizer_code(folder: str | os.PathLike) -> str | None:
+    """The `auto_map` entry of the folder's tokenizer_config.json that loads its tokenizer class
+    from the folder's own code (Kimi-K2.5's), or None when it has none."""
+    config = Path(folder) / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        auto = json.loads(config.read_text(encoding="utf-8")).get("auto_map") or {}
+    except ValueError as e:
+        raise ValueError(f"{config}: not valid JSON ({e})") from None
+    entry = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+    if isinstance(entry, list):
+        entry = next((e for e in entry if e), None)
+    return entry or None
 
 
 # ---- single tensors, read from the safetensors files --------------------------------------------
@@ -130,11 +169,15 @@ def final_norm(target_path: str | os.PathLike) -> tuple[torch.Tensor, float]:
 
 # ---- the whole model ----------------------------------------------------------------------------
 
-def load_target(path: str | os.PathLike, device: str = "auto"):
-    """The target in eval mode (transformers). `auto`: bf16 on GPU (one GPU per torchrun rank when
-    several ranks share a node, else `device_map="auto"` over all visible GPUs), float32 on CPU."""
+def load_target(path: str | os.PathLike, device: str = "auto", trust_remote_code: bool = False):
+    """The target's causal language model in eval mode (transformers), loaded as the checkpoint's own
+    architecture: a causal LM as is; a multimodal wrapper (Kimi-K2.5: image-text-to-text) whole, and
+    then only its text model is kept (its decoder, with `.layers`, and its lm_head), so every caller
+    meets the same interface. `auto`: bf16 on GPU (one GPU per torchrun rank when several ranks
+    share a node, else `device_map="auto"` over all visible GPUs), float32 on CPU."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -151,4 +194,29 @@ def load_target(path: str | os.PathLike, device: str = "auto"):
         kw["dtype"] = torch.bfloat16
     else:
         kw = {"device_map": {"": device}, "dtype": torch.bfloat16}
-    return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    text = config.get_text_config()
+    causal = text is config or type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or _remote_causal_lm(config)
+    auto = AutoModelForCausalLM if causal else AutoModelForImageTextToText
+    model = auto.from_pretrained(path, trust_remote_code=trust_remote_code, **kw)
+    return (model if text is config else _text_model(model, text)).eval()
+
+
+def _remote_causal_lm(config) -> bool:
+    return "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+
+
+def _text_model(wrapper, text_config):
+    """The causal LM inside a multimodal `wrapper`: a text-only model of `text_config` whose decoder
+    and lm_head are the wrapper's own modules (built on the meta device, so nothing is copied)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(text_config, dtype=wrapper.dtype)
+    lm.model = wrapper.get_decoder()
+    lm.lm_head = wrapper.get_output_embeddings()
+    lm.generation_config = wrapper.generation_config  # the checkpoint's end-of-turn, not the text config's
+    if hasattr(wrapper, "hf_device_map"):
+        lm.hf_device_map = wrapper.hf_device_map
+    return lm

@@ -6,7 +6,8 @@ the final norm; `VllmCapture` asks for output id k as vLLM id k+1 plus id N, and
 RMSNorm (weight and eps read from the checkpoint) itself. The engine's side lives in
 `draftsmith.target.vllm_capture`, the one file that touches vLLM internals for capture. The engine
 process gets the environment vLLM's CPU build needs (`vllm_env`), so the calling process is never
-preloaded with it; stage 06 starts its engines with the same `vllm_env` and `die_with_parent`.
+preloaded with it; stage 06 starts its engines with the same `vllm_env` and `die_with_parent`. An
+engine that vLLM's CPU build cannot run (`target.vllm_limits`) raises `GpuOnly` with vLLM's line.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from .. import layers
 from .checkpoint import final_norm, target_config
+from .vllm_limits import GpuOnly
 
 
 def vllm_env(kvcache_gib: float = 1.0, in_process: bool = True) -> dict[str, str]:
@@ -132,6 +134,8 @@ class VllmCapture:
             raise RuntimeError(f"the vLLM engine process exited (status {self.proc.wait()}); the end of its "
                                f"log {self.log_file}:\n{self._log_tail()}")
         reply = json.loads(line)
+        if "gpu_only" in reply:
+            raise GpuOnly(reply["gpu_only"])
         if "error" in reply:
             raise RuntimeError(f"vLLM failed: {reply['error']}\n(engine log: {self.log_file})")
         return reply

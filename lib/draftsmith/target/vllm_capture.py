@@ -31,6 +31,11 @@ vLLM internals used (what breaks if they move)
 - `kv_connector_module_path`, with which vLLM imports a connector class from outside its tree.
 - `LLM.llm_engine.step()` to let an in-process engine run the step that hands finished requests
   to the connector (with the engine in its own process, its busy loop does that by itself).
+- `language_model_only`: a multimodal wrapper (Kimi-K2.5's `KimiK25ForConditionalGeneration`)
+  builds its language model only; its aux-layer calls reach that model (DeepSeek-V2/V3 style).
+
+The engine process applies `target.vllm_fixes` first; an engine start that fails with one of the
+CPU build's limits (`target.vllm_limits`) answers `gpu_only` with vLLM's error line instead.
 """
 
 from __future__ import annotations
@@ -119,6 +124,9 @@ def engine_kwargs(target: str, vllm_layer_ids: list[int], *, dtype: str = "bfloa
     """Arguments of `vllm.LLM` for a capture engine on `target` keeping `vllm_layer_ids`."""
     kw = {"model": str(target), "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
           "trust_remote_code": trust_remote_code, "max_model_len": max_model_len, "enforce_eager": enforce_eager,
+          # a multimodal wrapper (Kimi-K2.5) runs its language model only: no vision tower, no
+          # multimodal warm-up (ignored by a text-only model)
+          "language_model_only": True,
           # a reused prefix would skip the forward pass that fills the capture buffer
           "enable_prefix_caching": False,
           "disable_log_stats": True,
@@ -165,14 +173,22 @@ def serve(config: dict, requests, replies) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from .vllm_fixes import apply_fixes
+    from .vllm_limits import gpu_only_line
+
     def reply(obj):
         replies.write(json.dumps(obj) + "\n")
         replies.flush()
 
     t0 = time.perf_counter()
+    apply_fixes(log=lambda m: print(f"[draftsmith] {m}", flush=True))
     try:
         llm = LLM(**config["engine"])
-    except Exception:
+    except Exception as e:
+        gpu_only = gpu_only_line(e)
+        if gpu_only:
+            reply({"gpu_only": gpu_only})
+            return
         reply({"error": traceback.format_exc(limit=6)})
         raise
     reply({"ready": True, "startup_s": round(time.perf_counter() - t0, 1), "vllm": _vllm_version()})
