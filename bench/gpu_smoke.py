@@ -1,0 +1,185 @@
+"""GPU smoke check: the INT4 `kimi-mini` target through every stage, in vLLM on GPUs. Never part of CI.
+
+What no test here covers, as vLLM's CPU build cannot run it: the INT4 compressed-tensors MoE
+kernels (Kimi-K2.5's routed experts), and EAGLE-3 served over an MLA target the way the real job
+serves it (bf16, tensor parallel, CUDA attention backends). On a machine with CUDA
+GPUs and the vLLM environment (`make gpu-venv`), this runs the real CLI, one command per step, on
+params/kimi-mini.yaml with the GPU settings:
+
+  01-03  the local emulator samples kimi-mini's answers; stage 03 rebuilds and checks the token ids
+  04     the features, captured in vLLM from the INT4 experts (tensor parallel 2 when two GPUs are
+         visible), checked against transformers on one sample (`verify_with_hf`)
+  05     the EAGLE-3 drafter trained on them and exported for vLLM and SGLang
+  06     vLLM serving every export as EAGLE-3 over the MLA target, beside vLLM's ngram and no
+         drafter, greedy and T = 1; our decoder over transformers beside it
+
+and prints one table: stage x setting -> ok / failed / GPU-only, tokens/s, acceptance length
+(docs/gpu.md). Each run has its own run folder (outputs/gpu-smoke-<time>/), so nothing is resumed.
+
+  .venv-gpu/bin/python bench/gpu_smoke.py [--tp N] [--target kimi-mini] [--run-name NAME] [--dry-run]
+
+--dry-run needs no GPU and runs nothing: it prints the commands in order and has the CLI check
+their parameters (`draftsmith run ... --check`). --cpu runs the plan on vLLM's CPU build anyway
+(to check this script: the INT4 stage 04 then reads GPU-only, and stages 05-06 have no features).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from draftsmith import shards
+from draftsmith.evaluate.results import report_path
+from draftsmith.paths import Run
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = ROOT / "params" / "kimi-mini.yaml"
+STEPS = [("01-03", "01,02,03"), ("04", "04"), ("05", "05"), ("06", "06")]
+EXPERTS = {"kimi-mini": "INT4 experts", "kimi-mini-bf16": "bf16 experts"}
+
+
+def settings(target: str, tp: int, run_name: str, outputs_dir: str | None) -> list[tuple[str, str]]:
+    """The `-p` overrides every step gets: one set of settings for the whole chain."""
+    s = [("run_name", run_name), ("target_model_path", target),
+         ("target_backend", "vllm"), ("tensor_parallel_size", str(tp)), ("verify_with_hf", "true"),
+         ("eval_backend", "vllm"), ("eval_tensor_parallel", str(tp)), ("eval_engine_dtype", "bfloat16"),
+         ("eval_hf_crosscheck", "true"), ("eval_max_new_tokens", "64"), ("eval_temperatures", "[0.0, 1.0]")]
+    return s + ([("outputs_dir", outputs_dir)] if outputs_dir else [])
+
+
+def command(stages: str, params: Path, overrides: list[tuple[str, str]], check: bool = False) -> list[str]:
+    """`draftsmith run STAGES -f PARAMS -p KEY VALUE ...` with this interpreter's draftsmith."""
+    cmd = [sys.executable, "-m", "draftsmith.cli", "run", stages, "-f", str(params)]
+    for key, value in overrides:
+        cmd += ["-p", key, value]
+    return cmd + (["--check"] if check else [])
+
+
+def shown(cmd: list[str]) -> str:
+    """The command as a person types it in the repository (`draftsmith run ...`)."""
+    return shlex.join(["draftsmith", *(str(Path(c).relative_to(ROOT)) if c.startswith(f"{ROOT}/") else c
+                                       for c in cmd[3:])])
+
+
+def gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def engine_problem() -> str | None:
+    """Why this environment cannot run the plan on GPUs (None when it can)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        return "no CUDA vLLM in this environment (`make gpu-venv`, then .venv-gpu/bin/python bench/gpu_smoke.py)"
+    if not gpus():
+        return "no CUDA GPU visible (CUDA_VISIBLE_DEVICES, drivers)"
+    return None
+
+
+def run_of(overrides: list[tuple[str, str]]) -> Run:
+    values = dict(overrides)
+    return Run(values.get("outputs_dir", "outputs"), values["run_name"])
+
+
+def failed(step: dict) -> str:
+    return f"failed (exit {step['rc']}; logs in {step['logs']})"
+
+
+def table(steps: dict[str, dict], run: Run, target: str, tp: int) -> pd.DataFrame:
+    """One row per stage and setting, from the exit codes and what the stages wrote."""
+    rows = []
+
+    def row(stage, setting, result, tokens_per_s=None, acceptance=None, seconds=None):
+        rows.append({"stage": stage, "setting": setting, "result": result,
+                     "tokens/s": f"{tokens_per_s:,.0f}" if tokens_per_s else "",
+                     "acceptance length": f"{acceptance:.2f}" if acceptance else "",
+                     "s": f"{seconds:.0f}" if seconds is not None else ""})
+
+    s = steps["01-03"]
+    row("01-03", "emulator -> tokens", "ok" if s["rc"] == 0 else failed(s), seconds=s["seconds"])
+    s = steps["04"]
+    try:
+        summary = shards.read_summary(shards.hidden_dir(run))
+    except FileNotFoundError:
+        summary = {}
+    result = summary.get("gpu_only") or ("ok" if s["rc"] == 0 else failed(s))
+    row("04", f"vLLM, {EXPERTS.get(target, target)}, tp {tp}, checked against transformers", result,
+        summary.get("tokens_per_s"), seconds=s["seconds"])
+    s = steps["05"]
+    row("05", "EAGLE-3 training, exports", "ok" if s["rc"] == 0 else failed(s), seconds=s["seconds"])
+    s, path = steps["06"], report_path(run)
+    report = json.loads(path.read_text()) if path.is_file() else None
+    row("06", "the stage: every engine, then our decoder", failed(s) if s["rc"] else
+        "ok" if report is not None else f"no {path}", seconds=s["seconds"])
+    if report is None:
+        return pd.DataFrame(rows)
+    engine = report.get("engine") or {}
+    for name, line in (engine.get("gpu_only") or {}).items():
+        row("06", f"vLLM {name}, tp {tp}", line)
+    for t, part in (engine.get("temperatures") or {}).items():
+        for name, m in part["methods"].items():
+            bad = m.get("lossless") is False
+            row("06", f"vLLM {name}, T={t}, tp {tp}",
+                f"failed: {len(m['mismatched_samples'])} outputs differ from no drafter" if bad else "ok",
+                m.get("tokens_per_s"), m["acceptance_length"] if m["kind"] != "none" else None)
+    for t, part in (report.get("temperatures") or {}).items():
+        for name, m in part["methods"].items():
+            row("06", f"our decoder {name}, T={t}", "failed: outputs differ from no drafter"
+                if m.get("lossless") is False else "ok", None, m["acceptance_length"] if m["kind"] != "none" else None)
+    return pd.DataFrame(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="kimi-mini", help="built-in target (kimi-mini: INT4 experts as shipped)")
+    ap.add_argument("--tp", type=int, default=None, help="tensor parallel size; default 2 when two GPUs are visible, else 1 "
+                    "(kimi-mini has 2 attention heads: at most 2)")
+    ap.add_argument("--run-name", default=None, help="run folder name; default gpu-smoke-<date>-<time>")
+    ap.add_argument("--outputs-dir", default=None, help="where the run folder goes (default: the params file's)")
+    ap.add_argument("--params", type=Path, default=PARAMS)
+    ap.add_argument("--dry-run", action="store_true", help="print the commands and check their parameters; run nothing")
+    ap.add_argument("--cpu", action="store_true", help="run on vLLM's CPU build anyway (checks this script)")
+    a = ap.parse_args()
+
+    problem = None if a.dry_run or a.cpu else engine_problem()
+    if problem:
+        print(f"gpu_smoke: {problem}; --dry-run prints the plan without a GPU", file=sys.stderr)
+        return 2
+    tp = a.tp or (2 if gpus() >= 2 else 1)
+    overrides = settings(a.target, tp, a.run_name or time.strftime("gpu-smoke-%Y%m%d-%H%M%S"), a.outputs_dir)
+    plan = [(name, command(stages, a.params, overrides)) for name, stages in STEPS]
+    run = run_of(overrides)
+    print(f"plan: {a.target} ({EXPERTS.get(a.target, '?')}), tensor parallel {tp}, run folder {run.root}")
+    for name, cmd in plan:
+        print(f"  {name}: {shown(cmd)}")
+    if a.dry_run:
+        check = command(",".join(s for _, s in STEPS), a.params, overrides, check=True)
+        done = subprocess.run(check, cwd=ROOT, capture_output=True, text=True)
+        print(done.stdout.strip().splitlines()[-1] if done.returncode == 0 else done.stderr.strip())
+        return done.returncode
+
+    steps = {}
+    for name, cmd in plan:
+        print(f"== {name}: {shown(cmd)}", flush=True)
+        t0 = time.monotonic()
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        steps[name] = {"rc": rc, "seconds": time.monotonic() - t0, "logs": f"{run.root}/logs/"}
+    result = table(steps, run, a.target, tp)
+    print(f"\nGPU smoke check, {a.target}, tensor parallel {tp} ({gpus()} GPUs visible), run {run.root}:")
+    print(result.to_string(index=False))
+    return 0 if all(s["rc"] == 0 for s in steps.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
