@@ -327,6 +327,19 @@ def test_two_gloo_processes_train_like_one_process_with_ddp_and_with_fsdp(hidden
         assert r1 == pytest.approx(r2, rel=1e-4), name
 
 
+def test_fsdp_scores_a_held_out_split_that_two_ranks_cannot_share_evenly(hidden_dir, tiny_target, tmp_path):
+    """3 held-out micro-batches on 2 FSDP ranks: every forward is a collective, so the rank with one
+    fewer repeats one (left out of the sums) instead of leaving the other waiting forever."""
+    one = small_config(hidden_dir, tiny_target, tmp_path / "one", batch_size=4, micro_batch_size=1,
+                       epochs=1.0, holdout_fraction=0.075, export_fractions=[1.0])
+    train.train(one, log=quiet)
+    s2 = train.launch(replace(one, out_dir=str(tmp_path / "fsdp"), fsdp=True), nproc=2, log=quiet)
+    assert s2["world_size"] == 2
+    held = [[r for r in artifacts.read_metrics(tmp_path / d) if r["split"] == "heldout"] for d in ("one", "fsdp")]
+    assert held[0][-1]["count_i"][0] > 0 and held[0][-1]["count_i"] == held[1][-1]["count_i"]
+    assert held[0][-1]["loss"] == pytest.approx(held[1][-1]["loss"], rel=1e-4)
+
+
 def test_training_reads_fp8_shards(hidden_dir, tiny_target, tmp_path):
     """The same samples stored as fp8 with per-token scales train through the same path."""
     hs = shards.HiddenShards(hidden_dir)

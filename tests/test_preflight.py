@@ -111,3 +111,10 @@ def test_a_bad_dataset_given_with_p_is_blamed_on_p_not_on_the_params_file(capsys
     assert cli.main(["run", "02", "-f", SMOKE, "--check", "-p", "datasets", "[{name: a}]"]) == 2
     err = capsys.readouterr().err
     assert "-p datasets: datasets[0]: dataset field 'path'" in err and "smoke.yaml" not in err
+
+
+def test_several_nodes_without_a_rendezvous_endpoint_stop_before_anything_runs(tmp_path, capsys, at_repo):
+    err = refused(capsys, "-p", "outputs_dir", str(tmp_path / "out"), "-p", "nnodes", "2")
+    assert "rdzv_endpoint must be host:port" in err and not (tmp_path / "out").exists()
+    err = refused(capsys, "-p", "outputs_dir", str(tmp_path / "out"), "-p", "nnodes", "0")
+    assert "-p nnodes: nnodes must be at least 1" in err

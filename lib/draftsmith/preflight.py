@@ -20,6 +20,7 @@ from .apikey import api_key_for, read_api_key
 from .datasets import DatasetReader, parse_datasets, stable_id
 from .imports import ImportSpec, answered, parse_imports, to_raw
 from .paths import Run, check_name
+from .torchrun import rendezvous_args
 
 # parameter: (is the value acceptable, what it must be)
 RULES = {
@@ -40,6 +41,7 @@ RULES = {
     "max_tokens_per_batch": (lambda v: v >= 1, "at least 1"),
     "shard_mb": (lambda v: v > 0, "more than 0"),
     "nproc_per_node": (lambda v: v >= 1, "at least 1"),
+    "nnodes": (lambda v: v >= 1, "at least 1 (machines running stages 04 and 05 together)"),
     "draft_vocab_size": (lambda v: v >= 1, "at least 1"),
     "ttt_steps": (lambda v: v >= 1, "at least 1"),
     "train_epochs": (lambda v: v > 0, "more than 0"),
@@ -66,6 +68,11 @@ def check(stages, values: dict, sources: dict[str, str]) -> list[str]:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not ok(v):
             problems.append(f"{where(name)}: {name} must be {must}, got {v!r}")
     problems += _names(values, "datasets" in declared, where)
+    if "nnodes" in declared and isinstance(values.get("nnodes"), int) and values["nnodes"] > 1:
+        try:
+            rendezvous_args(values["nnodes"], str(values.get("rdzv_endpoint") or ""), "check")
+        except ValueError as e:
+            problems.append(f"{where('rdzv_endpoint')}: {e}")
     if "target_model_path" in declared:
         problems += _target(values["target_model_path"], where("target_model_path"))
     if {"target_model_path", "trust_remote_code"} <= declared:

@@ -36,12 +36,17 @@ def heldout_scores(model, prep: Prepared, cfg: TrainConfig, d: "Dist", weights: 
     model.eval()
     with torch.no_grad():
         for src, split_ in prep.sources.items():
-            mine = data.micro_batches(split_["held"], prep.sup, cfg.micro_batch_size)[d.rank::d.world]
+            batches = data.micro_batches(split_["held"], prep.sup, cfg.micro_batch_size)
+            mine = batches[d.rank::d.world]
+            # under FSDP every forward is a collective: a rank with one micro-batch fewer runs a
+            # repeat of one (its sums left out), or the other ranks would wait for it forever
+            spare = (-(-len(batches) // d.world) - len(mine)) if cfg.fsdp else 0
             sums = torch.zeros(4, cfg.ttt_steps)
-            for batch in data.loader(cfg.hidden_dir, mine, prep.sup, d.device):
+            for i, batch in enumerate(data.loader(cfg.hidden_dir, mine + batches[:spare], prep.sup, d.device)):
                 with autocast(d.device):
                     ce, stats = model(*data.to_device(batch, d.device))
-                sums += torch.cat((ce[None], stats)).float().cpu()
+                if i < len(mine):
+                    sums += torch.cat((ce[None], stats)).float().cpu()
             per_source[src] = d.sum(sums)
     model.train()
     out = row(sum(per_source.values()), weights)

@@ -6,10 +6,12 @@ gradient clipping, bf16 autocast on GPU and gradient accumulation over micro-bat
 held-out split (`scoring.py`), checkpoints (`checkpoints.py`) and exports at `export_fractions` of
 training (`export.py`). What it writes, and where, is `artifacts.py`'s.
 
-One process: `train(cfg)`. Several (GPUs, or CPU processes with gloo):
+One process: `train(cfg)`. Several (GPUs, or CPU processes with gloo, on one node or several):
 `torchrun --nproc_per_node N -m draftsmith.drafter.train CONFIG.json` runs the same function with
 DDP (or FSDP2 when `fsdp`); every loss denominator is fixed per global batch before it starts, so
 N processes give the result of one process on the same global batch. `launch` picks between the two.
+Each rank reads only its micro-batches from the shared hidden-state folder; rank 0 alone writes
+checkpoints, exports and metrics, so a lost node costs the steps since the last checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..distributed import Dist, init_dist
 from ..progress import Progress
 from ..shards import HiddenShards
 from ..target.checkpoint import target_config, target_tensors
-from ..torchrun import torchrun
+from ..torchrun import done_launching, launch_dir, torchrun
 from . import artifacts, checkpoints, data
 from .config import TrainConfig
 from .export import export
@@ -82,6 +84,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
     log = log if d.main else (lambda *a, **k: None)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    d.check_together(out, cfg.to_dict())
     shards = HiddenShards(cfg.hidden_dir)
     tconf = target_config(cfg.target_path)
     mcfg = DrafterConfig.from_target(tconf, cfg.draft_vocab_size)
@@ -201,6 +204,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
     }
     if d.main:
         artifacts.write_summary(out, summary)
+    d.barrier()  # every node's launcher reads the summary once its torchrun ends
     d.close()
     return summary
 
@@ -212,13 +216,19 @@ def _vocab_summary(prep: Prepared) -> dict:
             "heldout_coverage": v.coverage(prep.held_counts) if prep.held_counts is not None else None}
 
 
-def launch(cfg: TrainConfig, nproc: int = 1, log=print) -> dict:
-    """Train in this process (nproc 1) or in `nproc` torchrun processes; returns the summary."""
-    if nproc <= 1:
+def launch(cfg: TrainConfig, nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str = "", log=print) -> dict:
+    """Train in this process (nproc 1, one node) or in `nproc` torchrun processes on this node, of
+    `nnodes` nodes joined at `rdzv_endpoint` (`draftsmith.torchrun`); returns the summary."""
+    if nproc <= 1 and nnodes <= 1:
         return train(cfg, log)
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torchrun(nproc, "draftsmith.drafter.train", [str(artifacts.write_train_config(out, cfg.to_dict()))], log=log)
+    here = launch_dir(out, nnodes)
+    here.mkdir(parents=True, exist_ok=True)
+    try:
+        torchrun(nproc, "draftsmith.drafter.train", [str(artifacts.write_train_config(here, cfg.to_dict()))],
+                 nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, log=log)
+    finally:
+        done_launching(here, nnodes)
     return artifacts.read_summary(out)
 
 

@@ -5,7 +5,8 @@ side) and the final hidden state after the final norm (`last`: what the lm_head 
 are kept in the OUTPUT convention (`draftsmith.layers`). The target runs behind
 `draftsmith.target.backends`: `hf` in this process (one process per rank under torchrun, shard i
 going to rank i mod world size, each rank writing its own shards) or `vllm` (one engine in a child
-process, tensor parallel over the GPUs, so no torchrun). With vLLM each sample's features pass
+process, tensor parallel over the node's GPUs; on several nodes one torchrun rank per node, each
+with its engine, the shards split the same way). With vLLM each sample's features pass
 through one file in the scratch folder, deleted once read. Writing a shard overlaps computing the
 next one; rank 0 merges every rank's entries into the index, written last (`draftsmith.shards`).
 The backend is one of the settings a shard records, so features of two engines are never mixed.
@@ -18,7 +19,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from ..target.identity import target_identity
 from ..tokens.outputs import Sample, read_tokens
 from .resume import SCRATCH, fingerprint_samples, lock, prepare, shard_entry
 
-ENGINE_LOG = "vllm.log"
+ENGINE_LOG = "vllm.log"  # on several ranks (one engine per node): vllm.rank<N>.log
 
 
 @dataclass
@@ -76,16 +77,18 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
     s.check()
     if capture is not None and capture.backend != s.backend:
         raise ValueError(f"capture runs on {capture.backend!r}, not on backend {s.backend!r}")
-    d = init_dist()
+    if s.backend == "vllm" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise ValueError("backend vllm runs one engine per node (tensor parallel over the node's GPUs): "
+                         "nproc_per_node must be 1; set tensor_parallel_size, and nnodes for several nodes")
+    d = init_dist(gpu=s.backend != "vllm")  # vLLM's engine owns the GPUs
     say = log if d.world == 1 else (lambda m: log(f"[rank {d.rank}/{d.world}] {m}"))
     held = None
     try:
-        if s.backend == "vllm" and d.world > 1:
-            raise ValueError("backend vllm runs one engine (tensor parallel over the GPUs): start it without "
-                             "torchrun (nproc_per_node 1) and set tensor_parallel_size instead")
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         identity = target_identity(target, bool(s.engine_options.get("trust_remote_code")))
+        d.check_together(out_dir, {"target": identity["fingerprint"], "token_files": [str(f) for f in token_files],
+                                   "out_dir": str(out_dir), **asdict(s)})
         output_ids = s.output_ids(identity["num_hidden_layers"])
         samples = read_tokens(token_files, identity["vocab_size"])
         plan = None
@@ -103,19 +106,30 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         if plan["check"] != fingerprint_samples(samples):
             raise RuntimeError(f"rank {d.rank} read different samples than rank 0 from {token_files}")
         mine = plan["shards"][d.rank::d.world]
+        engine_log = out_dir / (ENGINE_LOG if d.world == 1 else ENGINE_LOG.replace(".log", f".rank{d.rank}.log"))
         written, seconds = _capture_shards(target, capture, samples, mine, output_ids, s, plan["settings"], out_dir,
-                                           f"hidden {d.rank}/{d.world}" if d.world > 1 else "hidden", say)
+                                           engine_log, f"hidden {d.rank}/{d.world}" if d.world > 1 else "hidden",
+                                           say)
         results = d.gather({"written": written, "seconds": seconds})
-        if not d.main:
-            return {"rank": d.rank, "shards_written": len(written), "seconds": seconds}
-        return _finish(out_dir, plan, results, identity, output_ids, s.dtype, s.backend, say)
+        summary = None
+        if d.main:
+            try:
+                summary = _finish(out_dir, plan, results, identity, output_ids, s.dtype, s.backend, say)
+            except Exception as e:
+                d.broadcast({"error": f"{type(e).__name__}: {e}"})
+                raise
+        summary = d.broadcast(summary)  # every node returns once rank 0 has written the index
+        if "error" in summary:
+            raise RuntimeError(f"rank 0 failed: {summary['error']}")
+        return summary
     finally:
         if held is not None:
             held.close()
         d.close()
 
 
-def _capture_shards(target, capture, samples, mine, output_ids, s: Settings, settings, out_dir, desc, log):
+def _capture_shards(target, capture, samples, mine, output_ids, s: Settings, settings, out_dir, engine_log, desc,
+                    log):
     """This rank's shards through `capture`, or through one opened here (and closed) for them."""
     if capture is not None and getattr(capture, "ids", output_ids) != output_ids:
         raise ValueError(f"capture keeps layers {capture.ids}, this run wants {output_ids}")
@@ -124,7 +138,7 @@ def _capture_shards(target, capture, samples, mine, output_ids, s: Settings, set
     opts = dict(s.engine_options)
     if s.backend == "vllm":
         longest = max(len(samples[i]) for _, p in mine for b in p for i in b)
-        opts = {"max_model_len": longest + 1, "log_file": out_dir / ENGINE_LOG, **opts}
+        opts = {"max_model_len": longest + 1, "log_file": engine_log, **opts}
     opened = open_capture(s.backend, target, output_ids, device=s.device, log=log, **opts)
     try:
         return _run_shards(opened, samples, mine, output_ids, s.dtype, settings, out_dir, desc, log)
