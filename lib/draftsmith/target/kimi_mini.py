@@ -31,17 +31,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..progress import wait_for_lock
 from ..templates import KIMI_K25_CHAT_TEMPLATE, response_layout
 from .corpus import chat_examples
 from .kimi_tokenizer import VOCAB_SIZE, tokenizer_config, write_tokenizer_files
-from .tiny import BUILD_LOG, CHECKPOINT_EVERY, TRAIN_CHECKPOINT, _train, cache_dir
+from .tiny import CHECKPOINT_EVERY, TRAIN_CHECKPOINT, _train, build_once, cache_dir
 
 GROUP = 32  # INT4 group size of the routed experts, as shipped
 BOS_ID, EOS_ID, IM_END_ID, PAD_ID = 163584, 163585, 163586, 163839
@@ -99,27 +97,16 @@ def build_kimi_mini(name: str = "kimi-mini", root: Path | None = None, log=print
     training run, so the first build writes both; concurrent builders wait for it under a lock. As
     `tiny`'s build does, it works in a `.partial` folder whose training checkpoint a later build
     resumes from."""
-    from transformers.utils import CONFIG_NAME  # written last: a folder that has it is whole
-
     if name not in EXPERT_FORMATS:
         raise KeyError(f"no built-in Kimi-shaped target {name!r}; choose one of {list(VARIANTS)}")
     root = Path(root) if root is not None else cache_dir() / "targets"
     out = {n: root / variant_key(n) for n in VARIANTS}
-    if (out[name] / CONFIG_NAME).is_file():
-        return out[name]
-    root.mkdir(parents=True, exist_ok=True)
-    say = lambda message: log(BUILD_LOG + message)  # noqa: E731
-    with open(root / f".{_train_key()}.lock", "w") as lock:
-        wait_for_lock(lock, "another process building the kimi-mini targets", say)
-        if (out[name] / CONFIG_NAME).is_file():
-            return out[name]
-        work = root / f".{_train_key()}.partial"
-        work.mkdir(exist_ok=True)
+
+    def build(work: Path, say) -> list[tuple[Path, Path]]:
         _build(work, say, checkpoint_every)
-        for n in VARIANTS:
-            shutil.rmtree(out[n], ignore_errors=True)
-            os.replace(work / n, out[n])
-        shutil.rmtree(work)
+        return [(work / n, out[n]) for n in VARIANTS]
+
+    build_once(root, _train_key(), out[name], "another process building the kimi-mini targets", build, log)
     return out[name]
 
 

@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,26 +114,39 @@ TRAIN_CHECKPOINT = "train_checkpoint.pt"
 
 def build_tiny_target(name: str = "tiny", root: Path | None = None, log=print,
                       checkpoint_every: int = CHECKPOINT_EVERY) -> Path:
-    """Build (or reuse) a built-in target in `root` (default: the cache). Safe against concurrent
-    builders: one builds under a lock, the others wait and reuse it. The build works in
-    `root/.KEY.partial/`, where its training checkpoint lives until the finished folder is renamed
-    into place; a later build of the same variant resumes from that checkpoint."""
+    """Build (or reuse) a built-in target in `root` (default: the cache), through `build_once`."""
     root = Path(root) if root is not None else cache_dir() / "targets"
     out = root / variant_key(name)
-    if (out / "config.json").is_file():
-        return out
+
+    def build(work: Path, say) -> list[tuple[Path, Path]]:
+        _build(name, work, say, checkpoint_every)
+        (work / TRAIN_CHECKPOINT).unlink()
+        return [(work, out)]
+
+    build_once(root, out.name, out, f"another process building target {name!r}", build, log)
+    return out
+
+
+def build_once(root: Path, key: str, ready: Path, what: str, build, log) -> None:
+    """Run `build(work, say)` unless `ready` is a whole checkpoint folder (it has config.json),
+    safe against concurrent builders: one builds under `root/.KEY.lock`, the others wait (saying
+    `what` they wait for) and reuse it. The build works in `root/.KEY.partial/`, where its training
+    checkpoint lives, so a later build resumes from it; it returns the (folder in work, final
+    folder) pairs, renamed into place when it is done."""
+    if (ready / "config.json").is_file():
+        return
     root.mkdir(parents=True, exist_ok=True)
     say = lambda message: log(BUILD_LOG + message)  # noqa: E731
-    with open(root / f".{out.name}.lock", "w") as lock:
-        wait_for_lock(lock, f"another process building target {name!r}", say)
-        if (out / "config.json").is_file():
-            return out
-        tmp = root / f".{out.name}.partial"
-        tmp.mkdir(exist_ok=True)
-        _build(name, tmp, say, checkpoint_every)
-        (tmp / TRAIN_CHECKPOINT).unlink()
-        os.replace(tmp, out)
-    return out
+    with open(root / f".{key}.lock", "w") as lock:
+        wait_for_lock(lock, what, say)
+        if (ready / "config.json").is_file():
+            return
+        work = root / f".{key}.partial"
+        work.mkdir(exist_ok=True)
+        for built, final in build(work, say):
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(built, final)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _resume(path: Path, key: str, model, shared, opt, sched, log) -> int:
