@@ -171,6 +171,15 @@ def test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun(tiny_target, tokens
     assert not list(out.glob("*.tmp"))
 
 
+def test_a_failed_torchrun_says_what_the_ranks_said_not_only_torchruns_own_traceback(tiny_target, tmp_path):
+    missing = tmp_path / "no-such-tokens.jsonl"
+    with pytest.raises(RuntimeError) as e:
+        stage.launch(2, tiny_target, [missing], tmp_path / "out", attempts=1, log=lambda m: None)
+    said = str(e.value)
+    assert "failed 1 time(s)" in said and str(missing) in said and "Root Cause" in said
+    assert "elastic_launch(" not in said  # the agent's launcher frames are left out
+
+
 def shard_files(d: Path) -> list[Path]:
     return sorted(d.glob("shard-*.safetensors"))
 

@@ -12,6 +12,7 @@ started by `draftsmith.torchrun`.
 
 from __future__ import annotations
 
+import gc
 import os
 import secrets
 import shutil
@@ -102,6 +103,11 @@ class Dist:
         if self.owned and dist.is_initialized():
             dist.destroy_process_group()
             self.owned = False
+            # The gloo group can sit in a reference cycle; left to the interpreter's last collection,
+            # its worker threads wake while Python is finalizing and abort the process (SIGABRT,
+            # "terminate called without an active exception") after the work is done. Collected
+            # now, its destructor joins them while the interpreter is whole.
+            gc.collect()
 
 
 def _visible(tokens: Path, world: int, tries: int = 5) -> list[int]:

@@ -64,7 +64,7 @@ def torchrun(nproc: int, module: str, args: list[str], *, nnodes: int = 1, rdzv_
            f"--nproc-per-node={nproc}", "-m", module, *args]
     log("$ " + " ".join(cmd))
     for attempt in range(1, attempts + 1):
-        tail = collections.deque(maxlen=40)
+        tail = collections.deque(maxlen=400)
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             for line in proc.stdout:
                 log(line.rstrip())
@@ -75,4 +75,12 @@ def torchrun(nproc: int, module: str, args: list[str], *, nnodes: int = 1, rdzv_
             log(f"torchrun exited with status {proc.returncode}; starting it again ({attempt + 1}/{attempts}), "
                 f"it resumes where it stopped" + (f" once all {nnodes} nodes have joined" if nnodes > 1 else ""))
     raise RuntimeError(f"torchrun {module} failed {attempts} time(s), last with status {proc.returncode}; "
-                       f"a rerun resumes where it stopped. Its last lines:\n{''.join(tail)}")
+                       f"a rerun resumes where it stopped. Its last lines:\n{''.join(last_words(list(tail)))}")
+
+
+def last_words(lines: list[str], keep: int = 30) -> list[str]:
+    """What the ranks said last before torchrun's agent reported the failure, and the agent's
+    'Root Cause' block: the agent's own traceback (30 lines of its launcher) says nothing."""
+    agent = next((i for i, x in enumerate(lines) if "] failed (exitcode" in x), len(lines))
+    cause = next((i for i, x in enumerate(lines) if x.startswith("Root Cause")), len(lines))
+    return lines[max(0, agent - keep):agent + 1] + lines[cause:]
