@@ -38,7 +38,7 @@ from pathlib import Path
 
 import psutil
 
-from draftsmith import store
+from draftsmith.generate import outputs as store
 from draftsmith.emulator import read_ledger
 from draftsmith.paths import Run
 
@@ -156,8 +156,8 @@ async def run_openai(base, n, conc, path, aio: bool):
 
 
 def run_draftsmith(base, n, conc, path, out, budget=None, max_tokens=1024):
-    from draftsmith.apikey import ApiKey
-    from draftsmith.generate import run_generation
+    from draftsmith.openrouter.apikey import ApiKey
+    from draftsmith.generate.stage import run_generation
 
     ds = {"name": "bench", "path": path}
     if budget:

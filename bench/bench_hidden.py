@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from draftsmith.hidden.extract import extract
 from draftsmith.hidden.plan import plan_batches
-from draftsmith.shards import HiddenShards
+from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.target.checkpoint import load_target, resolve_target
 from draftsmith.target.hf import pad_batch
 from draftsmith.tokens import read_tokens

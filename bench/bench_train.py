@@ -28,7 +28,7 @@ from draftsmith.drafter.model import DrafterConfig
 from draftsmith.hidden.extract import extract
 from draftsmith.drafter.objective import TTTObjective, build_drafter, step_weights
 from draftsmith.drafter.prepare import prepare
-from draftsmith.shards import HiddenShards
+from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.target.checkpoint import resolve_target, target_config, target_tensors
 
 WORDS = ("the function returns a list of values from the given file path and raises an error when the "

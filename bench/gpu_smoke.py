@@ -35,8 +35,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from draftsmith import shards
-from draftsmith.evaluate.results import report_path
+from draftsmith.hidden import outputs as shards
+from draftsmith.evaluate.outputs import report_path
 from draftsmith.paths import Run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -52,7 +52,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rehearsal_data  # noqa: E402
 
-from draftsmith import store  # noqa: E402
+from draftsmith.generate import outputs as store
 from draftsmith.datasets import stable_id  # noqa: E402
 
 from draftsmith.emulator import ADMIN_KEY_ENV, KEY_ENV, new_key  # noqa: E402

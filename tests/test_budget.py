@@ -1,4 +1,4 @@
-"""budget.py: the token budget's overshoot bound and the dollar limit, under simulated runs.
+"""openrouter/budget.py: the token budget's overshoot bound and the dollar limit, under simulated runs.
 
 The simulations replay the engine's dispatch rule (start while `can_start`, up to N in flight)
 against responses whose duration grows with their length, so the requests in flight are the
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from draftsmith.budget import SpendBudget, TokenBudget, prompt_tokens_bound
+from draftsmith.openrouter.budget import SpendBudget, TokenBudget, prompt_tokens_bound
 
 
 def simulate(budget, max_tokens, slots, draw, seed, prompts=10**9):

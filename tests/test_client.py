@@ -1,4 +1,4 @@
-"""client.py: every way an OpenRouter answer can look, sorted into what the engine does next.
+"""openrouter/client.py: every way an OpenRouter answer can look, sorted into what the engine does next.
 
 The wire-level cases (padding, SSE comments, cut streams, hung connections) are served by a tiny
 in-process aiohttp app that replays exact bytes; the emulator tests in test_generate*.py cover the
@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from draftsmith import client
+from draftsmith.openrouter import client
 
 OK = {"id": "gen-1", "provider": "Novita", "model": "moonshotai/kimi-k2.5", "object": "chat.completion",
       "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop",

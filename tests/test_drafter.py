@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith import layers, shards
+from draftsmith import layers
+from draftsmith.hidden import outputs as shards
 from draftsmith.hidden.extract import extract
-from draftsmith.drafter import artifacts, data, export, train
+from draftsmith.drafter import outputs as artifacts, data, export, train
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.drafter.model import DrafterConfig, Eagle3Drafter
 from draftsmith.drafter.objective import TTTObjective

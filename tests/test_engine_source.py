@@ -18,13 +18,15 @@ import pytest
 import yaml
 
 from draftsmith import cli, generate, tokens
+
+from draftsmith.generate import stage as generate_stage
 from draftsmith.hidden.extract import extract
-from draftsmith.apikey import ApiKey
+from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.drafter import train
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.emulator import running
 from draftsmith.paths import Run
-from draftsmith.shards import HiddenShards
+from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.target.vllm import vllm_env
 
 from conftest import free_port, get_json
@@ -84,8 +86,8 @@ def prompts(path: Path, n: int, tag: str) -> Path:
 
 CHILD = """
 import json, sys
-from draftsmith.apikey import ApiKey
-from draftsmith.generate import run_generation
+from draftsmith.openrouter.apikey import ApiKey
+from draftsmith.generate.stage import run_generation
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
 r = run_generation(a["base"], ApiKey("EMPTY", "none: a local server"), Run(a["root"], "mixed"), a["datasets"],
@@ -119,7 +121,7 @@ def engine_run(engine, tmp_path_factory):
     proc.wait()
     at_kill = raw.read_bytes().count(b"\n")
     logs = []
-    result = generate.run_generation(engine, ApiKey("EMPTY", "none: a local server"), Run(root, "mixed"), datasets,
+    result = generate_stage.run_generation(engine, ApiKey("EMPTY", "none: a local server"), Run(root, "mixed"), datasets,
                                      model=SERVED, concurrency=4, spend_limit_usd=1.0, native_precision="int4",
                                      log=logs.append, **SETTINGS, **FAST)
     return root, datasets, result, at_kill, logs
@@ -166,7 +168,7 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
     cfg = {"fault_scale": 0, "credits": 50.0, "backend": "synthetic", "target_model_path": "tiny-test",
            "synthetic_tokens": 20, "time_scale": 0.0}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        res = generate.run_generation(emu.base_url, emu.key, run, code, model="moonshotai/kimi-k2.5",
+        res = generate_stage.run_generation(emu.base_url, emu.key, run, code, model="moonshotai/kimi-k2.5",
                                       max_tokens=40, concurrency=8, spend_limit_usd=5.0, native_precision="int4",
                                       log=lambda *a: None)
         assert res.complete, res.message

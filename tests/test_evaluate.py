@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.drafter import artifacts, load_exported
+from draftsmith.drafter import outputs as artifacts, load_exported
 from draftsmith.drafter.export import export
 from draftsmith.drafter.model import DrafterConfig
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.vocab import DraftVocab
-from draftsmith.evaluate import decode, metrics, prompts as heldout, results, serving, stage
+from draftsmith.evaluate import decode, metrics, prompts as heldout, outputs as results, serving, stage
 from draftsmith.evaluate.proposers import Eagle3Proposer, PromptLookup
 from draftsmith.evaluate.target_cache import Target
 from draftsmith.paths import Run

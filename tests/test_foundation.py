@@ -5,7 +5,8 @@ import pickle
 
 import pytest
 
-from draftsmith import apikey, datasets, progress
+from draftsmith.openrouter import apikey
+from draftsmith import datasets, progress
 from draftsmith.datasets import DatasetReader, DatasetSpec
 from draftsmith.paths import REPO_ROOT as REPO
 from draftsmith.target import tiny
@@ -231,7 +232,7 @@ def test_the_library_cites_only_documents_in_the_repository():
 
 
 def test_a_plain_http_engine_needs_no_key_but_openrouter_does(monkeypatch):
-    from draftsmith.apikey import ENV_VAR, api_key_for
+    from draftsmith.openrouter.apikey import ENV_VAR, api_key_for
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert "no key" in api_key_for("http://localhost:8000/v1").source
     with pytest.raises(RuntimeError, match="no API key"):

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from draftsmith import pricing
-from draftsmith.apikey import ApiKey
-from draftsmith.generate import run_generation
+from draftsmith.openrouter import pricing
+from draftsmith.openrouter.apikey import ApiKey
+from draftsmith.generate.stage import run_generation
 from draftsmith.paths import Run
-from draftsmith.providers import endpoints, outputs
+from draftsmith.openrouter import endpoints
+from draftsmith.providers import outputs
 
 MODEL = "moonshotai/kimi-k2.5"
 PRICE_IN, PRICE_OUT = 0.5e-6, 2.0e-6

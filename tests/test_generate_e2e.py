@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.apikey import ApiKey
+from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.datasets import DatasetReader, DatasetSpec, stable_id
 from draftsmith.emulator import running
-from draftsmith.generate import GenerationStopped, run_generation
+from draftsmith.generate.options import GenerationStopped
+from draftsmith.generate.stage import run_generation
 from draftsmith.paths import Run
 
 MODEL = "moonshotai/kimi-k2.5"
@@ -278,8 +279,8 @@ def test_too_long_prompts_skipped_and_malformed_rows_reported(tiny_target, tmp_p
 
 CHILD = """
 import asyncio, json, sys
-from draftsmith.apikey import ApiKey
-from draftsmith.generate import run_generation
+from draftsmith.openrouter.apikey import ApiKey
+from draftsmith.generate.stage import run_generation
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
 def go():
@@ -447,7 +448,7 @@ def test_a_balance_for_a_tenth_of_the_slots_is_spent_down_to_the_floor(tmp_path)
     """A session whose money never filled its slots has no slow tail for the stop for a top-up to
     cut: an account holding a tenth of what 40 slots reserve at their worst case is spent at the
     concurrency it allows until not one more request fits, and stops with the balance stop."""
-    from draftsmith.budget import SpendBudget, prompt_tokens_bound
+    from draftsmith.openrouter.budget import SpendBudget, prompt_tokens_bound
 
     one = [{"slug": "alpha", "name": "Alpha", "quantization": "int4", "prompt_price": 0.5, "completion_price": 2.0}]
     path = prompts_file(tmp_path / "p.jsonl", 400, "small-balance")

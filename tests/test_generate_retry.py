@@ -1,8 +1,8 @@
-"""retry.py: backoff honours what the server asked for; AIMD cuts once per round trip and recovers."""
+"""openrouter/retry.py: backoff honours what the server asked for; AIMD cuts once per round trip and recovers."""
 
 import random
 
-from draftsmith.retry import Aimd, backoff_delay
+from draftsmith.openrouter.retry import Aimd, backoff_delay
 
 
 def test_backoff_grows_with_jitter_and_cap():

@@ -14,11 +14,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith import layers, shards
+from draftsmith import layers
+from draftsmith.hidden import outputs as shards
 from draftsmith.hidden import plan, resume, stage, verify
 from draftsmith.hidden.extract import extract as extract_hidden
 from draftsmith.paths import Run
-from draftsmith.shards import INDEX, HiddenShards
+from draftsmith.hidden.outputs import INDEX, HiddenShards
 from draftsmith.target.checkpoint import load_target
 
 

@@ -20,10 +20,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith import layers, shards
+from draftsmith import layers
+from draftsmith.hidden import outputs as shards
 from draftsmith.hidden import resume, stage
 from draftsmith.hidden.extract import extract
-from draftsmith.shards import INDEX, HiddenShards
+from draftsmith.hidden.outputs import INDEX, HiddenShards
 
 from test_hidden import keys_of, shard_files, write_tokens
 

@@ -100,7 +100,7 @@ def test_load_target_reads_the_int4_experts_as_the_bf16_variant_holds_them(kimi_
 def test_stage_04_check_skips_an_index_that_stage_04_marked_gpu_only(tmp_path):
     """The INT4 variant on vLLM's CPU build stores no features, only the GPU-only line: the check
     against transformers then has nothing to compare and says so with None instead of failing."""
-    from draftsmith import shards
+    from draftsmith.hidden import outputs as shards
     from draftsmith.hidden.verify import check_stored
 
     (tmp_path / shards.INDEX).write_text(json.dumps(
@@ -162,7 +162,7 @@ def test_kimi_chain_stage_04_hf_stores_what_vllm_stored_per_layer(kimi_run, tmp_
     own stage 04 also passed its check against transformers: `verify_with_hf`.)"""
     import shutil
 
-    from draftsmith.shards import HiddenShards
+    from draftsmith.hidden.outputs import HiddenShards
 
     shutil.copytree(kimi_run / "tokens", tmp_path / "outputs" / "kimi-mini" / "tokens")
     cmd = [str(Path(sys.executable).with_name("draftsmith")), "run", "04", "-f", str(REPO / "params/kimi-mini.yaml"),

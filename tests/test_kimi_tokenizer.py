@@ -236,6 +236,7 @@ def test_a_tool_calls_field_is_rendered_through_the_template_or_the_sample_is_fl
 
 def test_emulator_bills_with_a_tiktoken_tokenizer_and_stage_03_rebuilds_its_ids(tmp_path, kimi_dir):
     from draftsmith import generate, tokens
+    from draftsmith.generate import stage as generate_stage
     from draftsmith.datasets import parse_datasets
     from draftsmith.emulator import running
     from draftsmith.emulator.catalogue import Quirks, default_catalogue
@@ -246,7 +247,7 @@ def test_emulator_bills_with_a_tiktoken_tokenizer_and_stage_03_rebuilds_its_ids(
     cfg = {"fault_scale": 0, "credits": 50.0, "backend": "synthetic", "target_model_path": str(kimi_dir),
            "synthetic_tokens": 60}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        result = generate.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
+        result = generate_stage.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
                                          max_tokens=120, concurrency=16, spend_limit_usd=40.0,
                                          provider={"quantizations": ["int4", "unknown"]},
                                          target_model_path=str(kimi_dir), trust_remote_code=True,

@@ -18,11 +18,11 @@ import psutil
 import pytest
 import torch
 
-from draftsmith.drafter import artifacts, train
+from draftsmith.drafter import outputs as artifacts, train
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.hidden.extract import extract
 from draftsmith.paths import Run
-from draftsmith.shards import HiddenShards
+from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.target.corpus import chat_examples
 
 from conftest import free_port, write_token_rows

@@ -18,18 +18,18 @@ OWNERS = {
     "routing.json": {"providers/outputs.py"}, "spend.json": {"providers/outputs.py"},
     "endpoints.csv": {"providers/outputs.py"}, "cost_plan.csv": {"providers/outputs.py"},
     # stage 02
-    "raw_responses.jsonl": {"store.py"}, "errors.jsonl": {"store.py"}, "manifest.json": {"store.py"},
-    "timeline.jsonl": {"store.py"}, "writer.lock": {"store.py"},
+    "raw_responses.jsonl": {"generate/outputs.py"}, "errors.jsonl": {"generate/outputs.py"}, "manifest.json": {"generate/outputs.py"},
+    "timeline.jsonl": {"generate/outputs.py"}, "writer.lock": {"generate/outputs.py"},
     # stage 03 (report.json: stage 03's and stage 06's, each in its own folder)
-    "report.json": {"tokens/outputs.py", "evaluate/results.py"},
+    "report.json": {"tokens/outputs.py", "evaluate/outputs.py"},
     # stage 04
-    "index.json": {"shards.py"}, "extract_config.json": {"hidden/stage.py"},
+    "index.json": {"hidden/outputs.py"}, "extract_config.json": {"hidden/stage.py"},
     # summary.json: stage 01's, stage 04's and stage 05's, each in its own folder
-    "summary.json": {"providers/outputs.py", "shards.py", "drafter/artifacts.py"},
+    "summary.json": {"providers/outputs.py", "hidden/outputs.py", "drafter/outputs.py"},
     # stage 05
-    "heldout.json": {"drafter/artifacts.py"}, "metrics.jsonl": {"drafter/artifacts.py"},
-    "exports.json": {"drafter/artifacts.py"}, "vocab.safetensors": {"drafter/artifacts.py"},
-    "supervision.safetensors": {"drafter/artifacts.py"}, "train_config.json": {"drafter/artifacts.py"},
+    "heldout.json": {"drafter/outputs.py"}, "metrics.jsonl": {"drafter/outputs.py"},
+    "exports.json": {"drafter/outputs.py"}, "vocab.safetensors": {"drafter/outputs.py"},
+    "supervision.safetensors": {"drafter/outputs.py"}, "train_config.json": {"drafter/outputs.py"},
     # an export folder in the engines' format; a target checkpoint in Hugging Face's
     "model.safetensors": {"drafter/export.py"},
     "config.json": {"drafter/export.py", "target/checkpoint.py", "target/identity.py",
@@ -37,8 +37,8 @@ OWNERS = {
     "tokenizer_config.json": {"target/checkpoint.py", "target/kimi_tokenizer.py"},
     "draftsmith_target.json": {"target/tiny.py"},
     # stage 06
-    "rounds.jsonl": {"evaluate/results.py"}, "engine_rounds.jsonl": {"evaluate/results.py"},
-    "engine_job.json": {"evaluate/results.py"}, "bench_prompts_sharegpt.json": {"evaluate/results.py"},
+    "rounds.jsonl": {"evaluate/outputs.py"}, "engine_rounds.jsonl": {"evaluate/outputs.py"},
+    "engine_job.json": {"evaluate/outputs.py"}, "bench_prompts_sharegpt.json": {"evaluate/outputs.py"},
     # the runner's
     "run_params.yaml": {"runner.py"}, "report.html": {"report.py"},
 }

@@ -3,12 +3,12 @@ routing name covers, and the balance left."""
 
 import pytest
 
-from draftsmith import pricing
-from draftsmith.apikey import ApiKey
-from draftsmith.budget import SpendBudget
+from draftsmith.openrouter import pricing
+from draftsmith.openrouter.apikey import ApiKey
+from draftsmith.openrouter.budget import SpendBudget
 from draftsmith.emulator import running
-from draftsmith.providers import endpoints
-from draftsmith.quantization import below_native, routed
+from draftsmith.openrouter import endpoints
+from draftsmith.openrouter.pricing import below_native, routed
 
 MODEL = "moonshotai/kimi-k2.5"
 

@@ -7,11 +7,12 @@ import sys
 import pandas as pd
 import pytest
 
-from draftsmith.client import BodyMaker, messages_json, request_settings
+from draftsmith.openrouter.client import BodyMaker, messages_json, request_settings
 from draftsmith.emulator import running
 from draftsmith.paths import Run
-from draftsmith.providers import cost_plan, endpoints, outputs, probe
-from draftsmith.providers.api import Api, ApiError
+from draftsmith.providers import cost_plan, outputs, probe
+from draftsmith.openrouter import endpoints
+from draftsmith.openrouter.api import Api, ApiError
 
 MODEL = "moonshotai/kimi-k2.5"
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]

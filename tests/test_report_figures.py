@@ -10,7 +10,7 @@ from matplotlib.colors import to_hex, to_rgb
 from test_tokens_stage import SPECS, synthetic_run  # noqa: F401 (fixture)
 
 from draftsmith import tokens
-from draftsmith.drafter import plots, tables
+from draftsmith.drafter import figures as plots, tables
 from draftsmith.evaluate import figures
 
 matplotlib.use("Agg")

@@ -17,7 +17,7 @@ from draftsmith.drafter import train
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.imports import parse_imports
 from draftsmith.paths import Run
-from draftsmith.shards import HiddenShards
+from draftsmith.hidden.outputs import HiddenShards
 
 SPECS = [DatasetSpec("code", "unused"), DatasetSpec("chat", "unused"), DatasetSpec("legacy", "unused")]
 
@@ -239,6 +239,7 @@ def test_stage_02_does_not_ask_for_prompts_an_import_answers(tmp_path, target_to
     """The import file doubles as `legacy`'s prompt file: nothing of it is requested. `chat` has its
     own prompt file, two of whose prompts an import answers (matched by prompt, no shared ids)."""
     from draftsmith import generate
+    from draftsmith.generate import stage as generate_stage
     from draftsmith.emulator import running
 
     legacy = write_jsonl(tmp_path / "legacy.jsonl", [import_line(target_tokenizer, i, False) for i in range(4)])
@@ -251,7 +252,7 @@ def test_stage_02_does_not_ask_for_prompts_an_import_answers(tmp_path, target_to
     logs = []
     cfg = {"fault_scale": 0, "credits": 10.0, "backend": "synthetic", "synthetic_tokens": 8, "time_scale": 0.0}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        res = generate.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5", max_tokens=16,
+        res = generate_stage.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5", max_tokens=16,
                                       concurrency=4, spend_limit_usd=1.0, native_precision="int4", imports=imports,
                                       log=logs.append)
         billed = [x for x in emu.ledger_lines() if x["billed"]]

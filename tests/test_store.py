@@ -1,13 +1,13 @@
-"""store.py: whole lines only, completed ids remembered, nothing written twice, manifest sessions."""
+"""generate/outputs.py: whole lines only, completed ids remembered, nothing written twice, manifest sessions."""
 
 import json
 
 import pytest
 
-from draftsmith import store
+from draftsmith.generate import outputs as store
 from draftsmith.files import repair_tail
 from draftsmith.paths import Run
-from draftsmith.store import DatasetStore, Manifest
+from draftsmith.generate.outputs import DatasetStore, Manifest
 
 
 def line(sid, tokens=10, cost=0.001, provider="P", finish="stop"):
@@ -144,7 +144,7 @@ def test_manifest_is_read_back_whole_and_a_damaged_one_is_named(tmp_path):
 
 HOLD = """
 import sys, time
-from draftsmith import store
+from draftsmith.generate import outputs as store
 from draftsmith.paths import Run
 with store.writer_lock(Run(sys.argv[1], "r")):
     print("held", flush=True)
@@ -176,7 +176,7 @@ def test_the_writer_lock_names_its_holder_and_dies_with_it(tmp_path):
 
 PARTIAL = """
 import resource, signal, sys
-from draftsmith.store import DatasetStore
+from draftsmith.generate.outputs import DatasetStore
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # past the size limit a write fails (EFBIG) instead
 s = DatasetStore(sys.argv[1], fsync_s=1e9)
 resource.setrlimit(resource.RLIMIT_FSIZE, (250, resource.RLIM_INFINITY))

@@ -13,6 +13,8 @@ import pytest
 import yaml
 
 from draftsmith import cli, generate, parameters, tokens
+
+from draftsmith.generate import stage as generate_stage
 from draftsmith.datasets import parse_datasets
 from draftsmith.emulator import running
 from draftsmith.emulator.catalogue import Quirks, default_catalogue
@@ -44,7 +46,7 @@ def generate_and_validate(tmp_path, backend: str, budget: int, max_tokens: int, 
     cfg = {"fault_scale": 0, "credits": 50.0, "backend": backend, "target_model_path": "tiny-test",
            "synthetic_tokens": max_tokens // 2}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        result = generate.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
+        result = generate_stage.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
                                          max_tokens=max_tokens, concurrency=32, spend_limit_usd=40.0,
                                          provider=provider, target_model_path="tiny-test", native_precision="int4",
                                          log=lambda *a: None)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import store
+from .generate import outputs as store
 from .datasets import row_messages, stable_id
 from .paths import Run, resolve
 

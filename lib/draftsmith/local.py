@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .apikey import ENV_VAR, ApiKey, api_key_for, read_api_key
+from .openrouter.apikey import ENV_VAR, ApiKey, api_key_for, read_api_key
 from .paths import Run
 
 START_TIMEOUT_S = 300

@@ -32,6 +32,9 @@ def resolve(path: str | Path, base: Path = REPO_ROOT) -> Path:
     return p if p.is_absolute() else (base / p).resolve()
 
 
+EXECUTED = "notebooks"  # <run>/notebooks/: the runner's executed copies of the stage notebooks
+
+
 class Run:
     """The folder of run `run_name`: `<outputs_dir>/<run_name>/`, one subfolder per stage."""
 
@@ -48,6 +51,10 @@ class Run:
 
     def figure(self, stage: str, name: str) -> Path:
         return self.dir(f"{stage}/figures") / name
+
+    def executed_notebooks(self) -> list[Path]:
+        """The executed copies of the stage notebooks the runner saved here, in stage order."""
+        return sorted((self.root / EXECUTED).glob("[0-9][0-9]_*.ipynb"))
 
     def __repr__(self) -> str:
         return f"Run({str(self.root)!r})"

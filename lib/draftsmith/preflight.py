@@ -16,11 +16,11 @@ import json
 import os
 from pathlib import Path
 
-from .apikey import api_key_for, read_api_key
+from .openrouter.apikey import api_key_for, read_api_key
 from .datasets import DatasetReader, parse_datasets, stable_id
 from .imports import ImportSpec, answered, parse_imports, to_raw
 from .paths import Run, check_name
-from .torchrun import rendezvous_args
+from .distributed import rendezvous_args
 
 # parameter: (is the value acceptable, what it must be)
 RULES = {
@@ -146,7 +146,7 @@ def _names(values: dict, datasets: bool, where) -> list[str]:
 
 
 def _api_key(values: dict, where) -> list[str]:
-    """The key the stages will read (apikey.py). With `api_base: local` a key file, when given, is
+    """The key the stages will read (openrouter/apikey.py). With `api_base: local` a key file, when given, is
     read as local.py reads it; without one the emulator gets a throwaway key."""
     base, key_file = str(values.get("api_base")), values.get("api_key_file")
     try:

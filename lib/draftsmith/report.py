@@ -17,7 +17,6 @@ import nbformat
 
 from .files import write_text_atomic
 from .paths import REPO_ROOT, Run
-from .runner import executed_notebooks
 from .target.tiny import BUILD_LOG
 
 # Appended to the exporter's own styles: nothing may be wider than the page. A wide table or code
@@ -40,7 +39,7 @@ def report_file(run: Run) -> Path:
 def write_report(run: Run) -> Path | None:
     from nbconvert import HTMLExporter
 
-    notebooks = executed_notebooks(run)
+    notebooks = run.executed_notebooks()
     if not notebooks:
         return None
     merged = nbformat.v4.new_notebook()

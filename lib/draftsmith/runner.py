@@ -23,9 +23,9 @@ import yaml
 
 from .files import write_text_atomic
 from .parameters import Stage, parameters_cell
-from .paths import Run
+from .paths import EXECUTED, Run
+from .report import write_report
 
-_EXECUTED = "notebooks"  # <run>/notebooks/: the executed copies
 
 
 class StageFailed(RuntimeError):
@@ -58,11 +58,6 @@ def stage_log(run: Run, title: str) -> Path:
     return run.dir("logs") / f"{title}.log"
 
 
-def executed_notebooks(run: Run) -> list[Path]:
-    """The executed copies of the stage notebooks saved in `run`, in stage order."""
-    return sorted((run.root / _EXECUTED).glob("[0-9][0-9]_*.ipynb"))
-
-
 def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
     """Execute the stages in order, then (re)write the run's report.html from every executed
     notebook of the run, also when a stage failed. Raise StageFailed naming the notebook and cell."""
@@ -70,8 +65,6 @@ def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
     try:
         _run_stages(run, stages, values, echo)
     finally:
-        from .report import write_report
-
         path = write_report(run)
         if path and echo:
             print(f"== report: {path}", file=sys.stderr, flush=True)
@@ -81,7 +74,7 @@ def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
 def _check_no_other_writer(run: Run) -> None:
     """Refuse at once, before any stage runs or any of the run's files is touched, when another
     process is generating this run. Only a check: stage 02's kernel takes the lock itself."""
-    from . import store
+    from .generate import outputs as store
 
     try:
         with store.writer_lock(run):
@@ -96,7 +89,7 @@ def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None
 
     if any(stage.name == "generate" for stage in stages):
         _check_no_other_writer(run)
-    nb_dir = run.dir(_EXECUTED)
+    nb_dir = run.dir(EXECUTED)
     write_text_atomic(run.root / "run_params.yaml", yaml.safe_dump(values, sort_keys=False, allow_unicode=True))
     _kernel_env()
     logger = logging.getLogger("papermill")

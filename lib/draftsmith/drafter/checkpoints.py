@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import artifacts
+from . import outputs as artifacts
 
 
 def gather_state(model, opt) -> tuple[dict, dict]:

@@ -26,7 +26,7 @@ import math
 import torch
 
 from ..progress import Progress
-from ..shards import HiddenShards
+from ..hidden.outputs import HiddenShards
 
 
 def split(shards: HiddenShards, holdout_fraction: float) -> tuple[list[int], list[int]]:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..shards import HiddenShards
-from . import artifacts, data
+from ..hidden.outputs import HiddenShards
+from . import outputs as artifacts, data
 from .config import TrainConfig, digest
 from .vocab import DraftVocab, token_counts
 

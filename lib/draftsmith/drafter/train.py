@@ -4,7 +4,7 @@
 minimises the TTT objective (`objective.py`) with AdamW, a cosine schedule with linear warmup,
 gradient clipping, bf16 autocast on GPU and gradient accumulation over micro-batches; it scores the
 held-out split (`scoring.py`), checkpoints (`checkpoints.py`) and exports at `export_fractions` of
-training (`export.py`). What it writes, and where, is `artifacts.py`'s.
+training (`export.py`). What it writes, and where, is `outputs.py`'s.
 
 One process: `train(cfg)`. Several (GPUs, or CPU processes with gloo, on one node or several):
 `torchrun --nproc_per_node N -m draftsmith.drafter.train CONFIG.json` runs the same function with
@@ -28,10 +28,10 @@ from torch import nn
 from .. import layers
 from ..distributed import Dist, init_dist
 from ..progress import Progress
-from ..shards import HiddenShards
+from ..hidden.outputs import HiddenShards
 from ..target.checkpoint import target_config, target_tensors
-from ..torchrun import done_launching, launch_dir, torchrun
-from . import artifacts, checkpoints, data
+from ..distributed import done_launching, launch_dir, torchrun
+from . import outputs as artifacts, checkpoints, data
 from .config import TrainConfig
 from .export import export
 from .model import DrafterConfig
@@ -218,7 +218,7 @@ def _vocab_summary(prep: Prepared) -> dict:
 
 def launch(cfg: TrainConfig, nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str = "", log=print) -> dict:
     """Train in this process (nproc 1, one node) or in `nproc` torchrun processes on this node, of
-    `nnodes` nodes joined at `rdzv_endpoint` (`draftsmith.torchrun`); returns the summary."""
+    `nnodes` nodes joined at `rdzv_endpoint` (`draftsmith.distributed`); returns the summary."""
     if nproc <= 1 and nnodes <= 1:
         return train(cfg, log)
     out = Path(cfg.out_dir)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..progress import Progress
-from ..shards import HiddenShards
+from ..hidden.outputs import HiddenShards
 
 
 def token_counts(shards: HiddenShards, indices, vocab_size: int, max_len: int | None = None) -> torch.Tensor:

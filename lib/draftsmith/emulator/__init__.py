@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from ..apikey import ApiKey
+from ..openrouter.apikey import ApiKey
 from .config import ADMIN_KEY_ENV, KEY_ENV, EmulatorConfig, load_config
 from .ledger import read_ledger, top_up
 

@@ -180,7 +180,7 @@ def bench_commands(run, prompts: list[HeldoutPrompt], specs: list[BenchmarkSpec]
     one prompt at a time, the benchmark's max_new_tokens, each temperature of the stage. The
     engines' ShareGPT readers ask the first turn only: MT-bench's second turn (which the stage's own
     numbers include) is not in them."""
-    from . import results
+    from . import outputs as results
 
     out = {}
     for s in specs:

@@ -23,7 +23,7 @@ import sys
 
 from ..paths import Run
 from ..target.vllm import die_with_parent, vllm_env
-from . import results
+from . import outputs as results
 
 VLLM_VERSION = "0.32.0"
 CHILD = "draftsmith.evaluate.engine_child"

@@ -29,7 +29,7 @@ from pathlib import Path
 from ..target.vllm_fixes import apply_fixes
 from ..target.vllm_limits import gpu_only_line
 from .prompts import prompt_seed
-from .results import append_row
+from .outputs import append_row
 
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "accepted", "vllm:spec_decode_num_accepted_tokens_per_pos": "per_pos"}

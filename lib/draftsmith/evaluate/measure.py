@@ -18,7 +18,7 @@ from .decode import Decoded, decode
 from .methods import Method
 from .metrics import repeat_start, summarize, verdict
 from .prompts import HeldoutPrompt, prompt_seed
-from .results import Results
+from .outputs import Results
 from .target_cache import Target
 
 ROUNDS_FORMAT = 3   # of a line of the rounds file; lines of another format are measured again

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import layers
 from ..drafter import load_exported
-from ..drafter.artifacts import read_exports
+from ..drafter.outputs import read_exports
 from ..drafter.export import for_engine, read_export_config
 from ..target.identity import fingerprint
 from . import engine

@@ -12,9 +12,9 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-from ..drafter.artifacts import read_heldout
+from ..drafter.outputs import read_heldout
 from ..paths import Run
-from ..shards import HiddenShards, hidden_dir
+from ..hidden.outputs import HiddenShards, hidden_dir
 
 
 @dataclass(frozen=True)

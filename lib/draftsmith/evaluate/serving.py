@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 
-from .. import store
+from ..generate import outputs as store
 from ..drafter.export import for_engine, serving_command
 from ..paths import Run
-from . import results
+from . import outputs as results
 from .prompts import HeldoutPrompt
 
 COMMANDS = ("sglang_server", "sglang_baseline", "sglang_ngram", "sglang_bench", "sglang_acceptance", "vllm_server",

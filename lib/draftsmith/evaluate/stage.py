@@ -13,7 +13,7 @@ from pathlib import Path
 from ..paths import Run
 from ..target.checkpoint import load_target, resolve_target
 from ..target.identity import target_identity
-from . import benchmarks as bench_sets, engine, engine_summary, results
+from . import benchmarks as bench_sets, engine, engine_summary, outputs as results
 from .measure import decoder_report
 from .methods import engine_methods_for, methods_for
 from .metrics import DEFINITIONS

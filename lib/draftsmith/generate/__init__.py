@@ -1,6 +1,7 @@
 """Stage 02: sample responses for every prompt through the API, within token and dollar budgets.
 
-`run_generation(...)` is what notebook 02 calls; it returns a `GenerationResult`. The parts:
+stage.py        `run_generation(...)`, what notebook 02 calls; it returns a `GenerationResult`
+The parts:
   options.py      what the stage is told (Options) and what it answers (GenerationResult)
   run_settings.py the settings that shape a run's answers, kept in its manifest; a re-run under others is refused
   engine.py       the session: slots shared by the datasets, starts, stops, the bare-server case
@@ -9,8 +10,8 @@
   bookkeeping.py  progress, the timeline, the manifest, the closing message
   prompt_queue.py the prompts still to do, per dataset, read lazily from the files
   bare_server.py  the user's own vLLM or SGLang server in place of OpenRouter
-  report.py       tables and figures of what the stage wrote (notebook 02)
-What is saved, and how a re-run resumes without paying twice: draftsmith.store.
+  figures.py      tables and figures of what the stage wrote (notebook 02)
+What is saved, and how a re-run resumes without paying twice: outputs.py.
 
 Routing: stage 01's routing (providers.outputs.read_routing) merged with the `provider`
 parameter; without it, the same precision policy (providers.endpoints.policy_routing) is applied
@@ -21,133 +22,3 @@ no balance, catalogue, routing or cost: those parts are switched off, with a lin
 each response line records the engine as its `source` and, from vLLM, the sampled `output_ids` and
 `prompt_ids`. OpenRouter's lines say `"source": "openrouter"`.
 """
-
-from __future__ import annotations
-
-import asyncio
-import signal
-import threading
-from pathlib import Path
-
-from .. import client, store
-from ..datasets import parse_datasets
-from ..imports import answered, parse_imports
-from ..paths import Run, resolve
-from ..providers import outputs as stage_01
-from . import bookkeeping, run_settings
-from .engine import Engine
-from .options import GenerationResult, GenerationStopped, Options
-
-__all__ = ["run_generation", "Options", "GenerationResult", "GenerationStopped"]
-
-
-def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model: str, max_tokens: int,
-                   concurrency: int, spend_limit_usd: float, temperature: float | None = None,
-                   top_p: float | None = None, seed: int | None = None, provider: dict | None = None,
-                   reasoning: dict | None = None, stream: bool = False, native_precision: str | None = None,
-                   allow_unknown_quantization: bool = False, imports: list[dict] | None = None, log=print,
-                   allow_changed_settings: bool = False, **options) -> GenerationResult:
-    """Generate responses for `datasets` into `run.dir("generate")`, resuming whatever is there.
-    `options`: the other fields of `Options` (balance_floor_usd, max_attempts, request_timeout_s, ...).
-    Without stage 01's routing, `native_precision` is required: the engine then applies the
-    precision policy itself. Prompts answered by an import file (`imports`, see imports.py) are not
-    asked for: they are never paid for twice.
-
-    One process writes a run at a time (store.writer_lock: a second one raises RunBusy naming the
-    holder). A run that holds answers made under other settings is refused (SettingsChanged,
-    naming each difference) unless `allow_changed_settings`. A write error at the store (a full
-    disk) ends the session and raises GenerationStopped with what was paid for and not saved.
-
-    Runs its own event loop (in a thread when one is already running, as in Jupyter). SIGINT and
-    SIGTERM stop it cleanly; a second SIGINT gives up on the requests in flight at once."""
-    datasets = [{**d, "path": str(resolve(d["path"]))} if isinstance(d, dict) and isinstance(d.get("path"), str)
-                else d for d in datasets]
-    specs = parse_datasets(datasets)
-    for spec in specs:
-        if not Path(spec.path).is_file():
-            raise FileNotFoundError(f"datasets: file of dataset {spec.name!r} not found: {spec.path}")
-    opts = Options(concurrency, spend_limit_usd, **options)
-    base_routing = stage_01.read_routing(run)
-    policy = None
-    if base_routing is None:
-        if not native_precision:
-            raise ValueError(f"no {stage_01.routing_file(run)} (stage 01 has not run for run "
-                             f"{run.name!r}) and no native_precision: run stage 01 first, or set native_precision so "
-                             f"that stage 02 applies the precision policy itself")
-        policy = (native_precision, allow_unknown_quantization)
-    settings = client.request_settings(model, max_tokens, temperature, top_p, seed,
-                                       {**(base_routing or {}), **(provider or {})}, reasoning, stream)
-    config = {"base_url": base_url, "key_source": api_key.source, "datasets": datasets, "request": settings,
-              "routing_source": str(stage_01.routing_file(run).relative_to(run.root)) if base_routing is not None
-              else None,
-              **{k: v for k, v in vars(opts).items() if k != "target_model_path"}}
-    import_specs = parse_imports(imports or [], [s.name for s in specs])
-    shaping = run_settings.data_settings(settings, policy, opts.target_model_path)
-    with store.writer_lock(run):
-        diff = run_settings.check(run, [s.name for s in specs], shaping, allow_changed_settings)
-        engine = Engine(base_url, api_key, run, specs, settings, opts, config, log, policy)
-        engine.manifest.settings = {**(engine.manifest.settings or {}), **{s.name: shaping for s in specs}}
-        if diff:
-            engine.entry["settings_changed"] = diff
-            log(f"continuing run {run.name!r} with changed settings (allow_changed_settings): {'; '.join(diff)}")
-        for d in engine.datasets:
-            d.answered = answered(import_specs, d.name)
-            if d.answered:
-                log(f"{d.name}: prompts that an import file answers are skipped (stage 03 reads that file)")
-        _run_with_signals(engine)
-    result = bookkeeping.result(engine)
-    if result.reason in ("write_error", "no_room"):     # the disk cannot take more: the notebook stops here
-        raise GenerationStopped(result.message)
-    return result
-
-
-def _run_with_signals(engine: Engine) -> None:
-    """Run the engine's event loop; SIGINT/SIGTERM ask it to stop (a second one: at once)."""
-    state = {"loop": None, "signals": 0}
-
-    def stop(loop) -> None:
-        if state["signals"] == 1:
-            loop.call_soon_threadsafe(engine.request_stop, "interrupted", f"{state['name']} received")
-        else:
-            loop.call_soon_threadsafe(engine.cancel_all)
-
-    def on_signal(signum, frame=None) -> None:
-        state["signals"] += 1
-        state["name"] = signal.Signals(signum).name
-        if state["loop"] is not None:
-            stop(state["loop"])
-
-    async def body() -> None:
-        state["loop"] = asyncio.get_running_loop()
-        if state["signals"]:            # a signal came before the loop did
-            stop(state["loop"])
-        await engine.main()
-
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM):
-            old[s] = signal.signal(s, on_signal)
-    try:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            asyncio.run(body())         # a script, or papermill's kernel cell without a loop
-            return
-        # Jupyter already runs a loop in this thread: run ours in another, wait here (signals land here).
-        errors: list[BaseException] = []
-
-        def target() -> None:
-            try:
-                asyncio.run(body())
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                errors.append(e)
-
-        th = threading.Thread(target=target, name="draftsmith-generate", daemon=True)
-        th.start()
-        while th.is_alive():
-            th.join(0.2)
-        if errors:
-            raise errors[0]
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)

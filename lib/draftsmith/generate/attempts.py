@@ -1,6 +1,6 @@
 """One sample's attempts, and what its failures cost.
 
-An attempt is POSTed (client.py); a reply is saved at once (store.py) and its reservation settled
+An attempt is POSTed (openrouter/client.py); a reply is saved at once (outputs.py) and its reservation settled
 at the billed cost. A failure is waited out (throttling: no attempt spent, the concurrency is
 lowered), retried after a back-off (a real failure, up to `max_attempts`), recorded (permanent, or
 out of attempts) or turned into a stop (the balance, the key, the model or the routing). A
@@ -19,10 +19,10 @@ import asyncio
 import json
 import time
 
-from .. import client
+from ..openrouter import client
 from ..datasets import Prompt
-from ..pricing import generation_cost
-from ..retry import backoff_delay
+from ..openrouter.pricing import generation_cost
+from ..openrouter.retry import backoff_delay
 from .prompt_queue import DatasetQueue
 
 HINTS = {

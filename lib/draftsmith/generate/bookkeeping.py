@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .. import store
+from . import outputs as store
 from .options import GenerationResult
 
 TODO = {"balance": "top up the balance, then re-run", "spend_limit": "raise spend_limit_usd, then re-run",

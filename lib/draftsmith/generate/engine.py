@@ -1,7 +1,7 @@
 """The engine of stage 02: one aiohttp session carries up to `concurrency` requests at once, shared
 by all datasets. A slot freed by one dataset goes to whichever dataset still has budget and
 prompts (round robin), so the run stays full until the last budget is reached; each start
-reserves its worst-case dollars first (budget.py). A worker runs one sample's attempts
+reserves its worst-case dollars first (openrouter/budget.py). A worker runs one sample's attempts
 (attempts.py) and takes the next job itself.
 
 A stop (balance gone, spend limit, a refusal, SIGINT/SIGTERM) starts nothing new, gives the
@@ -24,15 +24,16 @@ import os
 
 import aiohttp
 
-from .. import client, store
-from ..budget import SpendBudget, TokenBudget
+from ..openrouter import client
+from . import outputs as store
+from ..openrouter.budget import SpendBudget, TokenBudget
 from ..datasets import DatasetSpec
 from ..paths import Run
-from ..pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints
+from ..openrouter.pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints
 from ..progress import Progress
 from ..providers import outputs as stage_01
-from ..providers.endpoints import policy_routing
-from ..retry import Aimd
+from ..openrouter.endpoints import policy_routing
+from ..openrouter.retry import Aimd
 from . import attempts, bare_server, bookkeeping, money
 from .options import Options
 from .outage import Outage

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from ..budget import TokenBudget, prompt_tokens_bound
+from ..openrouter.budget import TokenBudget, prompt_tokens_bound
 from ..datasets import DatasetReader, DatasetSpec, Prompt, stable_id
-from ..store import DatasetStore
+from .outputs import DatasetStore
 
 
 class ContextCheck:

@@ -16,7 +16,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .. import store
+from . import outputs as store
 from ..paths import Run
 
 SHAPING = ("model", "max_tokens", "temperature", "top_p", "reasoning", "provider")

@@ -3,12 +3,12 @@
 For every token of every sample: the outputs of the three auxiliary decoder layers (`aux`, side by
 side) and the final hidden state after the final norm (`last`: what the lm_head reads). Layer ids
 are kept in the OUTPUT convention (`draftsmith.layers`). The target runs behind
-`draftsmith.target.backends`: `hf` in this process (one process per rank under torchrun, shard i
+one seam (`open_capture`): `hf` in this process (one process per rank under torchrun, shard i
 going to rank i mod world size, each rank writing its own shards) or `vllm` (one engine in a child
 process, tensor parallel over the node's GPUs; on several nodes one torchrun rank per node, each
 with its engine, the shards split the same way). With vLLM each sample's features pass
 through one file in the scratch folder, deleted once read. Writing a shard overlaps computing the
-next one; rank 0 merges every rank's entries into the index, written last (`draftsmith.shards`).
+next one; rank 0 merges every rank's entries into the index, written last (`draftsmith.hidden.outputs`).
 The backend is one of the settings a shard records, so features of two engines are never mixed.
 """
 
@@ -24,15 +24,30 @@ from pathlib import Path
 
 import torch
 
-from .. import layers, shards
+from .. import layers
+from . import outputs as shards
 from ..distributed import init_dist
 from ..progress import Progress
-from ..target.backends import BACKENDS, open_capture
+from ..target.checkpoint import load_target
+from ..target.hf import Capture
+from ..target.vllm import VllmCapture
 from ..target.identity import target_identity
 from ..tokens.outputs import Sample, read_tokens
 from .resume import SCRATCH, fingerprint_samples, lock, prepare, shard_entry
 
 ENGINE_LOG = "vllm.log"  # on several ranks (one engine per node): vllm.rank<N>.log
+
+BACKENDS = ("hf", "vllm")
+
+
+def open_capture(backend: str, target, output_ids: list[int], *, device: str = "auto", log=print,
+                 **vllm_options):
+    """A capture of `output_ids` on `target` through `backend` (`hf` or `vllm`)."""
+    if backend == "hf":
+        return Capture(load_target(target, device, vllm_options.get("trust_remote_code", False)), output_ids)
+    if backend == "vllm":
+        return VllmCapture(target, output_ids, log=log, **vllm_options)
+    raise ValueError(f"target_backend must be one of {BACKENDS}, got {backend!r}")
 
 
 @dataclass

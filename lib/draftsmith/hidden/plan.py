@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .. import shards
+from . import outputs as shards
 
 
 def plan_batches(lengths: list[int], max_tokens: int, max_padding: float = 0.1) -> list[list[int]]:

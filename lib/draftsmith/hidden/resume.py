@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .. import shards
+from . import outputs as shards
 from ..tokens.outputs import Sample
 from .plan import bytes_per_token, check_disk, plan_batches, plan_shards
 

@@ -5,7 +5,7 @@ several GPUs, or gloo processes on a CPU) or `nnodes` > 1 (this node's part of a
 joined by torchrun's rendezvous; `vllm`: one engine per node) runs `launch`, anything else
 `extract` here. `launch`
 writes every setting into `extract_config.json` in the output folder and starts
-`python -m draftsmith.hidden CONFIG.json` as torchrun ranks (`draftsmith.torchrun`), as stage 05's
+`python -m draftsmith.hidden CONFIG.json` as torchrun ranks (`draftsmith.distributed`), as stage 05's
 training does with its config: the settings are declared once (`extract.Settings`). A failed
 torchrun is started again; it resumes from the whole shards. Where vLLM's CPU build cannot run the
 target (`vllm` on INT4 MoE experts), the stage says so in one line and records it (`record_gpu_only`).
@@ -19,13 +19,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import shards
+from . import outputs as shards
 from ..files import write_json_atomic
 from ..paths import Run
 from ..tokens.outputs import token_files
 from ..target.identity import target_identity
 from ..target.vllm_limits import GpuOnly
-from ..torchrun import done_launching, launch_dir, torchrun
+from ..distributed import done_launching, launch_dir, torchrun
 from .extract import Settings, extract
 
 CONFIG = "extract_config.json"
@@ -36,7 +36,7 @@ def run_stage(run: Run, target: str | os.PathLike, datasets: list | None = None,
               **settings) -> dict:
     """Extract the run's stage-03 tokens (of `datasets`, or all) into its hidden-state folder and
     return the summary. `engine_options` reach the engine only when `backend` is vllm. `nnodes` > 1:
-    this node's part of a run over that many nodes joined at `rdzv_endpoint` (`draftsmith.torchrun`)."""
+    this node's part of a run over that many nodes joined at `rdzv_endpoint` (`draftsmith.distributed`)."""
     files = token_files(run, datasets)
     if settings.get("backend") == "vllm":
         settings["engine_options"] = dict(engine_options or {})

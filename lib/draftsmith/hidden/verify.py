@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import shards
+from . import outputs as shards
 from ..target.checkpoint import load_target
 
 # (largest relative error of a stored tensor, smallest top-1 agreement of lm_head(last)) per dtype

@@ -1,13 +1,13 @@
 """Stage 01: which providers serve the model at its native precision, at what price, how much of
 the token budget the money buys, and whether each endpoint really serves the same model.
 
-    api.py        the small synchronous client of this stage's few requests
-    endpoints.py  the endpoint table and the precision policy -> the `provider` routing object
     cost_plan.py  the planned cost of the output budgets against the balance and the spend limit
     pilot.py      the response length: given, or measured by a paid pilot
     probe.py      the paid fidelity probe, and excluding the endpoints it flags
     outputs.py    the stage's files: the one module that writes and reads them
     figures.py    cost vs balance, price vs throughput
 
-Notebook 01 calls these in that order; money questions (prices, the balance) are pricing.py's.
+The endpoint table and the precision policy (the `provider` routing object), the stage's HTTP
+client and every money question (prices, the balance) are `draftsmith.openrouter`'s.
+Notebook 01 calls these in that order.
 """

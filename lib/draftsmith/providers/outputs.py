@@ -19,7 +19,7 @@ import pandas as pd
 
 from ..files import write_json_atomic, write_text_atomic
 from ..paths import Run
-from .endpoints import exclusions
+from ..openrouter.endpoints import exclusions
 
 STAGE = "providers"
 

@@ -9,14 +9,14 @@ from itertools import islice
 
 import pandas as pd
 
-from ..client import BodyMaker, messages_json
+from ..openrouter.client import BodyMaker, messages_json
 from ..datasets import DatasetReader, DatasetSpec
 from ..paths import Run
-from ..pricing import highest
+from ..openrouter.pricing import highest
 from . import outputs
-from .api import Api
+from ..openrouter.api import Api
 from .cost_plan import DatasetTokens
-from .endpoints import table_worst_prices
+from ..openrouter.endpoints import table_worst_prices
 
 
 def pilot(api: Api, settings: dict, datasets: list[DatasetSpec], samples: int) -> pd.DataFrame:

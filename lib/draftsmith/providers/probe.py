@@ -16,12 +16,12 @@ from itertools import islice
 
 import pandas as pd
 
-from ..client import BodyMaker, messages_json, request_settings
+from ..openrouter.client import BodyMaker, messages_json, request_settings
 from ..datasets import DatasetReader, DatasetSpec
 from ..paths import Run
 from . import outputs
-from .api import Api
-from .endpoints import table_worst_prices
+from ..openrouter.api import Api
+from ..openrouter.endpoints import table_worst_prices
 
 
 def reference_provider(model: str, probe_reference: str) -> str:

@@ -6,6 +6,5 @@
   checkpoint.py    `resolve_target`, config, tokenizer, single tensors, the transformers model
   identity.py      the one fingerprint of a checkpoint (the target's, an exported drafter's)
   hooks.py         forward hooks keeping the outputs of chosen decoder layers
-  backends.py      stage 04's seam: `open_capture` on `hf` (hf.py) or `vllm` (vllm.py)
   vllm_capture.py  runs inside the vLLM engine's process: the one file touching vLLM internals
 """

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import store
+from ..generate import outputs as store
 from ..imports import to_raw
 from ..paths import Run
 

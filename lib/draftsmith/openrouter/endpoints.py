@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..pricing import Prices, default_prices, lacks_parameters, worst_prices
-from ..quantization import BITS, below_native
+from .pricing import Prices, default_prices, lacks_parameters, worst_prices
+from .pricing import BITS, below_native
 from .api import Api
 
 

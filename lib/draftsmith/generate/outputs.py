@@ -33,8 +33,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .files import read_jsonl, repair_tail, write_json_atomic
-from .paths import Run
+from ..files import read_jsonl, repair_tail, write_json_atomic
+from ..paths import Run
 
 RESPONSES, ERRORS = "raw_responses.jsonl", "errors.jsonl"        # per dataset
 MANIFEST, TIMELINE = "manifest.json", "timeline.jsonl"           # per run

@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from ..apikey import ApiKey
-from ..client import Failure, Reply, classify_error, parse_completion, retry_after_seconds
+from .apikey import ApiKey
+from .client import Failure, Reply, classify_error, parse_completion, retry_after_seconds
 from ..progress import Progress
-from ..retry import backoff_delay
+from .retry import backoff_delay
 
 
 class ApiError(RuntimeError):

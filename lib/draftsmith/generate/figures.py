@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .. import store
+from . import outputs as store
 from ..paths import Run
 
 COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens", "completion_tokens",

@@ -18,6 +18,10 @@ is the one worst-case rule: stage 02's reservations and stage 01's paid pilot an
 code): the lowest of the account's credits (`/credits`, when the key may read it), the key's own
 limit (`/key` `limit_remaining`) and every budget layer the key is held to (`/key` `budgets`, of
 which `effective_budget` blocks first). When it cannot tell, it says why in `source`.
+
+Quantization formats (`BITS`, `FAMILIES`): how many bits each keeps and which formats a routing
+name stands for, so that "fp4" means the same endpoints to stage 01's precision policy and to the
+pricing of the endpoints a routing may pick.
 """
 
 from __future__ import annotations
@@ -30,8 +34,30 @@ from typing import Iterable, NamedTuple
 
 import aiohttp
 
-from .quantization import routed
 from .retry import backoff_delay
+
+BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "mxfp8": 8, "int8": 8, "fp6": 6,
+        "int4": 4, "fp4": 4, "mxfp4": 4, "nvfp4": 4}
+
+# OpenRouter's `quantizations` routing filter: a family name also lets its variants through
+FAMILIES = {"fp4": {"fp4", "mxfp4", "nvfp4"}, "fp8": {"fp8", "mxfp8"}}
+
+
+def below_native(quantization: str, native: str) -> bool:
+    """True when serving at `quantization` loses precision against `native` weights: fewer bits,
+    or as many bits in another format (int4 QAT weights re-quantized to fp4/nvfp4 lose accuracy)."""
+    if quantization == native or quantization not in BITS:
+        return False
+    return BITS[quantization] <= BITS[native]
+
+
+def routed(quantizations) -> set[str]:
+    """The formats a `quantizations` routing list lets serve, its families' variants included."""
+    names = set(quantizations)
+    for family, members in FAMILIES.items():
+        if family in names:
+            names |= members
+    return names
 
 
 class CatalogueError(RuntimeError):

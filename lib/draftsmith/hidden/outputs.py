@@ -29,8 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .files import replacing, write_json_atomic
-from .paths import Run
+from ..files import replacing, write_json_atomic
+from ..paths import Run
 
 INDEX = "index.json"
 SUMMARY = "summary.json"
