@@ -142,8 +142,7 @@ def test_bad_values_are_all_named_before_any_stage_starts(tmp_path, capsys, monk
                      {"name": "c", "path": str(tmp_path / "missing.jsonl")}]}))
     assert cli.main(["run", "all", "-f", str(f)]) == 2
     err = capsys.readouterr().err
-    for text in ["concurrency must be at least 1", "spend_limit_usd must be more than 0 (dollars this run may spend), "
-                 "got 0", "max_tokens must be at least 1", "datasets[0] 'a': no usable prompt", "(the file is empty)",
+    for text in ["concurrency must be at least 1", "spend_limit_usd must be more than 0 (the run never spends more than this), got 0", "max_tokens must be at least 1", "datasets[0] 'a': no usable prompt", "(the file is empty)",
                  f"datasets[1] 'b': no usable prompt in {tmp_path / 'bad.jsonl'}; skipped: {tmp_path / 'bad.jsonl'}:1:",
                  "datasets[2] 'c': file not found", f"{f}: api_base is 'https://openrouter.ai/api/v1': no API key"]:
         assert text in err, text

@@ -1,6 +1,7 @@
 """Params files: one default per setting (the notebook's), a params file holds only overrides, and
 the demo still runs on exactly the values it ran on before the files were trimmed."""
 
+import pytest
 import yaml
 
 from draftsmith import cli, parameters
@@ -85,3 +86,26 @@ def test_a_setting_several_notebooks_declare_has_one_default():
             defaults.setdefault(name, {})[stage.path.stem] = repr(p.default)
     two = {name: by for name, by in defaults.items() if len(set(by.values())) > 1}
     assert not two, f"declared with different defaults: {two}"
+
+
+def test_a_bound_is_declared_once_in_the_notebook_line_and_both_preflight_and_the_library_hold_to_it(tmp_path, capsys):
+    p = parameters.declaration("top_p")
+    assert str(p.bound) == "in (0, 1]" and p.help == "nucleus sampling (pilot)"
+    assert cli.main(["run", "02", "-f", str(PARAMS[0]), "--check", "-p", "top_p", "1.5"]) == 2
+    assert "-p top_p: top_p must be in (0, 1] (nucleus sampling), got 1.5" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"train_holdout_fraction must be in \[0, 1\) .*got 1"):
+        parameters.check_bounds({"top_p": 1.0, "train_holdout_fraction": 1})
+    parameters.check_bounds({"concurrency": 1, "shard_mb": 0.01})
+
+
+def test_a_notebook_whose_default_breaks_its_own_bound_or_bounds_a_string_is_refused(tmp_path):
+    import nbformat
+
+    for line, says in [("concurrency = 0  # [1, inf) requests in flight", "concurrency must be at least 1"),
+                       ('model = "m"  # [1, inf) model id', "a bound is for numbers")]:
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell(line, metadata={"tags": ["parameters"]})]
+        path = tmp_path / "09_x.ipynb"
+        nbformat.write(nb, path)
+        with pytest.raises(parameters.ParamError, match=says):
+            parameters.read_parameters(path)

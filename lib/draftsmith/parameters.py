@@ -2,6 +2,11 @@
 
 A stage is a notebook `notebooks/NN_name.ipynb`; its one cell tagged `parameters` declares the
 parameters it takes as `name = literal  # help`, and that literal is the setting's one default.
+A number's help may start with its bound, an interval: `concurrency = 64  # [1, inf) requests in
+flight` (`(0, 1]`, `[0, inf)`, ...). That line is the setting's one declaration: the runner's
+preflight and the library (`check_bounds`, called where a stage takes its settings) read it, and a
+stage's `run(run, **params)` takes the notebook's names end to end (`given` picks them out of a
+notebook's namespace).
 A params file (and `-p` overrides) hold only what differs: they are merged over the defaults, a
 key that no notebook declares or a value of the wrong type is rejected (naming the file and key),
 relative paths (`datasets` and `imports` entries too) become absolute, relative to where
@@ -14,6 +19,7 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,16 +35,55 @@ class ParamError(ValueError):
     """A parameter problem the user must fix; the message names the file and key."""
 
 
+BOUND = re.compile(r"^([\[(])\s*(-?inf|-?[\d.]+(?:e-?\d+)?)\s*,\s*(inf|-?[\d.]+(?:e-?\d+)?)\s*([\])])\s*")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """An interval a number must lie in, as its declaration writes it: `[1, inf)`, `(0, 1]`."""
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+
+    def holds(self, v) -> bool:
+        return ((v >= self.low if self.low_closed else v > self.low) and
+                (v <= self.high if self.high_closed else v < self.high))
+
+    def __str__(self) -> str:
+        low = f"{self.low:g}"
+        if self.high == float("inf"):
+            return f"at least {low}" if self.low_closed else f"more than {low}"
+        return f"in {'[' if self.low_closed else '('}{low}, {self.high:g}{']' if self.high_closed else ')'}"
+
+
+def parse_bound(help_: str) -> tuple[Bound | None, str]:
+    """(the bound a help text starts with, or None; the rest of the text)."""
+    m = BOUND.match(help_)
+    if not m:
+        return None, help_
+    return Bound(float(m[2]), float(m[3]), m[1] == "[", m[4] == "]"), help_[m.end():]
+
+
 @dataclass
 class Param:
     name: str
     default: object
     help: str
     notebook: str
+    bound: Bound | None = None
 
     @property
     def type_name(self) -> str:
         return "any" if self.default is None else type(self.default).__name__
+
+    def problem(self, value) -> str | None:
+        """What is wrong with a number outside the declared bound (None: nothing)."""
+        if self.bound is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+            return None
+        if self.bound.holds(value):
+            return None
+        return f"{self.name} must be {self.bound} ({self.help}), got {value!r}"
 
 
 @dataclass
@@ -84,8 +129,43 @@ def read_parameters(path: Path) -> dict[str, Param]:
             raise ParamError(f"{path.name}: parameter {node.targets[0].id!r} must be a plain literal") from None
         line = lines[node.end_lineno - 1]
         help_ = line.split("#", 1)[1].strip() if "#" in line[node.end_col_offset:] else ""
-        out[node.targets[0].id] = Param(node.targets[0].id, value, help_, path.name)
+        bound, help_ = parse_bound(help_)
+        if bound is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            raise ParamError(f"{path.name}: parameter {node.targets[0].id!r}: a bound is for numbers, "
+                             f"its default is {value!r}")
+        out[node.targets[0].id] = Param(node.targets[0].id, value, help_, path.name, bound)
+        if bound is not None and out[node.targets[0].id].problem(value):
+            raise ParamError(f"{path.name}: {out[node.targets[0].id].problem(value)} (its own default)")
     return out
+
+
+_DECLARED: dict[str, Param] = {}
+
+
+def declaration(name: str) -> Param:
+    """The one declaration of setting `name` (the notebooks' parameters cells, read once)."""
+    if not _DECLARED:
+        _DECLARED.update(declared(discover()))
+    if name not in _DECLARED:
+        raise KeyError(f"no notebook declares {name!r}")
+    return _DECLARED[name]
+
+
+def check_bounds(values: dict) -> None:
+    """Raise ValueError naming the first setting of `values` outside its declared bound; the
+    library calls this where a stage takes its settings, so a direct call is held to the same
+    bounds as a `draftsmith run`."""
+    for name, value in values.items():
+        problem = declaration(name).problem(value)
+        if problem:
+            raise ValueError(problem)
+
+
+def given(number: str, namespace: dict) -> dict:
+    """Notebook `number`'s parameters (their current values in `namespace`, the notebook's
+    globals), without the two that name the run folder: what its stage's `run(run, **params)` takes."""
+    stage = next(s for s in discover() if s.number == number)
+    return {name: namespace[name] for name in stage.params if name not in ("run_name", "outputs_dir")}
 
 
 def discover(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Stage]:

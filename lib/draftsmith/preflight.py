@@ -19,54 +19,17 @@ from pathlib import Path
 from .openrouter.apikey import api_key_for, read_api_key
 from .datasets import DatasetReader, parse_datasets, stable_id
 from .imports import ImportSpec, answered, parse_imports, to_raw
+from . import parameters
 from .paths import Run, check_name
 from .distributed import rendezvous_args
-
-# parameter: (is the value acceptable, what it must be)
-RULES = {
-    "concurrency": (lambda v: v >= 1, "at least 1 (requests in flight)"),
-    "max_tokens": (lambda v: v >= 1, "at least 1 (tokens per response)"),
-    "spend_limit_usd": (lambda v: v > 0, "more than 0 (dollars this run may spend)"),
-    "max_attempts": (lambda v: v >= 1, "at least 1"),
-    "request_timeout_s": (lambda v: v > 0, "more than 0 seconds"),
-    "stop_grace_s": (lambda v: v >= 0, "0 or more seconds"),
-    "outage_limit_s": (lambda v: v > 0, "more than 0 seconds"),
-    "balance_floor_usd": (lambda v: v >= 0, "0 or more dollars"),
-    "temperature": (lambda v: v >= 0, "0 or more"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "pilot_samples": (lambda v: v >= 0, "0 or more"),
-    "probe_prompts": (lambda v: v >= 0, "0 or more"),
-    "probe_max_tokens": (lambda v: v >= 1, "at least 1"),
-    "expected_output_tokens": (lambda v: v >= 0, "0 (measure with a pilot) or more"),
-    "max_tokens_per_batch": (lambda v: v >= 1, "at least 1"),
-    "shard_mb": (lambda v: v > 0, "more than 0"),
-    "nproc_per_node": (lambda v: v >= 1, "at least 1"),
-    "nnodes": (lambda v: v >= 1, "at least 1 (machines running stages 04 and 05 together)"),
-    "draft_vocab_size": (lambda v: v >= 1, "at least 1"),
-    "ttt_steps": (lambda v: v >= 1, "at least 1"),
-    "train_epochs": (lambda v: v > 0, "more than 0"),
-    "train_batch_size": (lambda v: v >= 1, "at least 1"),
-    "train_micro_batch_size": (lambda v: v >= 1, "at least 1"),
-    "train_max_len": (lambda v: v >= 2, "at least 2"),
-    "train_lr": (lambda v: v > 0, "more than 0"),
-    "train_holdout_fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "train_nproc": (lambda v: v >= 1, "at least 1"),
-    "eval_prompts_per_dataset": (lambda v: v >= 1, "at least 1"),
-    "eval_max_new_tokens": (lambda v: v >= 1, "at least 1"),
-    "draft_tokens": (lambda v: v >= 1, "at least 1"),
-}
-
 
 def check(stages, values: dict, sources: dict[str, str]) -> list[str]:
     """Every problem of the selected stages' parameters, one line each (empty: all good)."""
     declared = {name for s in stages for name in s.params}
     where = lambda k: sources.get(k, "default")  # noqa: E731
-    problems = []
-    for name in sorted(declared & RULES.keys()):
-        ok, must = RULES[name]
-        v = values.get(name)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not ok(v):
-            problems.append(f"{where(name)}: {name} must be {must}, got {v!r}")
+    params = parameters.declared(stages)
+    problems = [f"{where(name)}: {params[name].problem(values.get(name))}" for name in sorted(declared)
+                if params[name].problem(values.get(name))]
     problems += _names(values, "datasets" in declared, where)
     if "nnodes" in declared and isinstance(values.get("nnodes"), int) and values["nnodes"] > 1:
         try:
