@@ -1,4 +1,5 @@
-# Two commands: `make demo` runs the whole chain on the embedded default, `make test` runs the tests.
+# Two commands: `make demo` runs the whole chain on the embedded default, `make test` runs the tests
+# (`make test-fast`: the fast tiers).
 # `make lab` opens working copies of the notebooks (in lab/) in JupyterLab with the project's kernel
 # (LAB_ARGS: e.g. --no-browser --port=8899).
 PYTHON ?= python3
@@ -6,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench rehearsal venv clean-demo lab gpu-venv sglang-venv
+.PHONY: demo test test-fast bench rehearsal venv clean-demo lab gpu-venv sglang-venv
 
 venv: $(STAMP)
 
@@ -25,10 +26,15 @@ $(STAMP): requirements.txt requirements-common.txt requirements-benchmarks.txt p
 demo: $(STAMP)
 	$(VENV)/bin/draftsmith run all -f params/demo.yaml
 
-# the tests' built-in targets are built first (cached afterwards), outside any test's time-out
+# `make test` runs every tier; `make test-fast` the library and the emulator tiers (a few minutes),
+# without importing the other tiers' files. The built-in targets the chosen tests use are built before
+# the first test (tests/conftest.py), outside any test's time-out, and cached afterwards.
+FAST_TIERS := unit or emulator
 test: $(STAMP)
-	$(PY) -m draftsmith.target tiny-test kimi-mini
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "$(FAST_TIERS)"
 
 # Lab works on copies in $(LAB_DIR)/ (git-ignored): its autosave writes outputs and edited values into
 # the notebook it has open, while notebooks/ holds the defaults `draftsmith run` reads. A copy is made

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import psutil
 
-from draftsmith.generate import outputs as store
+from draftsmith.generate import outputs
 from draftsmith.emulator import read_ledger
 from draftsmith.paths import Run
 
@@ -157,13 +157,13 @@ async def run_openai(base, n, conc, path, aio: bool):
 
 def run_draftsmith(base, n, conc, path, out, budget=None, max_tokens=1024):
     from draftsmith.openrouter.apikey import ApiKey
-    from draftsmith.generate.stage import run_generation
+    from draftsmith.generate.stage import run_at
 
     ds = {"name": "bench", "path": path}
     if budget:
         ds["output_token_budget"] = budget
     c0, t0 = cpu(), time.time()
-    r = run_generation(base, ApiKey(KEY, "bench"), Run(out, "bench"), [ds], model=MODEL, max_tokens=max_tokens,
+    r = run_at(base, ApiKey(KEY, "bench"), Run(out, "bench"), [ds], model=MODEL, max_tokens=max_tokens,
                        concurrency=conc, spend_limit_usd=1e5, native_precision="int4", log=lambda *a: None)
     assert r.complete, r.message
     print(json.dumps({"peak_in_flight": r.session["peak_in_flight"]}), file=sys.stderr)
@@ -256,7 +256,7 @@ def bench_slots(work: Path, conc: int, seconds: float) -> None:
         ledger = {x["generation_id"]: x for x in read_ledger(emu.state)}
     finally:
         emu.close()
-    rows = [r for _, r in store.read_responses(Run(out, "bench"), "bench")]
+    rows = [r for _, r in outputs.read_responses(Run(out, "bench"), "bench")]
     last_start = max(x["started_at"] for x in rows)
     first_end = min(x["completed_at"] for x in rows)
     lo, hi = first_end + 2.0, last_start       # every slot busy: after the first responses, before the last dispatch

@@ -129,7 +129,7 @@ def main() -> None:
             times["plain forward"].append(plain_forward(model, batches))
             for dtype in ("bf16", "fp8"):
                 out = tmp / f"{dtype}-{r}"
-                s = extract(target, [tmp / "bench.jsonl"], out, dtype=dtype, device=a.device,
+                s = extract(target, [tmp / "bench.jsonl"], out, hidden_dtype=dtype, target_backend="hf", device=a.device,
                                    max_tokens_per_batch=a.max_tokens_per_batch, shard_mb=a.shard_mb,
                                    log=lambda m: None)
                 assert s["tokens_extracted"] == tokens

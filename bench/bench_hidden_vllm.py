@@ -2,7 +2,7 @@
 
 Rows, measured in one run over the same samples, each engine started once (start-up not counted):
   plain prefill      vLLM alone, each sample a prompt with max_tokens=1, no capture: the limit
-  capture bf16       `hidden.extract.extract(backend="vllm")` end to end: the engine's capture, the files
+  capture bf16       `hidden.extract.extract(target_backend="vllm")` end to end: the engine's capture, the files
                      it hands over, the final norm, shard writes (fsync'd), index
   capture fp8        the same with fp8 storage
 Each round runs every row once, back to back; a row's ratio is the median over rounds of its speed
@@ -102,7 +102,7 @@ def main() -> None:
                 times["plain prefill"].append(plain_round())
                 for dtype in ("bf16", "fp8"):
                     out = tmp / f"{dtype}-{r}"
-                    s = extract(target, [tmp / "bench.jsonl"], out, layer_ids=ids, dtype=dtype, backend="vllm",
+                    s = extract(target, [tmp / "bench.jsonl"], out, layer_ids=ids, hidden_dtype=dtype, target_backend="vllm",
                                        capture=capture, max_tokens_per_batch=a.max_tokens_per_batch,
                                        shard_mb=a.shard_mb, log=lambda m: None)
                     assert s["tokens_extracted"] == tokens

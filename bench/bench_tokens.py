@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith import tokens
+from draftsmith import parameters, tokens
 from draftsmith.target.checkpoint import resolve_target
 from draftsmith.target.corpus import stdlib_docstrings
 from draftsmith.tokens import Response, Thresholds
@@ -98,11 +98,14 @@ def methods(rec, samples: list[Response], batch: int) -> dict:
     def rebuild():
         return sum(len(b.prompt_ids) + len(b.output_ids) for bt in batches for b in rec.rebuild(bt))
 
+    declared = Thresholds(*(parameters.declaration(n).default
+                            for n in ("sample_tolerance", "min_clean_rate", "max_relative_error")))
+
     def stage():
         n = 0
         for bt in batches:
             for r, b in zip(bt, rec.rebuild(bt)):
-                row = check_row(r, b, tokens.check(r, b, layout, Thresholds()))
+                row = check_row(r, b, tokens.check(r, b, layout, declared))
                 line = ids_line(b)
                 n += len(b.prompt_ids) + len(b.output_ids) + 0 * len(line) * len(row)
         return n

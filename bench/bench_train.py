@@ -52,7 +52,7 @@ def make_hidden(target: Path, out: Path, n: int) -> Path:
                      "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extract(target, [out / "tokens.jsonl"], out / "hidden", dtype="bf16", log=lambda m: None)
+    extract(target, [out / "tokens.jsonl"], out / "hidden", hidden_dtype="bf16", target_backend="hf", log=lambda m: None)
     return out / "hidden"
 
 
@@ -67,12 +67,12 @@ def bare(cfg: TrainConfig, steps: int) -> tuple[float, int]:
     drafter = build_drafter(mcfg, tensors["embed"], prep.vocab, cfg.seed)
     obj = TTTObjective(drafter, tensors["lm_head"][prep.vocab.used].clone(), cfg.ttt_steps)
     weights = step_weights(cfg)
-    spe = len(prep.train) // cfg.batch_size
+    spe = len(prep.train) // cfg.train_batch_size
     plan = []
     for s in range(steps):
-        gb = data.global_batches(prep.train, cfg.batch_size, cfg.seed, s // spe)[s % spe]
+        gb = data.global_batches(prep.train, cfg.train_batch_size, cfg.seed, s // spe)[s % spe]
         denom = prep.counts[gb].sum(0).float()
-        mbs = data.MicroBatches(cfg.hidden_dir, data.micro_batches(gb, prep.sup, cfg.micro_batch_size), prep.sup)
+        mbs = data.MicroBatches(cfg.hidden_dir, data.micro_batches(gb, prep.sup, cfg.train_micro_batch_size), prep.sup)
         plan.append(([mbs[j] for j in range(len(mbs))], weights / denom.clamp_min(1),
                      sum(prep.sup.length(i) for i in gb)))
     t0 = time.perf_counter()
@@ -106,11 +106,12 @@ def main() -> int:
         n = len(HiddenShards(hidden_dir))
         epochs = a.steps / ((n - max(1, round(0.05 * n))) // a.batch)
         cfg = TrainConfig(hidden_dir=str(hidden_dir), target_path=str(target), out_dir=str(Path(tmp) / "drafter"),
-                          draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt, epochs=epochs, batch_size=a.batch,
-                          micro_batch_size=a.micro, max_len=1024, lr=1e-3, warmup_fraction=0.015, weight_decay=0.0,
-                          grad_clip=0.5, holdout_fraction=0.05, seed=0, fsdp=False, eval_every=0,
-                          checkpoint_every=10 ** 9, export_fractions=[1.0], export_engine="sglang",
-                          export_dtype="bfloat16", resume=False)
+                          draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt, train_epochs=epochs,
+                          train_batch_size=a.batch, train_micro_batch_size=a.micro, train_max_len=1024,
+                          train_lr=1e-3, train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
+                          train_holdout_fraction=0.05, seed=0, train_fsdp=False, train_eval_every=0,
+                          train_checkpoint_every=10 ** 9, export_fractions=[1.0], export_engine="sglang",
+                          export_dtype="bfloat16", train_resume=False)
         loop, limit = [], []
         for r in range(a.rounds):
             s = train.train(cfg, log=lambda *m: None)

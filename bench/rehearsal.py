@@ -52,7 +52,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rehearsal_data  # noqa: E402
 
-from draftsmith.generate import outputs as store
+from draftsmith.generate import outputs
 from draftsmith.datasets import stable_id  # noqa: E402
 
 from draftsmith.emulator import ADMIN_KEY_ENV, KEY_ENV, new_key  # noqa: E402
@@ -299,7 +299,7 @@ def stage_01_plan(run: Run, balance: float, spend_limit: float) -> dict:
 
 
 def last_session(run: Run) -> dict:
-    manifest = store.read_manifest(run)
+    manifest = outputs.read_manifest(run)
     return manifest["sessions"][-1] if manifest.get("sessions") else {}
 
 
@@ -307,7 +307,7 @@ def topup_amount(run: Run, plan: dict, emu: Emulator, floor: float) -> float:
     """What a user would add: what stage 02's stop message says (the expected cost of what is left,
     plus a worst case per slot the rest needs, so every slot stays busy, less the money left); if it said
     nothing, the planned cost of the tokens still to do plus a quarter. Whole dollars from $10 up."""
-    manifest = store.read_manifest(run)
+    manifest = outputs.read_manifest(run)
     usd = manifest["sessions"][-1].get("top_up_usd") if manifest.get("sessions") else None
     if not usd:
         done = sum(d["completion_tokens"] for d in manifest["datasets"].values())
@@ -320,7 +320,7 @@ def topup_amount(run: Run, plan: dict, emu: Emulator, floor: float) -> float:
 
 def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale: float, concurrency: int,
             emulator_cpu: float) -> dict:
-    manifest = store.read_manifest(run)
+    manifest = outputs.read_manifest(run)
     allowed = stage_01.read_routing(run)["only"]
     endpoints = {r["tag"]: r for r in stage_01.read_endpoints(run).to_dict("records")}
     keep = ("generation_id", "time", "generation_ms", "prompt_key", "billed", "cost", "error")
@@ -332,7 +332,7 @@ def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale:
     saved, dup = {}, 0      # sample id -> (generation id, client latency) of its saved response
     asked = Counter()       # saved samples per prompt (two samples may share a prompt)
     for name in manifest["datasets"]:
-        for _, r in store.read_responses(run, name):
+        for _, r in outputs.read_responses(run, name):
             dup += r["sample_id"] in saved
             saved[r["sample_id"]] = (r["generation_id"], r.get("latency_s"))
             asked[stable_id(r["messages"])] += 1       # the emulator's prompt_key of that request
@@ -362,7 +362,7 @@ def measure(run: Run, stages: list[dict], plan: dict, top_up: float, time_scale:
     cheapest = min(cost_on, key=cost_on.get)
     cheapest_usd = cost_on[cheapest]
     credits = [a for a in account if a.get("type") == "credits"]
-    timeline = store.read_timeline(run)
+    timeline = outputs.read_timeline(run)
     floor = manifest["config"]["balance_floor_usd"]
     worst = manifest["config"]["request"]["max_tokens"] * max(
         float(endpoints[t].get("price_out_worst") or endpoints[t]["price_out"]) for t in allowed) / 1e6

@@ -1,4 +1,5 @@
-"""Shared fixtures: the test-sized tiny target (built once into the cache) and a throwaway API key."""
+"""Shared fixtures (the test-sized tiny target, built once into the cache, and a throwaway API key) and
+the test tiers: which tier each test is in, so that `pytest -m TIER` imports and builds only what it runs."""
 
 import json
 import os
@@ -15,6 +16,161 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DRAFTSMITH_PROGRESS", "log")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def notebook_params(number: str, **params) -> dict:
+    """What notebook `number` passes to its stage's `run`: its parameters at their declared
+    defaults, but for `params` (a name the notebook does not declare is an error)."""
+    from draftsmith import parameters
+
+    declared = next(s for s in parameters.discover() if s.number == number).params
+    unknown = set(params) - set(declared)
+    if unknown:
+        raise KeyError(f"notebook {number} declares no {sorted(unknown)}")
+    return parameters.given(number, {**{n: p.default for n, p in declared.items()}, **params})
+
+
+# ---- tiers -------------------------------------------------------------------------------------
+# Each test belongs to one tier, the heaviest thing it needs (pyproject.toml registers them and says
+# what each covers): unit < emulator < crash < notebook < engine; browser and network-resolver apart.
+# A file's entry is the tier of its tests; "file::test" entries take single tests elsewhere.
+# `pytest -m TIERS` (`make test-fast` is `-m "unit or emulator"`) does not even import a file whose
+# tests are all in other tiers; tests/test_tiers.py checks that every test file is listed here.
+TIERS = {
+    "test_benchmarks.py": "unit",
+    "test_budget.py": "unit",
+    "test_chain.py": "notebook",
+    "test_client.py": "emulator",
+    "test_demo_data.py": "unit",
+    "test_drafter.py": "unit",
+    "test_drafter.py::test_two_gloo_processes_train_like_one_process_with_ddp_and_with_fsdp": "engine",
+    "test_drafter.py::test_fsdp_scores_a_held_out_split_that_two_ranks_cannot_share_evenly": "engine",
+    "test_emulator.py": "emulator",
+    "test_emulator_contract.py": "emulator",
+    "test_emulator_model.py": "emulator",
+    "test_emulator_process.py": "emulator",
+    "test_engine_source.py": "engine",
+    "test_eval_vllm.py": "engine",
+    "test_evaluate.py": "unit",
+    "test_files.py": "unit",
+    "test_foundation.py": "unit",
+    "test_foundation.py::test_target_build_is_deterministic_for_a_seed": "engine",
+    "test_foundation.py::test_an_interrupted_target_build_resumes_from_its_last_checkpoint_to_the_same_weights": "engine",
+    "test_generate_availability.py": "emulator",
+    "test_generate_availability.py::test_the_notebook_parameter_stops_stage_02_in_an_outage_and_says_so": "notebook",
+    "test_generate_contract.py": "emulator",
+    "test_generate_e2e.py": "emulator",
+    "test_generate_e2e.py::test_a_signal_stops_cleanly_and_a_rerun_finishes": "crash",
+    "test_generate_e2e.py::test_kill_9_at_random_moments_then_resume_pays_twice_only_for_in_flight": "crash",
+    "test_generate_e2e.py::test_an_interrupt_asks_the_cost_of_lost_answers_for_seconds_and_counts_the_rest_at_their_worst": "crash",
+    "test_generate_emulator_contract.py": "emulator",
+    "test_generate_message.py": "emulator",
+    "test_generate_notebook.py": "notebook",
+    "test_generate_retry.py": "unit",
+    "test_gpu_requirements.py": "network-resolver",
+    "test_gpu_smoke.py": "unit",
+    "test_hidden.py": "unit",
+    "test_hidden.py::test_two_rank_torchrun_gives_the_same_samples_as_one_process": "engine",
+    "test_hidden.py::test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun": "engine",
+    "test_hidden.py::test_a_failed_torchrun_says_what_the_ranks_said_not_only_torchruns_own_traceback": "engine",
+    "test_hidden.py::test_kill_mid_run_then_rerun_has_every_sample_once_and_no_torn_shard": "crash",
+    "test_hidden.py::test_notebook_04_extracts_checks_and_plots": "notebook",
+    "test_hidden_vllm.py": "engine",
+    "test_import_sglang.py": "unit",
+    "test_kimi_mini.py": "engine",
+    "test_kimi_params.py": "unit",
+    "test_kimi_tokenizer.py": "unit",
+    "test_kimi_tokenizer.py::test_emulator_bills_with_a_tiktoken_tokenizer_and_stage_03_rebuilds_its_ids": "emulator",
+    "test_kimi_vllm.py": "engine",
+    "test_lab.py": "notebook",
+    "test_multinode.py": "engine",
+    "test_openrouter_conformance.py": "emulator",
+    "test_ownership.py": "unit",
+    "test_preflight.py": "unit",
+    "test_pricing.py": "emulator",
+    "test_progress.py": "emulator",
+    "test_providers.py": "emulator",
+    "test_providers.py::test_stage_01_end_to_end_excludes_fp4_and_flags_the_perturbed_provider": "notebook",
+    "test_rehearsal.py": "notebook",
+    "test_report_browser.py": "browser",
+    "test_report_figures.py": "unit",
+    "test_report_html.py": "unit",
+    "test_run_guard.py": "notebook",
+    "test_run_guard.py::test_each_changed_setting_is_named_and_a_template_that_cannot_be_read_is_not_compared": "unit",
+    "test_runner.py": "unit",
+    "test_runner.py::test_runner_passes_only_declared_parameters_with_absolute_paths": "notebook",
+    "test_runner.py::test_a_failing_stage_names_the_notebook_and_cell": "notebook",
+    "test_runner.py::test_a_failing_stage_points_to_its_traceback_in_the_log_with_the_same_cell_number": "notebook",
+    "test_runner.py::test_ctrl_c_stops_the_run_with_one_line_and_exit_130": "notebook",
+    "test_runner_params.py": "unit",
+    "test_runner_signals.py": "notebook",
+    "test_sources.py": "unit",
+    "test_sources.py::test_stage_02_does_not_ask_for_prompts_an_import_answers": "emulator",
+    "test_store.py": "unit",
+    "test_tiers.py": "unit",
+    "test_tokens.py": "unit",
+    "test_tokens_emulator.py": "emulator",
+    "test_tokens_outputs.py": "unit",
+    "test_tokens_stage.py": "unit",
+    "test_tokens_verdict.py": "unit",
+}
+# the built-in targets a tier's tests use: built (or found in the cache) before the first test runs,
+# so that no build counts against a test's time-out; "kimi-mini" builds "kimi-mini-bf16" with it
+TARGETS = {"unit": ("tiny-test",), "emulator": ("tiny-test",), "crash": ("tiny-test",), "notebook": ("tiny-test",),
+           "engine": ("tiny-test", "kimi-mini", "kimi-mini-bf16"), "browser": ("tiny-test",), "network-resolver": ()}
+
+
+def tier_of(item) -> str | None:
+    file, test = item.path.name, getattr(item, "originalname", item.name)  # originalname: without [params]
+    return TIERS.get(f"{file}::{test}", TIERS.get(file))
+
+
+def chosen_tiers(config) -> set[str]:
+    """The tiers `-m` selects; every tier when it is absent or names markers other than tiers (then
+    pytest's own selection decides, after importing every file)."""
+    from _pytest.mark.expression import Expression  # pytest's own parser of -m
+
+    tiers = set(TIERS.values())
+    if not config.option.markexpr:
+        return tiers
+    expr = Expression.compile(config.option.markexpr)
+    if not expr.idents() <= tiers:
+        return tiers
+    return {t for t in tiers if expr.evaluate(lambda name, **_: name == t)}
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A test file none of whose tiers is chosen is not imported (most import torch at the top)."""
+    name = collection_path.name
+    tiers = {tier for key, tier in TIERS.items() if key.split("::")[0] == name}
+    if tiers and not tiers & chosen_tiers(config):
+        return True
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = tier_of(item)
+        if tier:
+            item.add_marker(tier)
+
+
+def pytest_collection_finish(session):
+    """Builds the built-in targets the selected tests' tiers use, saying which, before any test runs."""
+    config = session.config
+    if config.option.collectonly or not session.items:
+        return
+    tiers = {tier_of(item) for item in session.items}
+    names = dict.fromkeys(n for tier in tiers for n in TARGETS.get(tier, TARGETS["unit"]))
+    if not names:
+        return
+    from draftsmith.target.checkpoint import resolve_target
+
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    write = reporter.write_line if reporter else print
+    for name in names:
+        write(f"test target {name}: {resolve_target(name, log=write)}")
 
 
 @pytest.fixture(scope="session")
@@ -123,13 +279,15 @@ def stage_05_run(run: Path, target: Path, tok, *, epochs: float, export_fraction
     files = [write_token_rows(tokens / "code.jsonl", tok, convs[:16], "code",
                               greedy_answers(target) if target_answers else None),
              write_token_rows(tokens / "chat.jsonl", tok, convs[16:32], "chat")]
-    extract(target, files, run / "hidden", layer_ids=layer_ids, dtype="bf16", log=lambda *a: None)
+    extract(target, files, run / "hidden", layer_ids=layer_ids, hidden_dtype="bf16", target_backend="hf",
+            log=lambda *a: None)
     train(TrainConfig(hidden_dir=str(run / "hidden"), target_path=str(target), out_dir=str(run / "drafter"),
-                      draft_vocab_size=512, ttt_steps=3, epochs=epochs, batch_size=4, micro_batch_size=4,
-                      max_len=160, lr=lr, warmup_fraction=0.015, weight_decay=0.0, grad_clip=0.5,
-                      holdout_fraction=0.2, seed=0, fsdp=False, eval_every=0, checkpoint_every=100,
+                      draft_vocab_size=512, ttt_steps=3, train_epochs=epochs, train_batch_size=4,
+                      train_micro_batch_size=4, train_max_len=160, train_lr=lr, train_warmup_fraction=0.015,
+                      train_weight_decay=0.0, train_grad_clip=0.5, train_holdout_fraction=0.2, seed=0,
+                      train_fsdp=False, train_eval_every=0, train_checkpoint_every=100,
                       export_fractions=export_fractions, export_engine="sglang", export_dtype="float32",
-                      resume=True), log=lambda *a: None)
+                      train_resume=True), log=lambda *a: None)
     return run
 
 

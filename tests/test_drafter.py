@@ -10,15 +10,16 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import layers
+from draftsmith.paths import Run
 from draftsmith.hidden import outputs as shards
 from draftsmith.hidden.extract import extract
-from draftsmith.drafter import outputs as artifacts, data, export, train
+from draftsmith.drafter import checkpoints, data, export, outputs, stage, train
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.drafter.model import DrafterConfig, Eagle3Drafter
 from draftsmith.drafter.objective import TTTObjective
 from draftsmith.drafter.vocab import DraftVocab, token_counts, used_ids
 
-from conftest import write_token_rows
+from conftest import notebook_params, write_token_rows
 
 
 WORDS = ("the function returns a list of values from the given file path and raises an error when the "
@@ -42,16 +43,16 @@ def hidden_dir(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
     """Hidden states of the tiny-test target over 40 chat samples, through stage 04's extractor."""
     root = tmp_path_factory.mktemp("drafter_data")
     tokens = write_tokens(root / "chat.jsonl", target_tokenizer, 40)
-    extract(tiny_target, [tokens], root / "hidden", dtype="bf16", log=lambda m: None)
+    extract(tiny_target, [tokens], root / "hidden", hidden_dtype="bf16", target_backend="hf", log=lambda m: None)
     return root / "hidden"
 
 
 def small_config(hidden_dir, target, out, **kw) -> TrainConfig:
     base = dict(hidden_dir=str(hidden_dir), target_path=str(target), out_dir=str(out), draft_vocab_size=512,
-                ttt_steps=3, epochs=1.0, batch_size=4, micro_batch_size=2, max_len=192, lr=3e-3,
-                warmup_fraction=0.015, weight_decay=0.0, grad_clip=0.5, holdout_fraction=0.1, seed=0, fsdp=False,
-                eval_every=0, checkpoint_every=3, export_fractions=[0.5, 1.0], export_engine="sglang",
-                export_dtype="float32", resume=True)
+                ttt_steps=3, train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2, train_max_len=192,
+                train_lr=3e-3, train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
+                train_holdout_fraction=0.1, seed=0, train_fsdp=False, train_eval_every=0, train_checkpoint_every=3,
+                export_fractions=[0.5, 1.0], export_engine="sglang", export_dtype="float32", train_resume=True)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -72,10 +73,10 @@ def test_draft_vocab_keeps_the_most_frequent_tokens_and_d2t_t2d_round_trip(tmp_p
     assert v.d2t.dtype == torch.int64
     assert v.coverage() == pytest.approx(25 / 26)
     assert used_ids(v.d2t, v.t2d).tolist() == v.used.tolist()
-    artifacts.write_vocab(tmp_path, v, key="k1")
-    w = artifacts.read_vocab(tmp_path)
+    outputs.write_vocab(tmp_path, v, key="k1")
+    w = outputs.read_vocab(tmp_path)
     assert torch.equal(w.used, v.used) and torch.equal(w.counts, counts)
-    assert artifacts.read_vocab(tmp_path, "k1").size == 4 and artifacts.read_vocab(tmp_path, "k2") is None
+    assert outputs.read_vocab(tmp_path, "k1").size == 4 and outputs.read_vocab(tmp_path, "k2") is None
     # fewer distinct tokens than asked: filled with the lowest unused ids, size exact
     f = DraftVocab.build(counts, 8)
     assert f.used.tolist() == [0, 1, 2, 3, 7, 11, 40, 41] and f.coverage() == 1.0
@@ -97,41 +98,50 @@ def test_vocab_counts_only_loss_masked_tokens(hidden_dir):
 
 
 def test_read_heldout_says_to_run_stage_05_first(tmp_path):
-    from draftsmith.paths import Run
-
     run = Run(tmp_path, "r")
     with pytest.raises(FileNotFoundError, match=r"drafter/heldout.json: .*run stage 05 first"):
-        artifacts.read_heldout(run)
-    artifacts.write_heldout(run.dir("drafter"), [("code", "a1"), ("chat", "b 2")], 0.1)
-    assert artifacts.read_heldout(run) == artifacts.read_heldout(run.dir("drafter")) == [("code", "a1"), ("chat", "b 2")]
+        outputs.read_heldout(run)
+    outputs.write_heldout(run.dir("drafter"), [("code", "a1"), ("chat", "b 2")], 0.1)
+    assert outputs.read_heldout(run) == outputs.read_heldout(run.dir("drafter")) == [("code", "a1"), ("chat", "b 2")]
     (run.dir("drafter") / "heldout.json").write_text('{"samples": [{"dataset": "code"}]}')
     with pytest.raises(ValueError, match="heldout.json: not a held-out sample list"):
-        artifacts.read_heldout(run)
+        outputs.read_heldout(run)
 
 
-def test_notebook_05_holds_the_one_default_of_each_training_setting():
-    """TrainConfig has no default for a setting the notebook declares: the notebook passes every one."""
-    import ast
+def test_notebook_05_holds_the_one_default_of_each_training_setting_under_the_field_name():
+    """Every parameter of notebook 05 is a TrainConfig field of the same name or one of stage.run's
+    own (where it runs); TrainConfig has no default for any of them."""
     from dataclasses import MISSING, fields
-
-    import nbformat
 
     from draftsmith import parameters
     from draftsmith.paths import NOTEBOOKS_DIR
 
-    path = NOTEBOOKS_DIR / "05_train_drafter.ipynb"
-    declared = parameters.read_parameters(path)
-    calls = [n for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"
-             for n in ast.walk(ast.parse(c.source)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "TrainConfig"]
-    assert len(calls) == 1
-    passed = {k.arg for k in calls[0].keywords}
+    declared = set(parameters.read_parameters(NOTEBOOKS_DIR / "05_train_drafter.ipynb"))
+    own = {"run_name", "outputs_dir", "target_model_path", "train_nproc", "nnodes", "rdzv_endpoint"}
     required = {f.name for f in fields(TrainConfig) if f.default is MISSING and f.default_factory is MISSING}
-    assert passed == required
+    assert required - {"hidden_dir", "target_path", "out_dir"} == declared - own
     for f in fields(TrainConfig):
         if f.name not in required:   # a setting only TrainConfig knows: no notebook parameter for it
             assert f.name not in declared and f"train_{f.name}" not in declared, f.name
+    assert set(TrainConfig.LIBRARY_ONLY) == {f.name for f in fields(TrainConfig)} - declared
     with pytest.raises(TypeError, match="draft_vocab_size"):
         TrainConfig(hidden_dir="h", target_path="t", out_dir="o")
+
+
+def test_a_direct_call_is_held_to_the_bounds_notebook_05_declares(tmp_path):
+    base = small_config("h", "t", tmp_path)
+    base.check()
+    for name, bad, said in [("ttt_steps", 0, "at least 1"), ("train_max_len", 1, "at least 2"),
+                            ("train_lr", 0.0, "more than 0"), ("train_holdout_fraction", 1.0, r"in \[0, 1\)"),
+                            ("train_checkpoint_every", 0, "at least 1"), ("draft_vocab_size", 0, "at least 1")]:
+        with pytest.raises(ValueError, match=f"{name} must be {said}"):
+            replace(base, **{name: bad}).check()
+    with pytest.raises(ValueError, match="draft_vocab_size must be at least 1"):
+        DraftVocab.build(torch.ones(8, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="draft_vocab_size 9 must be at most 8"):
+        DraftVocab.build(torch.ones(8, dtype=torch.int64), 9)
+    with pytest.raises(ValueError, match="train_nproc must be at least 1"):
+        stage.run(Run(tmp_path, "r"), **notebook_params("05", train_nproc=0))
 
 
 # -- supervision and TTT alignment ---------------------------------------------------------------
@@ -227,7 +237,7 @@ def test_ttt_step_i_predicts_the_token_i_plus_1_ahead_against_the_teacher_there(
 # -- training ------------------------------------------------------------------------------------
 
 def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hidden_dir, tiny_target, tmp_path):
-    cfg = small_config(hidden_dir, tiny_target, tmp_path / "d", epochs=4.0, eval_every=4)
+    cfg = small_config(hidden_dir, tiny_target, tmp_path / "d", train_epochs=4.0, train_eval_every=4)
     s = train.train(cfg, log=quiet)
     start, end, base = s["heldout_start"], s["heldout"], s["unigram_baseline"]
     assert end["step"] == s["total_steps"] == 36 and s["finished"]
@@ -237,14 +247,14 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
     # demo target's numbers are in the notebook and the report)
     assert 0 < s["vocab"]["train_coverage"] <= 1
     assert [e["step"] for e in s["exports"]] == [18, 36]
-    assert [e["dir"] for e in artifacts.read_exports(cfg.out_dir)] == [Path(e["dir"]) for e in s["exports"]]
+    assert [e["dir"] for e in outputs.read_exports(cfg.out_dir)] == [Path(e["dir"]) for e in s["exports"]]
     # the held-out pairs stage 06 prompts with are the split training scored on
     hs = shards.HiddenShards(hidden_dir)
-    _, held = data.split(hs, cfg.holdout_fraction)
-    assert artifacts.read_heldout(cfg.out_dir) == [(hs.samples[i].dataset, hs.samples[i].sample_id) for i in held]
+    _, held = data.split(hs, cfg.train_holdout_fraction)
+    assert outputs.read_heldout(cfg.out_dir) == [(hs.samples[i].dataset, hs.samples[i].sample_id) for i in held]
     assert len(held) == s["heldout_samples"] == 4
     assert Path(s["exports"][-1]["dir"]).name == "eagle3"
-    rows = artifacts.read_metrics(cfg.out_dir)
+    rows = outputs.read_metrics(cfg.out_dir)
     assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, 37))
 
     # the export: exactly EAGLE-3's keys and shapes, the config fields, ids for the engine
@@ -277,12 +287,12 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
     assert "vllm serve" in export.serving_command("vllm", tiny_target, vllm)
 
     # reload bit for bit (float32 export) and draft the same as the checkpointed model
-    ck = torch.load(artifacts.checkpoints(Path(cfg.out_dir))[-1], weights_only=False)
+    ck = torch.load(outputs.checkpoints(Path(cfg.out_dir))[-1], weights_only=False)
     loaded = export.load_exported(out, tiny_target)
     for k, v in loaded.state_dict().items():
         if k != "embed_tokens.weight":
             assert torch.equal(v, weights[k]) and torch.equal(v, ck["model"]["drafter." + k]), k
-    vocab = artifacts.read_vocab(cfg.out_dir)
+    vocab = outputs.read_vocab(cfg.out_dir)
     assert torch.equal(loaded.to_target(torch.arange(512)), vocab.used)
     # a bf16 export holds the same weights rounded to bf16
     b16 = export.export(tmp_path / "b16", {k: v for k, v in loaded.state_dict().items()}, mcfg, output_ids,
@@ -292,15 +302,15 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
 
 
 def test_resume_from_a_checkpoint_continues_identically(hidden_dir, tiny_target, tmp_path):
-    straight = small_config(hidden_dir, tiny_target, tmp_path / "a", epochs=1.0)
+    straight = small_config(hidden_dir, tiny_target, tmp_path / "a", train_epochs=1.0)
     train.train(straight, log=quiet)
     broken = replace(straight, out_dir=str(tmp_path / "b"), stop_at=5)
     first = train.train(broken, log=quiet)
     assert first["steps"] == 5 and not first["finished"]
     with open(tmp_path / "b" / "metrics.jsonl", "a") as f:    # killed while writing a row
         f.write('{"split": "train", "step": 6, "lo')
-    assert [r["step"] for r in artifacts.read_metrics(tmp_path / "b") if r["split"] == "train"] == [1, 2, 3, 4, 5]
-    assert [p.name for p in artifacts.checkpoints(tmp_path / "b")] == ["step-0000003.pt", "step-0000005.pt"]
+    assert [r["step"] for r in outputs.read_metrics(tmp_path / "b") if r["split"] == "train"] == [1, 2, 3, 4, 5]
+    assert [p.name for p in outputs.checkpoints(tmp_path / "b")] == ["step-0000003.pt", "step-0000005.pt"]
     resumed = train.train(replace(broken, stop_at=0), log=quiet)
     assert resumed["finished"]
     a = torch.load(tmp_path / "a" / "checkpoints" / "step-0000009.pt", weights_only=False)
@@ -308,35 +318,70 @@ def test_resume_from_a_checkpoint_continues_identically(hidden_dir, tiny_target,
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert a["scheduler"] == b["scheduler"]
-    assert artifacts.read_metrics(tmp_path / "a") == artifacts.read_metrics(tmp_path / "b")
+    assert outputs.read_metrics(tmp_path / "a") == outputs.read_metrics(tmp_path / "b")
     with pytest.raises(ValueError, match="lr"):
-        train.train(replace(broken, lr=1e-2), log=quiet)
+        train.train(replace(broken, train_lr=1e-2), log=quiet)
+
+
+def test_a_checkpoint_written_under_the_old_setting_names_still_resumes(hidden_dir, tiny_target, tmp_path):
+    from draftsmith.drafter.config import OLD_NAMES
+    from draftsmith.target.checkpoint import target_config
+
+    cfg = small_config(hidden_dir, tiny_target, tmp_path / "d", stop_at=3)
+    train.train(cfg, log=quiet)
+    path = outputs.checkpoints(tmp_path / "d")[-1]
+    state = torch.load(path, weights_only=False)
+    old = {new: old for old, new in OLD_NAMES.items()}
+    state["config"] = {old.get(k, k): v for k, v in state["config"].items()}
+    assert "lr" in state["config"] and "train_lr" not in state["config"]
+    torch.save(state, path)
+    fingerprint = cfg.fingerprint(shards.HiddenShards(hidden_dir).index, target_config(tiny_target))
+    found, resumed = checkpoints.latest_matching(tmp_path / "d", fingerprint)
+    assert found == path and resumed["step"] == 3
+    with pytest.raises(ValueError, match=f"{path}: .*train_lr"):
+        checkpoints.latest_matching(tmp_path / "d", {**fingerprint, "train_lr": 1.0})
+
+
+def test_stage_run_trains_the_runs_drafter_from_notebook_05s_parameters(hidden_dir, tiny_target, tmp_path):
+    import shutil
+
+    run = Run(tmp_path, "r")
+    shutil.copytree(hidden_dir, run.dir("hidden"), dirs_exist_ok=True)
+    params = notebook_params("05", target_model_path=str(tiny_target), draft_vocab_size=512, ttt_steps=2,
+                             train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2, train_max_len=128,
+                             train_eval_every=0, export_fractions=[1.0], export_dtype="float32")
+    summary = stage.run(run, **params, log=quiet)
+    assert json.loads(json.dumps(summary)) == outputs.read_summary(run)
+    assert summary["finished"] and summary["vocab"]["draft_vocab_size"] == 512
+    assert [e["dir"] for e in summary["exports"]] == [str(outputs.drafter_dir(run) / "eagle3")]
+    again = stage.run(run, **params, log=quiet)    # train_resume: its last checkpoint is the end
+    assert again["finished"] and again["steps"] == summary["steps"]
 
 
 def test_two_gloo_processes_train_like_one_process_with_ddp_and_with_fsdp(hidden_dir, tiny_target, tmp_path):
-    one = small_config(hidden_dir, tiny_target, tmp_path / "one", batch_size=4, micro_batch_size=1, epochs=1.0)
+    one = small_config(hidden_dir, tiny_target, tmp_path / "one", train_batch_size=4, train_micro_batch_size=1, train_epochs=1.0)
     s1 = train.train(one, log=quiet)
     w1 = export.load_exported(Path(s1["exports"][-1]["dir"]), tiny_target).state_dict()
-    r1 = [r["loss"] for r in artifacts.read_metrics(tmp_path / "one") if r["split"] == "train"]
+    r1 = [r["loss"] for r in outputs.read_metrics(tmp_path / "one") if r["split"] == "train"]
     for name, fsdp in (("ddp", False), ("fsdp", True)):
-        s2 = train.launch(replace(one, out_dir=str(tmp_path / name), fsdp=fsdp), nproc=2, log=quiet)
+        s2 = train.launch(replace(one, out_dir=str(tmp_path / name), train_fsdp=fsdp), nproc=2, log=quiet)
         assert s2["world_size"] == 2 and s2["steps"] == s1["steps"] == 9
         w2 = export.load_exported(Path(s2["exports"][-1]["dir"]), tiny_target).state_dict()
         for k in w1:
             assert torch.allclose(w1[k].float(), w2[k].float(), atol=2e-5, rtol=1e-4), (name, k)
-        r2 = [r["loss"] for r in artifacts.read_metrics(tmp_path / name) if r["split"] == "train"]
+        r2 = [r["loss"] for r in outputs.read_metrics(tmp_path / name) if r["split"] == "train"]
         assert r1 == pytest.approx(r2, rel=1e-4), name
 
 
 def test_fsdp_scores_a_held_out_split_that_two_ranks_cannot_share_evenly(hidden_dir, tiny_target, tmp_path):
     """3 held-out micro-batches on 2 FSDP ranks: every forward is a collective, so the rank with one
     fewer repeats one (left out of the sums) instead of leaving the other waiting forever."""
-    one = small_config(hidden_dir, tiny_target, tmp_path / "one", batch_size=4, micro_batch_size=1,
-                       epochs=1.0, holdout_fraction=0.075, export_fractions=[1.0])
+    one = small_config(hidden_dir, tiny_target, tmp_path / "one", train_batch_size=4, train_micro_batch_size=1,
+                       train_epochs=1.0, train_holdout_fraction=0.075, export_fractions=[1.0])
     train.train(one, log=quiet)
-    s2 = train.launch(replace(one, out_dir=str(tmp_path / "fsdp"), fsdp=True), nproc=2, log=quiet)
+    s2 = train.launch(replace(one, out_dir=str(tmp_path / "fsdp"), train_fsdp=True), nproc=2, log=quiet)
     assert s2["world_size"] == 2
-    held = [[r for r in artifacts.read_metrics(tmp_path / d) if r["split"] == "heldout"] for d in ("one", "fsdp")]
+    held = [[r for r in outputs.read_metrics(tmp_path / d) if r["split"] == "heldout"] for d in ("one", "fsdp")]
     assert held[0][-1]["count_i"][0] > 0 and held[0][-1]["count_i"] == held[1][-1]["count_i"]
     assert held[0][-1]["loss"] == pytest.approx(held[1][-1]["loss"], rel=1e-4)
 
@@ -356,5 +401,5 @@ def test_training_reads_fp8_shards(hidden_dir, tiny_target, tmp_path):
                                          "samples": [{"sample_id": s.sample_id, "dataset": s.dataset} for s in hs.samples]}]})
     with safe_open(str(fp8 / "shard-00000.safetensors"), framework="pt") as f:
         assert f.get_slice("aux").get_dtype() == "F8_E4M3"
-    s = train.train(small_config(fp8, tiny_target, tmp_path / "d", epochs=1.0, export_fractions=[1.0]), log=quiet)
+    s = train.train(small_config(fp8, tiny_target, tmp_path / "d", train_epochs=1.0, export_fractions=[1.0]), log=quiet)
     assert s["finished"] and s["heldout"]["loss_i"][0] < s["heldout_start"]["loss_i"][0] - 0.5

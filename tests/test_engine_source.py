@@ -87,10 +87,10 @@ def prompts(path: Path, n: int, tag: str) -> Path:
 CHILD = """
 import json, sys
 from draftsmith.openrouter.apikey import ApiKey
-from draftsmith.generate.stage import run_generation
+from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
-r = run_generation(a["base"], ApiKey("EMPTY", "none: a local server"), Run(a["root"], "mixed"), a["datasets"],
+r = run_at(a["base"], ApiKey("EMPTY", "none: a local server"), Run(a["root"], "mixed"), a["datasets"],
                    model=a["model"], concurrency=2, spend_limit_usd=1.0, native_precision="int4", **a["settings"],
                    **a["fast"])
 print("RESULT", r.reason, flush=True)
@@ -121,7 +121,7 @@ def engine_run(engine, tmp_path_factory):
     proc.wait()
     at_kill = raw.read_bytes().count(b"\n")
     logs = []
-    result = generate_stage.run_generation(engine, ApiKey("EMPTY", "none: a local server"), Run(root, "mixed"), datasets,
+    result = generate_stage.run_at(engine, ApiKey("EMPTY", "none: a local server"), Run(root, "mixed"), datasets,
                                      model=SERVED, concurrency=4, spend_limit_usd=1.0, native_precision="int4",
                                      log=logs.append, **SETTINGS, **FAST)
     return root, datasets, result, at_kill, logs
@@ -168,7 +168,7 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
     cfg = {"fault_scale": 0, "credits": 50.0, "backend": "synthetic", "target_model_path": "tiny-test",
            "synthetic_tokens": 20, "time_scale": 0.0}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        res = generate_stage.run_generation(emu.base_url, emu.key, run, code, model="moonshotai/kimi-k2.5",
+        res = generate_stage.run_at(emu.base_url, emu.key, run, code, model="moonshotai/kimi-k2.5",
                                       max_tokens=40, concurrency=8, spend_limit_usd=5.0, native_precision="int4",
                                       log=lambda *a: None)
         assert res.complete, res.message
@@ -211,13 +211,15 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
         assert ln["output_ids"][:len(r["output_ids"])] == r["output_ids"]
 
     files = tokens.token_files(run, [d["name"] for d in datasets])
-    extract(tiny_target, files, run.dir("hidden"), log=lambda *a: None)
+    extract(tiny_target, files, run.dir("hidden"), target_backend="hf", log=lambda *a: None)
     assert {s.source for s in HiddenShards(run.dir("hidden")).samples} == set(src)
     s = train.train(TrainConfig(hidden_dir=str(run.dir("hidden")), target_path=str(tiny_target),
-                                out_dir=str(run.dir("drafter")), draft_vocab_size=512, ttt_steps=2, epochs=1.0,
-                                batch_size=4, micro_batch_size=2, max_len=128, lr=1e-4, warmup_fraction=0.015,
-                                weight_decay=0.0, grad_clip=0.5, holdout_fraction=0.1, seed=0, fsdp=False,
-                                eval_every=0, checkpoint_every=100, export_fractions=[1.0], export_engine="sglang",
-                                export_dtype="float32", resume=True), log=lambda *a: None)
+                                out_dir=str(run.dir("drafter")), draft_vocab_size=512, ttt_steps=2,
+                                train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2, train_max_len=128,
+                                train_lr=1e-4, train_warmup_fraction=0.015, train_weight_decay=0.0,
+                                train_grad_clip=0.5, train_holdout_fraction=0.1, seed=0, train_fsdp=False,
+                                train_eval_every=0, train_checkpoint_every=100, export_fractions=[1.0],
+                                export_engine="sglang", export_dtype="float32",
+                                train_resume=True), log=lambda *a: None)
     assert set(s["sources"]) == set(src) and set(s["heldout"]["by_source"]) == set(src)
     assert all(v["heldout_samples"] >= 1 and v["heldout"]["count_i"][0] > 0 for v in s["sources"].values())

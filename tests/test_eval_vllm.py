@@ -1,5 +1,5 @@
 """Stage 06 in vLLM: the export is served by the engine with the layers it was trained on, greedy
-speculative decoding in vLLM is token-exact, the engine's greedy acceptance equals our evaluator's,
+speculative decoding in vLLM is token-exact, the engine's greedy acceptance equals our decoder's,
 and at T > 0 the engine accepts drafts.
 
 One stage-06 run in vLLM (three engines started one after the other in one child process, each with
@@ -28,7 +28,7 @@ from conftest import stage_05_run
 CUSTOM = [2, 3, 5]          # output ids; not the default [1, 3, 4] of 8 layers
 VLLM_IDS = [3, 4, 6]        # what vLLM must capture for them (input of layers 3, 4, 6)
 VLLM_DEFAULT = [2, 4, 5]    # vLLM's fallback (2, N//2, N-3) for N = 8
-# Greedy acceptance, engine vs our evaluator: both accept a draft while it equals the target's argmax,
+# Greedy acceptance, engine vs our decoder: both accept a draft while it equals the target's argmax,
 # both draft k in every step (the last one too) and count its accepted drafts in full, and both run
 # float32 over the same weights and features. So on a prompt both targets decode alike, every step's
 # accepted count is the same, and the two acceptance lengths are equal up to float rounding of the sum.
@@ -170,7 +170,7 @@ def test_greedy_vllm_with_the_drafter_gives_exactly_the_tokens_of_vllm_without_i
     assert all(m["lossless"] for m in methods.values())
 
 
-def test_the_engines_greedy_acceptance_equals_our_evaluators_step_by_step(engine_report):
+def test_the_engines_greedy_acceptance_equals_our_decoders_step_by_step(engine_report):
     t = engine_report["engine"]["temperatures"]["0"]
     engine = t["methods"]["eagle3"]["acceptance_length"]
     ours = engine_report["temperatures"]["0"]["methods"]["eagle3"]["acceptance_length_vllm"]

@@ -11,7 +11,8 @@ from draftsmith.drafter.export import export
 from draftsmith.drafter.model import DrafterConfig
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.vocab import DraftVocab
-from draftsmith.evaluate import decode, metrics, prompts as heldout, outputs as results, serving, stage
+from draftsmith import parameters
+from draftsmith.evaluate import decode, metrics, prompts as heldout, outputs, serving, stage
 from draftsmith.evaluate.proposers import Eagle3Proposer, PromptLookup
 from draftsmith.evaluate.target_cache import Target
 from draftsmith.paths import Run
@@ -20,7 +21,7 @@ from draftsmith.target.corpus import chat_examples
 from draftsmith.target.hf import Capture
 from draftsmith.tokens import Sample
 
-from conftest import stage_05_run
+from conftest import notebook_params, stage_05_run
 
 LAYER_IDS = [1, 3, 4]   # the default for 8 layers, output convention
 
@@ -271,8 +272,8 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     assert "06 · Acceptance length" in html and html.count("data:image/png") >= 4
 
     rounds = (trained_run / "eval" / "rounds.jsonl").read_text()
-    stage.evaluate_run(Run(trained_run.parent, trained_run.name), str(tiny_target), prompts_per_dataset=1,
-                       max_new_tokens=16, k=3, temperatures=[0.0, 1.0], log=quiet)
+    smoke = parameters.effective_params(parameters.discover(), str(REPO_ROOT / "params" / "smoke.yaml"), [])
+    stage.run(Run(trained_run.parent, trained_run.name), **parameters.given("06", smoke), log=quiet)
     assert (trained_run / "eval" / "rounds.jsonl").read_text() == rounds
     again = json.loads((trained_run / "eval" / "report.json").read_text())
     assert again["temperatures"] == report["temperatures"]
@@ -300,19 +301,30 @@ def test_rounds_file_cuts_a_torn_last_line_and_names_a_damaged_one(tmp_path):
     path = run.dir("eval") / "rounds.jsonl"
     row = {"settings": "s", "method_fingerprint": "m", "dataset": "code", "sample_id": "a"}
     path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "sample_id": "b"})[:30])   # killed mid-line
-    kept = results.Results(run)
+    kept = outputs.RoundsFile(run)
     assert list(kept.rows) == [("s", "m", "code", "a")] and path.read_text() == json.dumps(row) + "\n"
     kept.add({**row, "sample_id": "b"})
-    assert len(results.Results(run).rows) == 2
+    assert len(outputs.RoundsFile(run).rows) == 2
     path.write_text("{oops\n" + json.dumps(row) + "\n")
     with pytest.raises(ValueError, match="rounds.jsonl:1: not valid JSON"):
-        results.Results(run)
+        outputs.RoundsFile(run)
 
 
 def test_engine_numbers_only_needs_the_engine(tmp_path):
     with pytest.raises(ValueError, match="eval_hf_crosscheck is false and eval_backend is hf"):
-        stage.evaluate_run(Run(tmp_path, "r"), "tiny", prompts_per_dataset=1, max_new_tokens=4, k=3,
-                           temperatures=[0.0], backend="hf", hf_crosscheck=False, log=quiet)
+        stage.run(Run(tmp_path, "r"), **notebook_params("06", eval_backend="hf", eval_hf_crosscheck=False),
+                  log=quiet)
+
+
+def test_stage_06_takes_notebook_06s_parameters_by_their_names_and_holds_a_direct_call_to_their_bounds(tmp_path):
+    import inspect
+
+    taken = {name for name, p in inspect.signature(stage.run).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert taken - {"log"} == set(notebook_params("06"))
+    for name, value in (("draft_tokens", 0), ("eval_max_new_tokens", 0), ("eval_prompts_per_dataset", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be at least 1 .*got 0"):
+            stage.run(Run(tmp_path, "r"), **notebook_params("06", **{name: value}), log=quiet)
+    assert not (tmp_path / "r" / "eval").exists()   # refused before anything was measured or written
 
 
 def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_asked(tiny_target, tmp_path):
@@ -336,7 +348,7 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
     import shutil
 
     from draftsmith import cli
-    from draftsmith.evaluate import tables
+    from draftsmith.evaluate import figures
     from draftsmith.paths import REPO_ROOT
 
     run = tmp_path / "outputs" / "bench"
@@ -364,7 +376,7 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
     assert len(mt) == 8 and all(len(r["turns"]) == 2 for r in mt)     # 4 methods x 2 temperatures, both turns
     assert all(len(r["output"]) == sum(t["output_tokens"] for t in r["turns"]) <= 12 for r in mt)
     assert {r["sample_id"] for r in rows if r["dataset"] == "gsm8k"} == {"g0", "g1"}
-    table = tables.benchmark_table(report)
+    table = figures.benchmark_table(report)
     assert list(table["benchmark"]) == ["gsm8k", "mt_bench"] * 2 and "eagle3 P(pos 3)" in table
     assert not any("published" in c for c in table.columns)
     assert "--sharegpt-output-len 8 --max-concurrency 1" in b["commands"]["gsm8k"]
@@ -372,11 +384,11 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
     assert (run / "eval" / "figures" / "benchmarks.png").is_file()
     assert "The field's benchmarks" in (run / "report.html").read_text()
 
-    from draftsmith.evaluate import figures, published   # the same report, had the target been Kimi-K2.5
+    from draftsmith.evaluate import published   # the same report, had the target been Kimi-K2.5
     kimi = {**report, "benchmarks": {**b, "references": published.REFERENCES}}
-    table = tables.benchmark_table(kimi)
+    table = figures.benchmark_table(kimi)
     assert table.loc[table.benchmark == "mt_bench", "lightseekorg/kimi-k2.5-eagle3 (published)"].tolist() == [2.687] * 2
     assert table.loc[table.benchmark == "gsm8k", "AQ-MedAI/Kimi-K25-eagle3 (published, rate)"].tolist() == [0.518] * 2
-    assert "lightseekorg/kimi-k2.5-eagle3-mla" in tables.explain_benchmarks(kimi)
+    assert "lightseekorg/kimi-k2.5-eagle3-mla" in figures.explain_benchmarks(kimi)
     labels = figures.benchmarks(kimi).axes[0].get_legend_handles_labels()[1]
     assert "lightseekorg/kimi-k2.5-eagle3 (published)" in labels and "AQ-MedAI/Kimi-K25-eagle3 (published)" not in labels

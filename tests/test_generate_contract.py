@@ -18,8 +18,9 @@ import pytest
 from aiohttp import web
 
 from draftsmith.openrouter import pricing
+from draftsmith.openrouter.api import Api
 from draftsmith.openrouter.apikey import ApiKey
-from draftsmith.generate.stage import run_generation
+from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 from draftsmith.openrouter import endpoints
 from draftsmith.providers import outputs
@@ -157,7 +158,7 @@ def generate(stub: Stub, tmp_path: Path, ds, **kw):
                 native_precision="int4", log=lambda *a: None, balance_poll_s=0.2, backoff_base_s=0.01,
                 backoff_cap_s=0.05, request_timeout_s=2.0, stop_grace_s=2.0, recovery_patience_s=10.0)
     args.update(kw)
-    return run_generation(stub.base_url, ApiKey("sk-or-v1-test", "test"), Run(tmp_path, "r"), ds, **args)
+    return run_at(stub.base_url, ApiKey("sk-or-v1-test", "test"), Run(tmp_path, "r"), ds, **args)
 
 
 def saved(tmp_path: Path) -> list[dict]:
@@ -296,7 +297,7 @@ def test_endpoints_lacking_a_sent_parameter_are_excluded_and_not_priced():
     eps = [endpoint("moonshotai/int4"), endpoint("cheapseed/int4", params=["max_tokens", "temperature"],
                                                  completion=str(50 * PRICE_OUT))]
     sent = {"max_tokens", "temperature", "top_p", "seed"}
-    policy = endpoints.apply_policy(endpoints.endpoint_table(eps), "int4", sent=sent).set_index("tag")
+    policy = endpoints.apply_policy(endpoints.endpoint_table(eps), "int4", False, sent).set_index("tag")
     assert policy.loc["moonshotai/int4", "allowed"] and not policy.loc["cheapseed/int4", "allowed"]
     assert "seed" in policy.loc["cheapseed/int4", "reason"]
     cat = pricing.catalogue(eps, MODEL, {"require_parameters": True}, sent)
@@ -335,7 +336,7 @@ def test_stages_01_and_02_read_the_same_balance(tmp_path):
                        {"scope": "key_limit", "limit_usd": 10.0, "spend_usd": 1.0, "remaining_usd": 9.0}],
            "effective_budget": {"scope": "workspace", "limit_usd": 5.0, "spend_usd": 1.5, "remaining_usd": 3.5}}
     with Stub(lambda stub, body, n: stub.ok(), key=key, credits={"total_credits": 20.0, "total_usage": 13.0}) as stub:
-        usd, source = pricing.balance_now(stub.base_url, ApiKey("sk-or-v1-test", "t").header())
+        usd, source = Api(stub.base_url, ApiKey("sk-or-v1-test", "t")).balance()
 
         async def stage_02():
             import aiohttp
@@ -345,7 +346,7 @@ def test_stages_01_and_02_read_the_same_balance(tmp_path):
         assert usd == asyncio.run(stage_02()) == 3.5 and "budget" in source
         stub.key["effective_budget"] = None
         stub.key["budgets"] = []
-        assert pricing.balance_now(stub.base_url, ApiKey("sk-or-v1-test", "t").header())[0] == 7.0   # /credits
+        assert Api(stub.base_url, ApiKey("sk-or-v1-test", "t")).balance()[0] == 7.0   # /credits
 
 
 # --- 7: the worst case includes every documented price ----------------------------------------

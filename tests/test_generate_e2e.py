@@ -24,7 +24,7 @@ from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.datasets import DatasetReader, DatasetSpec, stable_id
 from draftsmith.emulator import running
 from draftsmith.generate.options import GenerationStopped
-from draftsmith.generate.stage import run_generation
+from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 
 MODEL = "moonshotai/kimi-k2.5"
@@ -52,7 +52,7 @@ def generate(emu, root: Path, datasets: list[dict], key=None, **kw):
     args = dict(model=MODEL, max_tokens=32, concurrency=8, spend_limit_usd=5.0, log=logs.append,
                 native_precision="int4", **FAST)
     args.update(kw)
-    r = run_generation(emu.base_url, key or emu.key, Run(root, "r"), datasets, **args)
+    r = run_at(emu.base_url, key or emu.key, Run(root, "r"), datasets, **args)
     r.logs = logs
     return r
 
@@ -280,11 +280,11 @@ def test_too_long_prompts_skipped_and_malformed_rows_reported(tiny_target, tmp_p
 CHILD = """
 import asyncio, json, sys
 from draftsmith.openrouter.apikey import ApiKey
-from draftsmith.generate.stage import run_generation
+from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
 def go():
-    r = run_generation(a["base"], ApiKey(a["key"], "test"), Run(a["root"], "r"), a["datasets"], model=a["model"],
+    r = run_at(a["base"], ApiKey(a["key"], "test"), Run(a["root"], "r"), a["datasets"], model=a["model"],
                        max_tokens=32, concurrency=a["concurrency"], spend_limit_usd=5.0, native_precision="int4",
                        **a["fast"])
     print("RESULT", r.reason, flush=True)

@@ -22,6 +22,8 @@ from draftsmith.paths import Run
 from draftsmith.hidden.outputs import INDEX, HiddenShards
 from draftsmith.target.checkpoint import load_target
 
+from conftest import notebook_params
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,7 +55,7 @@ def tokens(tmp_path_factory, target_tokenizer):
 
 
 def extract(tiny_target, files, out, **kw):
-    kw = {"max_tokens_per_batch": 1024, "shard_mb": 0.05, "log": lambda m: None, **kw}
+    kw = {"target_backend": "hf", "max_tokens_per_batch": 1024, "shard_mb": 0.05, "log": lambda m: None, **kw}
     return extract_hidden(tiny_target, files, out, **kw)
 
 
@@ -70,7 +72,7 @@ def model(tiny_target):
 def test_captured_tensors_equal_output_hidden_states_at_documented_and_engine_indices(
         tiny_target, tokens, model, tmp_path, ids, convention):
     files, rows = tokens
-    summary = extract(tiny_target, files, tmp_path, layer_ids=ids, convention=convention)
+    summary = extract(tiny_target, files, tmp_path, layer_ids=ids, layer_convention=convention)
     hs = HiddenShards(tmp_path)
     want = layers.default_layer_ids(8) if ids is None else [2, 4, 5]
     assert hs.index["layer_ids"] == summary["layer_ids"] == want and hs.index["layer_convention"] == "output"
@@ -111,7 +113,7 @@ def test_captured_tensors_equal_output_hidden_states_at_documented_and_engine_in
 def test_fp8_storage_reads_back_close_in_about_half_the_bytes(tiny_target, tokens, tmp_path):
     files, _ = tokens
     a = extract(tiny_target, files, tmp_path / "bf16")
-    b = extract(tiny_target, files, tmp_path / "fp8", dtype="fp8")
+    b = extract(tiny_target, files, tmp_path / "fp8", hidden_dtype="fp8")
     x, y = HiddenShards(tmp_path / "bf16"), HiddenShards(tmp_path / "fp8")
     assert y.dtype == "fp8" and keys_of(x) == keys_of(y)
     for i in range(len(x)):
@@ -121,15 +123,16 @@ def test_fp8_storage_reads_back_close_in_about_half_the_bytes(tiny_target, token
 
 
 def test_two_rank_torchrun_gives_the_same_samples_as_one_process(tiny_target, tokens, tmp_path):
-    """nproc_per_node 2 (what notebook 04 passes): run_stage launches two torchrun ranks that read
+    """nproc_per_node 2 (what notebook 04 passes): `stage.run` launches two torchrun ranks that read
     their settings from the one config file it writes."""
     files, _ = tokens
     one = extract(tiny_target, files, tmp_path / "one")
     run = Run(tmp_path, "r")
     for f in files:
         (run.dir("tokens") / f.name).write_bytes(f.read_bytes())
-    two = stage.run_stage(run, tiny_target, [], nproc_per_node=2, max_tokens_per_batch=1024, shard_mb=0.05,
-                          log=lambda m: None)
+    two = stage.run(run, **notebook_params("04", target_model_path=str(tiny_target), datasets=[], nproc_per_node=2,
+                                           target_backend="hf", max_tokens_per_batch=1024, shard_mb=0.05),
+                    log=lambda m: None)
     config = json.loads((run.dir("hidden") / stage.CONFIG).read_text())
     assert config["settings"]["max_tokens_per_batch"] == 1024 and config["settings"]["shard_mb"] == 0.05
     assert two["ranks"] == 2 and two["shards_written"] == one["shards_written"] >= 2
@@ -162,7 +165,8 @@ def test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun(tiny_target, tokens
 
     killer = threading.Thread(target=kill_rank_1_at_the_first_shard, daemon=True)
     killer.start()
-    two = stage.launch(2, tiny_target, files, out, max_tokens_per_batch=256, shard_mb=0.01, log=lines.append)
+    two = stage.launch(2, tiny_target, files, out, target_backend="hf", max_tokens_per_batch=256, shard_mb=0.01,
+                       log=lines.append)
     killed.append(None)  # stops the killer if it never found its rank
     killer.join()
     assert killed[0] is not None, "rank 1 was never killed: the test proved nothing"
@@ -175,7 +179,7 @@ def test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun(tiny_target, tokens
 def test_a_failed_torchrun_says_what_the_ranks_said_not_only_torchruns_own_traceback(tiny_target, tmp_path):
     missing = tmp_path / "no-such-tokens.jsonl"
     with pytest.raises(RuntimeError) as e:
-        stage.launch(2, tiny_target, [missing], tmp_path / "out", attempts=1, log=lambda m: None)
+        stage.launch(2, tiny_target, [missing], tmp_path / "out", attempts=1, target_backend="hf", log=lambda m: None)
     said = str(e.value)
     assert "failed 1 time(s)" in said and str(missing) in said and "Root Cause" in said
     assert "elastic_launch(" not in said  # the agent's launcher frames are left out
@@ -189,7 +193,7 @@ def test_kill_mid_run_then_rerun_has_every_sample_once_and_no_torn_shard(tiny_ta
     files = [tmp_path / "many.jsonl"]
     rows = write_tokens(files[0], target_tokenizer, 160, 7, "many")
     out = tmp_path / "hidden"
-    config = stage.write_config(tiny_target, files, out, max_tokens_per_batch=512, shard_mb=0.02)
+    config = stage.write_config(tiny_target, files, out, target_backend="hf", max_tokens_per_batch=512, shard_mb=0.02)
     cmd = [sys.executable, "-m", "draftsmith.hidden", str(config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -242,7 +246,7 @@ def test_shards_made_with_other_settings_are_an_error_naming_the_difference(tiny
     files, _ = tokens
     extract(tiny_target, files[1:], tmp_path)
     with pytest.raises(ValueError, match=r"dtype 'bf16' -> 'fp8'.*another run_name"):
-        extract(tiny_target, files[1:], tmp_path, dtype="fp8")
+        extract(tiny_target, files[1:], tmp_path, hidden_dtype="fp8")
     with pytest.raises(ValueError, match=r"layer_ids \[1, 3, 4\] -> \[2, 3, 4\]"):
         extract(tiny_target, files[1:], tmp_path, layer_ids=[2, 3, 4])
 
@@ -316,3 +320,30 @@ def test_notebook_04_extracts_checks_and_plots(tiny_target, tokens, tmp_path):
     hs = HiddenShards(run_dir / "hidden")
     assert hs.dtype == "fp8" and len(hs) == len(rows)
     assert "top1_agreement" in (run_dir / "notebooks" / "04_hidden_states.ipynb").read_text()
+
+
+def test_stage_04_takes_notebook_04s_parameters_under_its_names():
+    import inspect
+
+    from draftsmith import parameters
+    from draftsmith.hidden.extract import Settings
+
+    declared = next(s for s in parameters.discover() if s.number == "04").params
+    taken = {n for n, p in inspect.signature(stage.run).parameters.items() if p.kind is p.KEYWORD_ONLY} - {"log"}
+    assert taken == set(declared) - {"run_name", "outputs_dir"}
+    s = Settings()  # a direct call's defaults are the notebook's, not the library's own
+    assert s.target_backend == declared["target_backend"].default == "vllm"
+    assert (s.hidden_dtype, s.layer_convention, s.shard_mb) == tuple(
+        declared[n].default for n in ("hidden_dtype", "layer_convention", "shard_mb"))
+
+
+def test_a_setting_outside_its_declared_bound_is_refused_by_stage_run_and_by_extract(tiny_target, tokens, tmp_path):
+    files, _ = tokens
+    with pytest.raises(ValueError, match=r"nproc_per_node must be at least 1 \("):
+        stage.run(Run(tmp_path, "r"), **notebook_params("04", target_model_path=str(tiny_target), nproc_per_node=0),
+                  log=lambda m: None)
+    with pytest.raises(ValueError, match=r"shard_mb must be more than 0 \(shard size on disk"):
+        extract(tiny_target, files, tmp_path / "x", shard_mb=0.0)
+    with pytest.raises(ValueError, match=r"max_tokens_per_batch must be at least 1"):
+        extract(tiny_target, files, tmp_path / "x", max_tokens_per_batch=0)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "r" / "hidden").exists()

@@ -57,7 +57,7 @@ def reference(tiny_target, run_dir, tmp_path_factory):
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        extract(tiny_target, files, out, layer_ids=LAYERS, max_tokens_per_batch=2048, shard_mb=1.0,
+        extract(tiny_target, files, out, layer_ids=LAYERS, target_backend="hf", max_tokens_per_batch=2048, shard_mb=1.0,
                        log=lambda m: None)
     finally:
         torch.set_num_threads(torch_threads)
@@ -72,7 +72,7 @@ def killed_then_resumed(tiny_target, run_dir):
     outputs, _ = run_dir
     out = outputs / "smoke" / "hidden"
     files = sorted((outputs / "smoke" / "tokens").glob("*.jsonl"))
-    config = stage.write_config(tiny_target, files, out, max_tokens_per_batch=200, shard_mb=0.01, backend="vllm",
+    config = stage.write_config(tiny_target, files, out, max_tokens_per_batch=200, shard_mb=0.01, target_backend="vllm",
                                 layer_ids=LAYERS)
     cmd = [sys.executable, "-m", "draftsmith.hidden", str(config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

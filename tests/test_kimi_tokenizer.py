@@ -185,13 +185,12 @@ def _raw(sid: str, content: str, billed: int, **extra) -> dict:
 
 
 def _stage_03(tmp_path, target, rows, **kw) -> dict:
-    from draftsmith import tokens
-    from draftsmith.datasets import DatasetSpec
     from draftsmith.paths import Run
+    from test_tokens_stage import stage_03
 
     run = Run(tmp_path, "r")
     (run.dir("generate/d") / "raw_responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    report = tokens.build(run, [DatasetSpec("d", "unused")], str(target), log=lambda *a: None, **kw)
+    report = stage_03(run, [{"name": "d", "path": "unused"}], target, **kw)
     return report, {r["sample_id"]: r for r in map(json.loads, (run.root / "tokens" / "d.jsonl").open())}
 
 
@@ -235,19 +234,19 @@ def test_a_tool_calls_field_is_rendered_through_the_template_or_the_sample_is_fl
 # ---- the emulator bills with it; stage 03 rebuilds what it served ---------------------------------
 
 def test_emulator_bills_with_a_tiktoken_tokenizer_and_stage_03_rebuilds_its_ids(tmp_path, kimi_dir):
-    from draftsmith import generate, tokens
+    from draftsmith import generate
     from draftsmith.generate import stage as generate_stage
-    from draftsmith.datasets import parse_datasets
     from draftsmith.emulator import running
     from draftsmith.emulator.catalogue import Quirks, default_catalogue
     from draftsmith.paths import REPO_ROOT, Run
+    from test_tokens_stage import stage_03
 
     run = Run(tmp_path, "kimi")
     datasets = [{"name": "code", "path": str(REPO_ROOT / "data" / "demo" / "code.jsonl"), "output_token_budget": 6000}]
     cfg = {"fault_scale": 0, "credits": 50.0, "backend": "synthetic", "target_model_path": str(kimi_dir),
            "synthetic_tokens": 60}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        result = generate_stage.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
+        result = generate_stage.run_at(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
                                          max_tokens=120, concurrency=16, spend_limit_usd=40.0,
                                          provider={"quantizations": ["int4", "unknown"]},
                                          target_model_path=str(kimi_dir), trust_remote_code=True,
@@ -256,7 +255,7 @@ def test_emulator_bills_with_a_tiktoken_tokenizer_and_stage_03_rebuilds_its_ids(
         ledger = {line["generation_id"]: line for line in emu.ledger_lines() if line["billed"]}
     eos = [led["output_ids"][-1] for led in ledger.values() if led["finish_reason"] == "stop"]
     assert eos and set(eos) == {163586}  # <|im_end|>, read off the template
-    report = tokens.build(run, parse_datasets(datasets), str(kimi_dir), trust_remote_code=True, log=lambda *a: None)
+    report = stage_03(run, datasets, kimi_dir, trust_remote_code=True)
     assert report["target"]["tokenizer_kind"] == "tiktoken" and report["target"]["end_of_turn_ids"] == [163586]
     quirks = {e.tag: e.quirks for e in default_catalogue()}
     honest = lambda led: quirks[led["endpoint"]].model_copy(update={"perturbed_model": 0.0}) == Quirks()  # noqa: E731

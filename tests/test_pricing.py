@@ -4,6 +4,7 @@ routing name covers, and the balance left."""
 import pytest
 
 from draftsmith.openrouter import pricing
+from draftsmith.openrouter.api import Api
 from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.openrouter.budget import SpendBudget
 from draftsmith.emulator import running
@@ -48,13 +49,13 @@ def test_a_quantization_family_means_the_same_endpoints_to_both_stages():
 
 def test_the_balance_from_the_key_then_credits_then_unknown_with_the_reason(tmp_path):
     with running({"fault_scale": 0, "credits": 4.0}, state_dir=tmp_path / "a") as emu:
-        assert pricing.balance_now(emu.base_url, emu.key.header()) == (4.0, "/key limit_remaining")
-        usd, source = pricing.balance_now(emu.base_url, ApiKey("sk-or-v1-wrong", "t").header())
+        assert Api(emu.base_url, emu.key).balance() == (4.0, "/key limit_remaining")
+        usd, source = Api(emu.base_url, ApiKey("sk-or-v1-wrong", "t")).balance()
         assert usd is None and "/key unreadable: HTTP 401" in source
     with running({"fault_scale": 0, "credits": 4.0, "key_capped": False}, state_dir=tmp_path / "b") as emu:
-        usd, source = pricing.balance_now(emu.base_url, emu.key.header())
+        usd, source = Api(emu.base_url, emu.key).balance()
         assert usd == 4.0 and source.startswith("/credits")
     with running({"fault_scale": 0, "key_capped": False, "credits_need_management_key": True},
                  state_dir=tmp_path / "c") as emu:
-        usd, source = pricing.balance_now(emu.base_url, emu.key.header())
+        usd, source = Api(emu.base_url, emu.key).balance()
         assert usd is None and "uncapped" in source and "/credits refused: HTTP 403" in source

@@ -10,7 +10,8 @@ import pytest
 from draftsmith.openrouter.client import BodyMaker, messages_json, request_settings
 from draftsmith.emulator import running
 from draftsmith.paths import Run
-from draftsmith.providers import cost_plan, outputs, probe
+from draftsmith import parameters
+from draftsmith.providers import cost_plan, outputs, probe, stage
 from draftsmith.openrouter import endpoints
 from draftsmith.openrouter.api import Api, ApiError
 
@@ -38,22 +39,22 @@ def test_policy_excludes_below_native_unknown_and_down_with_reasons():
         ("F", "f/unknown", "unknown", 0.5, 2.0, 0, 99, 1, 40),
         ("G", "g/int4", "int4", 0.5, 2.0, -2, 10, 1, 40),
     ])
-    p = endpoints.apply_policy(t, "int4").set_index("tag")
+    p = endpoints.apply_policy(t, "int4", False).set_index("tag")
     assert p.loc["a/int4", "allowed"] and p.loc["e/fp8", "allowed"]  # fp8 holds int4 weights exactly
     for tag in ("b/fp4", "c/nvfp4", "d/mxfp4"):
         assert not p.loc[tag, "allowed"] and "below the native int4" in p.loc[tag, "reason"]
     assert not p.loc["f/unknown", "allowed"] and "unknown" in p.loc["f/unknown", "reason"]
     assert not p.loc["g/int4", "allowed"] and "down" in p.loc["g/int4", "reason"]
-    assert endpoints.apply_policy(t, "int4", allow_unknown=True).set_index("tag").loc["f/unknown", "allowed"]
+    assert endpoints.apply_policy(t, "int4", allow_unknown_quantization=True).set_index("tag").loc["f/unknown", "allowed"]
     # a bf16 model: fp8 and int4 are below it
-    p16 = endpoints.apply_policy(t, "bf16").set_index("tag")
+    p16 = endpoints.apply_policy(t, "bf16", False).set_index("tag")
     assert not p16.loc["e/fp8", "allowed"] and not p16.loc["a/int4", "allowed"]
     with pytest.raises(ValueError, match="native_precision"):
-        endpoints.apply_policy(t, "int3")
-    r = endpoints.routing_object(endpoints.apply_policy(t, "int4"), "int4", False)
+        endpoints.apply_policy(t, "int3", False)
+    r = endpoints.routing_object(endpoints.apply_policy(t, "int4", False), "int4", False)
     assert r == {"only": ["a/int4", "e/fp8"], "quantizations": ["fp8", "int4"], "allow_fallbacks": True,
                  "require_parameters": True}
-    assert {x["tag"] for x in endpoints.exclusions(endpoints.apply_policy(t, "int4"))} == {"b/fp4", "c/nvfp4", "d/mxfp4", "f/unknown", "g/int4"}
+    assert {x["tag"] for x in endpoints.exclusions(endpoints.apply_policy(t, "int4", False))} == {"b/fp4", "c/nvfp4", "d/mxfp4", "f/unknown", "g/int4"}
 
 
 def test_cost_plan_arithmetic():
@@ -82,8 +83,8 @@ def test_probe_flags_the_provider_that_answers_differently(tmp_path, target_toke
     # synthetic backend: fast; its perturbed provider answers with other text, like noisy weights would
     with running({"fault_scale": 0.5, "seed": 1}, state_dir=tmp_path) as emu:
         api = Api(emu.base_url, emu.key)
-        _, table = endpoints.fetch_endpoints(api, MODEL)
-        policy = endpoints.apply_policy(table, "int4")
+        table = endpoints.endpoint_table(api.endpoints(MODEL))
+        policy = endpoints.apply_policy(table, "int4", False)
         candidates = policy[policy["allowed"]]
         prompts = [[{"role": "user", "content": f"probe {i}"}] for i in range(3)]
         per_prompt = probe.probe(api, MODEL, candidates, prompts, target_tokenizer, 24, 0, "moonshotai")
@@ -103,7 +104,7 @@ def test_probe_does_not_flag_a_provider_that_only_cuts_or_drops_its_reasoning(tm
             {"slug": "noisy", "name": "Noisy", **base, "quirks": {"perturbed_model": 0.5}}]
     with running({"providers": prov, "fault_scale": 0, "synthetic_tokens": 120}, state_dir=tmp_path) as emu:
         api = Api(emu.base_url, emu.key)
-        _, table = endpoints.fetch_endpoints(api, MODEL)
+        table = endpoints.endpoint_table(api.endpoints(MODEL))
         prompts = [[{"role": "user", "content": f"probe {i}"}] for i in range(3)]
         per_prompt = probe.probe(api, MODEL, table, prompts, target_tokenizer, 96, 0, "moonshotai")
         quirks = {x["provider"]: set(x["quirks"]) for x in emu.ledger_lines()}
@@ -179,7 +180,7 @@ def test_the_routing_written_is_the_routing_stage_02_reads(tmp_path):
     run = Run(tmp_path, "r")
     assert outputs.read_routing(run) is None                     # stage 01 did not run
     t = _table([("A", "a/int4", "int4", 0.5, 2.0, 0, 99, 1, 40), ("B", "b/fp4", "fp4", 0.4, 1.9, 0, 99, 1, 40)])
-    policy = endpoints.apply_policy(t, "int4")
+    policy = endpoints.apply_policy(t, "int4", False)
     routing = endpoints.routing_object(policy, "int4", False)
     plan = pd.DataFrame([{"dataset": "d", "cost_mix": 0.5, "fits_fraction": 1.0}])
     outputs.write_outputs(run, MODEL, "int4", policy, routing, plan,
@@ -208,3 +209,32 @@ def test_an_answer_with_nothing_to_compare_is_no_evidence_of_another_model():
     s = probe.probe_summary(pd.DataFrame(rows), 0.5).set_index("tag")
     assert s.loc["drops/int4", "agreement"] == 1.0
     assert probe.outliers(s.reset_index()) == ["other/int4"]
+
+
+def test_stage_01_run_holds_a_direct_call_to_the_declared_bounds_before_anything_starts(tmp_path):
+    """`stage.run` takes notebook 01's names; a value outside its declared bound is refused, naming
+    the setting, before the emulator starts or anything is paid or written."""
+    notebook = next(s for s in parameters.discover() if s.number == "01")
+    params = parameters.given("01", {name: p.default for name, p in notebook.params.items()})
+    with pytest.raises(ValueError, match="probe_max_tokens must be at least 1"):
+        stage.run(Run(tmp_path, "r"), **{**params, "probe_max_tokens": 0})
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(TypeError):                      # the notebook's name, not a relayed one
+        stage.run(Run(tmp_path, "r"), **{**params, "lr": 1})
+
+
+def test_stage_01_calls_work_under_a_running_event_loop_and_name_an_unlisted_model(tmp_path):
+    """A Jupyter kernel runs an event loop in the notebook's thread: stage 01's synchronous calls
+    run theirs in a worker thread, so they work there too."""
+    import asyncio
+
+    with running({"fault_scale": 0, "credits": 4.0}, state_dir=tmp_path) as emu:
+        api = Api(emu.base_url, emu.key)
+
+        async def in_a_kernel():
+            return api.balance(), api.endpoints(MODEL)
+
+        balance, eps = asyncio.run(in_a_kernel())
+        assert balance == (4.0, "/key limit_remaining") and {e["tag"] for e in eps} >= {"moonshotai/int4"}
+        with pytest.raises(ValueError, match="'no/such' is not listed by"):
+            api.endpoints("no/such")

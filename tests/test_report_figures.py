@@ -7,10 +7,10 @@ import matplotlib
 import matplotlib.pyplot as plt
 import pytest
 from matplotlib.colors import to_hex, to_rgb
-from test_tokens_stage import SPECS, synthetic_run  # noqa: F401 (fixture)
+from test_tokens_stage import SPECS, stage_03, synthetic_run  # noqa: F401 (fixture)
 
 from draftsmith import tokens
-from draftsmith.drafter import figures as plots, tables
+from draftsmith.drafter import figures as drafter_figures
 from draftsmith.evaluate import figures
 
 matplotlib.use("Agg")
@@ -22,7 +22,7 @@ def luminance(color) -> float:
 
 
 def test_a_one_sample_bin_of_the_billed_vs_rebuilt_histogram_shows_as_a_bar(synthetic_run, tiny_target):
-    report = tokens.build(synthetic_run, SPECS, str(tiny_target), log=lambda *a: None)
+    report = stage_03(synthetic_run, SPECS, tiny_target)
     ax = tokens.figures(synthetic_run, report)["delta_hist.png"].axes[0]
     ones = [p for p in ax.patches if p.get_height() == 1]
     assert ones, [p.get_height() for p in ax.patches]
@@ -33,7 +33,7 @@ def test_a_one_sample_bin_of_the_billed_vs_rebuilt_histogram_shows_as_a_bar(synt
 
 
 def test_the_vocabulary_table_prints_sizes_as_whole_numbers_and_shares_as_percentages():
-    html = tables.vocab_table({"vocab": {"draft_vocab_size": 1024, "distinct_tokens": 742, "train_coverage": 1.0,
+    html = drafter_figures.vocab_table({"vocab": {"draft_vocab_size": 1024, "distinct_tokens": 742, "train_coverage": 1.0,
                                          "supervised_fraction": 0.98765, "heldout_coverage": None}}).to_html()
     for shown in (">1024<", ">742<", ">100.0%<", ">98.8%<", ">n/a<"):
         assert shown in html, html
@@ -43,7 +43,7 @@ def test_the_vocabulary_table_prints_sizes_as_whole_numbers_and_shares_as_percen
 def test_the_ttt_curves_differ_in_colour_and_line_style_and_none_is_pale():
     metrics = [{"split": split, "step": s, "loss_i": [3.0 - 0.1 * s] * 3, "kl_i": [1.0 / s] * 3,
                 "acc_i": [0.1 * s] * 3} for s in range(1, 6) for split in ("train", "heldout")]
-    fig = plots.curves_figure(metrics, {"acc": 0.1})
+    fig = drafter_figures.curves_figure(metrics, {"acc": 0.1})
     for ax in fig.axes:
         steps = [ln for ln in ax.get_lines() if ln.get_label().startswith(("step", "acc_"))]
         assert len(steps) == 3

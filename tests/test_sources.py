@@ -12,14 +12,15 @@ import pytest
 from draftsmith import tokens
 from draftsmith.hidden.extract import extract
 from draftsmith.target.corpus import chat_examples
-from draftsmith.datasets import DatasetSpec
 from draftsmith.drafter import train
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.imports import parse_imports
 from draftsmith.paths import Run
 from draftsmith.hidden.outputs import HiddenShards
 
-SPECS = [DatasetSpec("code", "unused"), DatasetSpec("chat", "unused"), DatasetSpec("legacy", "unused")]
+from test_tokens_stage import stage_03
+
+SPECS = [{"name": "code", "path": "unused"}, {"name": "chat", "path": "unused"}, {"name": "legacy", "path": "unused"}]
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,7 +111,7 @@ def merged(tmp_path_factory, target_tokenizer, tiny_target):
     legacy = write_jsonl(root / "legacy.jsonl", [import_line(tok, i, with_ids=i % 2 == 0) for i in range(60, 68)],
                          extra="\n".join(bad) + "\n")
     imports = [{"name": "chat", "path": str(chat_import)}, {"name": "legacy", "path": str(legacy)}]
-    report = tokens.build(run, SPECS, str(tiny_target), imports=imports, log=lambda *a: None)
+    report = stage_03(run, SPECS, tiny_target, imports=imports)
     lines = {name: [json.loads(x) for x in (run.root / "tokens" / f"{name}.jsonl").open()] for name in ("code", "chat", "legacy")}
     return run, report, lines, tok
 
@@ -199,27 +200,28 @@ def test_imports_parameter_errors_name_the_entry(tmp_path):
     with pytest.raises(ValueError, match=r"imports\[0\]: unknown keys \['source'\]"):
         parse_imports([{"name": "code", "path": str(f), "source": "x"}], ["code"])
     with pytest.raises(FileNotFoundError, match="no import names it"):
-        tokens.build(Run(tmp_path, "r"), SPECS[:1], "tiny-test", imports=[], log=lambda *a: None)
+        stage_03(Run(tmp_path, "r"), SPECS[:1], "tiny-test", imports=[])
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_source_reaches_the_hidden_index_and_the_drafters_report(merged, tiny_target, tmp_path):
     run, report, lines, tok = merged
-    files = tokens.token_files(run, [s.name for s in SPECS])
-    extract(tiny_target, files, tmp_path / "hidden", log=lambda *a: None)
+    files = tokens.token_files(run, [s["name"] for s in SPECS])
+    extract(tiny_target, files, tmp_path / "hidden", target_backend="hf", log=lambda *a: None)
     shards = HiddenShards(tmp_path / "hidden")
     got = {(s.dataset, s.sample_id): s.source for s in shards.samples}
     assert got == {(ln["dataset"], ln["sample_id"]): ln["source"] for name in lines for ln in lines[name]}
     # a rerun keeps the shards and still names each sample's source
-    extract(tiny_target, files, tmp_path / "hidden", log=lambda *a: None)
+    extract(tiny_target, files, tmp_path / "hidden", target_backend="hf", log=lambda *a: None)
     assert {(s.dataset, s.sample_id): s.source for s in HiddenShards(tmp_path / "hidden").samples} == got
 
     cfg = TrainConfig(hidden_dir=str(tmp_path / "hidden"), target_path=str(tiny_target),
-                      out_dir=str(tmp_path / "drafter"), draft_vocab_size=512, ttt_steps=2, epochs=1.0,
-                      batch_size=4, micro_batch_size=2, max_len=128, lr=1e-4, warmup_fraction=0.015,
-                      weight_decay=0.0, grad_clip=0.5, holdout_fraction=0.2, seed=0, fsdp=False, eval_every=0,
-                      checkpoint_every=100, export_fractions=[1.0], export_engine="sglang",
-                      export_dtype="float32", resume=True)
+                      out_dir=str(tmp_path / "drafter"), draft_vocab_size=512, ttt_steps=2, train_epochs=1.0,
+                      train_batch_size=4, train_micro_batch_size=2, train_max_len=128, train_lr=1e-4,
+                      train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
+                      train_holdout_fraction=0.2, seed=0, train_fsdp=False, train_eval_every=0,
+                      train_checkpoint_every=100, export_fractions=[1.0], export_engine="sglang",
+                      export_dtype="float32", train_resume=True)
     s = train.train(cfg, log=lambda *a: None)
     per = s["sources"]
     assert set(per) == {"openrouter", "vllm", "sglang-h100"}
@@ -252,7 +254,7 @@ def test_stage_02_does_not_ask_for_prompts_an_import_answers(tmp_path, target_to
     logs = []
     cfg = {"fault_scale": 0, "credits": 10.0, "backend": "synthetic", "synthetic_tokens": 8, "time_scale": 0.0}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        res = generate_stage.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5", max_tokens=16,
+        res = generate_stage.run_at(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5", max_tokens=16,
                                       concurrency=4, spend_limit_usd=1.0, native_precision="int4", imports=imports,
                                       log=logs.append)
         billed = [x for x in emu.ledger_lines() if x["billed"]]

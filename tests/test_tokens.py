@@ -9,6 +9,11 @@ from draftsmith.target.corpus import chat_examples
 from draftsmith.templates import KIMI_K25_CHAT_TEMPLATE, load_chat_template, response_layout
 from draftsmith.tokens import Reconstructor, Response, Thresholds
 
+from conftest import notebook_params
+
+DECLARED = Thresholds(**{k: v for k, v in notebook_params("03").items()
+                             if k in ("sample_tolerance", "min_clean_rate", "max_relative_error")})
+
 THINK, END_THINK, EOS = 128821, 128822, 1
 
 
@@ -29,7 +34,7 @@ def rebuild(rec, row):
     b = rec.rebuild([r])[0]
     if not row.get("usage"):
         r.billed_prompt, r.billed_completion = len(b.prompt_ids), len(b.output_ids)
-    return r, b, tokens.check(r, b, rec.layout, Thresholds())
+    return r, b, tokens.check(r, b, rec.layout, DECLARED)
 
 
 def oracle(rec, messages, reasoning, content):
@@ -199,7 +204,7 @@ def test_structural_checks(rec):
     _, _, c = rebuild(rec, raw(reasoning=f"a{tiny.END_THINK}b"))
     assert "think_marker_in_reasoning" in c["issues"]
     r = Response.parse({k: v for k, v in raw().items() if k != "usage"})
-    assert "no_usage" in tokens.check(r, rec.rebuild([r])[0], rec.layout, Thresholds())["issues"]
+    assert "no_usage" in tokens.check(r, rec.rebuild([r])[0], rec.layout, DECLARED)["issues"]
     with pytest.raises(tokens.BadLine, match="messages"):
         Response.parse({**raw(), "messages": "hi"})
     with pytest.raises(tokens.BadLine, match="usage.completion_tokens"):

@@ -15,10 +15,11 @@ import yaml
 from draftsmith import cli, generate, parameters, tokens
 
 from draftsmith.generate import stage as generate_stage
-from draftsmith.datasets import parse_datasets
 from draftsmith.emulator import running
 from draftsmith.emulator.catalogue import Quirks, default_catalogue
 from draftsmith.paths import REPO_ROOT, Run
+
+from test_tokens_stage import stage_03
 
 FULL = os.environ.get("DRAFTSMITH_TOKENS_FULL") == "1"
 INT4 = {"quantizations": ["int4", "unknown"]}
@@ -46,7 +47,7 @@ def generate_and_validate(tmp_path, backend: str, budget: int, max_tokens: int, 
     cfg = {"fault_scale": 0, "credits": 50.0, "backend": backend, "target_model_path": "tiny-test",
            "synthetic_tokens": max_tokens // 2}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        result = generate_stage.run_generation(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
+        result = generate_stage.run_at(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
                                          max_tokens=max_tokens, concurrency=32, spend_limit_usd=40.0,
                                          provider=provider, target_model_path="tiny-test", native_precision="int4",
                                          log=lambda *a: None)
@@ -60,7 +61,7 @@ def generate_and_validate(tmp_path, backend: str, budget: int, max_tokens: int, 
         assert cli.main(["run", "03", "-f", str(params), "-p", "outputs_dir", str(tmp_path)]) == 0
         log = (run.root / "logs" / "03_validate_tokens.log").read_text()
     else:
-        log = tokens.summary(tokens.build(run, parse_datasets(datasets), "tiny-test", log=lambda *a: None))
+        log = tokens.summary(stage_03(run, datasets, "tiny-test"))
     report = tokens.read_report(run)
     if notebook:  # the notebook saves and shows the figures `tokens.figures` makes
         for name in ("delta_hist.png", "provider_deltas.png", "lengths.png"):

@@ -10,9 +10,11 @@ import matplotlib.pyplot as plt
 import pytest
 
 from draftsmith import tokens
+from draftsmith.tokens import stage
 from draftsmith.target.corpus import chat_examples
-from draftsmith.datasets import DatasetSpec
 from draftsmith.paths import Run
+
+from conftest import notebook_params
 
 PROVIDERS = ("Clean", "Strip", "OtherTok", "Split", "Trunc", "Drop")
 EXPECTED_CAUSE = {"Strip": "stripped_whitespace", "OtherTok": "other_tokenizer", "Split": "non_canonical_split",
@@ -77,11 +79,17 @@ def synthetic_run(tmp_path_factory, target_tokenizer):
     return run
 
 
-SPECS = [DatasetSpec("code", "unused"), DatasetSpec("chat", "unused")]
+SPECS = [{"name": "code", "path": "unused"}, {"name": "chat", "path": "unused"}]
+
+
+def stage_03(run, datasets, target, **params) -> dict:
+    """What notebook 03 calls (`stage.run`), its parameters at their defaults but for `params`."""
+    return stage.run(run, **notebook_params("03", datasets=datasets, target_model_path=str(target), **params),
+                     log=lambda *a: None)
 
 
 def test_every_quirky_provider_is_flagged_with_its_cause(synthetic_run, tiny_target):
-    report = tokens.build(synthetic_run, SPECS, str(tiny_target), log=lambda *a: None)
+    report = stage_03(synthetic_run, SPECS, tiny_target)
     prov = report["providers"]
     assert not prov["Clean"]["flagged"] and prov["Clean"]["exact_match_rate"] == 1.0
     assert prov["Clean"]["relative_error"] == 0 and prov["Clean"]["cause"] is None
@@ -112,7 +120,7 @@ def test_every_quirky_provider_is_flagged_with_its_cause(synthetic_run, tiny_tar
 
 
 def test_token_files_hold_what_stage_04_reads(synthetic_run, tiny_target, target_tokenizer):
-    tokens.build(synthetic_run, SPECS, str(tiny_target), log=lambda *a: None)
+    stage_03(synthetic_run, SPECS, tiny_target)
     lines = [json.loads(x) for x in (synthetic_run.root / "tokens" / "code.jsonl").open()]
     assert len(lines) == 72
     for ln in lines:
@@ -128,7 +136,7 @@ def test_token_files_hold_what_stage_04_reads(synthetic_run, tiny_target, target
 
 
 def test_exclude_flagged_keeps_only_clean_providers_but_reports_all(synthetic_run, tiny_target):
-    report = tokens.build(synthetic_run, SPECS, str(tiny_target), exclude_flagged=True, log=lambda *a: None)
+    report = stage_03(synthetic_run, SPECS, tiny_target, exclude_flagged=True)
     kept = [json.loads(x) for name in ("code", "chat") for x in (synthetic_run.root / "tokens" / f"{name}.jsonl").open()]
     assert {ln["provider"] for ln in kept} == {"Clean"} and len(kept) == 24
     checks = [json.loads(x) for x in (synthetic_run.root / "tokens" / "checks" / "code.jsonl").open()]
@@ -151,16 +159,16 @@ def test_an_interrupted_stage_redoes_only_unfinished_datasets(tmp_path, tiny_tar
 
     monkeypatch.setattr(tokens.Reconstructor, "rebuild", crash_on_chat)
     with pytest.raises(KeyboardInterrupt):
-        tokens.build(run, SPECS, str(tiny_target), log=lambda *a: None)
+        stage_03(run, SPECS, tiny_target)
     assert not (run.root / "tokens" / "code.jsonl").exists()  # nothing final until every dataset is done
     monkeypatch.setattr(tokens.Reconstructor, "rebuild", lambda self, b: (seen.append(b[0].dataset), real(self, b))[1])
     seen.clear()
-    report = tokens.build(run, SPECS, str(tiny_target), log=lambda *a: None)
+    report = stage_03(run, SPECS, tiny_target)
     assert seen == ["chat"] and report["totals"]["samples"] == 24
     # a changed source file is rebuilt again
     write_raw(run, "code", synthetic_rows(target_tokenizer, "code", 1))
     seen.clear()
-    report = tokens.build(run, SPECS, str(tiny_target), log=lambda *a: None)
+    report = stage_03(run, SPECS, tiny_target)
     assert sorted(seen) == ["chat", "code"] and report["totals"]["samples"] == 18
 
 
@@ -171,7 +179,7 @@ def test_duplicates_and_empty_responses_are_left_out(tmp_path, tiny_target, targ
              "finish_reason": "length", "usage": {"completion_tokens": 48, "reasoning_tokens": 48}}
     rows += [rows[0], {**rows[1], "sample_id": "another"}, empty]
     write_raw(run, "code", rows)
-    report = tokens.build(run, SPECS[:1], str(tiny_target), log=lambda *a: None)
+    report = stage_03(run, SPECS[:1], tiny_target)
     issues = report["totals"]["issues"]
     assert issues["duplicate_sample_id"] == 1 and issues["duplicate_generation_id"] == 2 and issues["no_output"] == 1
     ids = [json.loads(x)["sample_id"] for x in (run.root / "tokens" / "code.jsonl").open()]
@@ -184,9 +192,20 @@ def test_a_damaged_stage_02_line_stops_the_stage_naming_file_and_line(tmp_path, 
     raw = run.root / "generate" / "code" / "raw_responses.jsonl"
     raw.write_text(raw.read_text() + "not json\n" + raw.read_text().splitlines()[0] + "\n")
     with pytest.raises(ValueError, match=r"raw_responses\.jsonl:3: not valid JSON"):
-        tokens.build(run, SPECS[:1], str(tiny_target), log=lambda *a: None)
+        stage_03(run, SPECS[:1], tiny_target)
 
 
 def test_a_missing_stage_02_output_names_the_file(tmp_path, tiny_target):
     with pytest.raises(FileNotFoundError, match="run stage 02"):
-        tokens.build(Run(tmp_path, "r"), SPECS, str(tiny_target), log=lambda *a: None)
+        stage_03(Run(tmp_path, "r"), SPECS, tiny_target)
+
+
+def test_stage_03_takes_notebook_03s_parameters_under_its_names():
+    import inspect
+
+    from draftsmith import parameters
+
+    declared = next(s for s in parameters.discover() if s.number == "03").params
+    taken = {n for n, p in inspect.signature(stage.run).parameters.items()
+             if p.kind is p.KEYWORD_ONLY and p.default is inspect.Parameter.empty}
+    assert taken == set(declared) - {"run_name", "outputs_dir"}

@@ -31,24 +31,24 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return ids
 
 
-def to_output_ids(ids: list[int], convention: str) -> list[int]:
+def in_output_convention(ids: list[int], convention: str) -> list[int]:
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
     return list(ids) if convention == "output" else [k - 1 for k in ids]
 
 
-def hf_hidden_state_indices(output_ids: list[int]) -> list[int]:
+def hf_hidden_state_indices(layer_ids: list[int]) -> list[int]:
     """Indices into HF `output_hidden_states` that hold the outputs of these layers."""
-    return [k + 1 for k in output_ids]
+    return [k + 1 for k in layer_ids]
 
 
-def engine_layer_ids(output_ids: list[int], engine: str) -> list[int]:
+def engine_layer_ids(layer_ids: list[int], engine: str) -> list[int]:
     """The ids to write into a draft config for `engine` so that it captures these tensors."""
     if engine == "vllm":
-        return [k + 1 for k in output_ids]
+        return [k + 1 for k in layer_ids]
     if engine == "sglang":
         # SGLang shifts by one only when the first id is 1; otherwise it reads input ids.
-        return list(output_ids) if output_ids[0] == 1 else [k + 1 for k in output_ids]
+        return list(layer_ids) if layer_ids[0] == 1 else [k + 1 for k in layer_ids]
     raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
 
 
@@ -65,14 +65,14 @@ def engine_capture_indices(config_ids: list[int], engine: str) -> list[int]:
     return input_ids  # input id k is hidden_states[k]
 
 
-def numbering_table(output_ids: list[int]):
+def numbering_table(layer_ids: list[int]):
     """The same three tensors under each numbering (a table, one row per layer): stored (output)
     ids, input ids, HF `output_hidden_states` indices and the ids a draft config gives each engine."""
     import pandas as pd
 
-    return pd.DataFrame({"stored (output convention)": list(output_ids),
-                         "input convention": [k + 1 for k in output_ids],
-                         "HF output_hidden_states index": hf_hidden_state_indices(output_ids),
-                         "SGLang draft-config id": engine_layer_ids(output_ids, "sglang"),
-                         "vLLM draft-config id": engine_layer_ids(output_ids, "vllm")},
+    return pd.DataFrame({"stored (output convention)": list(layer_ids),
+                         "input convention": [k + 1 for k in layer_ids],
+                         "HF output_hidden_states index": hf_hidden_state_indices(layer_ids),
+                         "SGLang draft-config id": engine_layer_ids(layer_ids, "sglang"),
+                         "vLLM draft-config id": engine_layer_ids(layer_ids, "vllm")},
                         index=["low", "mid", "high"])

@@ -3,7 +3,8 @@
 A checkpoint is the full (unsharded) model and optimizer state without the frozen embedding, the
 schedule, every random generator and the step, plus the fingerprint of the settings and data it
 was trained with (`TrainConfig.fingerprint`): a run resumes only from a checkpoint that matches.
-Where the files live is `artifacts`' business.
+Where the files live is `outputs`' business. A checkpoint
+written before the settings took the notebook's names is read with them renamed (`config.renamed`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from . import outputs as artifacts
+from . import outputs
+from .config import renamed
 
 
 def gather_state(model, opt) -> tuple[dict, dict]:
@@ -28,7 +30,7 @@ def save(out: Path, step: int, msd: dict, osd: dict, sched, fingerprint: dict) -
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    return artifacts.save_checkpoint(out, step, {"step": step, "model": msd, "optimizer": osd,
+    return outputs.save_checkpoint(out, step, {"step": step, "model": msd, "optimizer": osd,
                                                  "scheduler": sched.state_dict(), "rng": rng,
                                                  "config": fingerprint})
 
@@ -36,14 +38,15 @@ def save(out: Path, step: int, msd: dict, osd: dict, sched, fingerprint: dict) -
 def latest_matching(out: Path, fingerprint: dict) -> tuple[Path, dict] | None:
     """The latest checkpoint and its state, or None when there is none; an error when it was
     trained with other settings or data (checked before any long preparation)."""
-    found = artifacts.checkpoints(out)
+    found = outputs.checkpoints(out)
     if not found:
         return None
     state = torch.load(found[-1], map_location="cpu", weights_only=False)
+    state["config"] = renamed(state["config"])
     if state["config"] != fingerprint:
         diff = sorted(k for k in fingerprint if state["config"].get(k) != fingerprint[k])
         raise ValueError(f"{found[-1]}: checkpoint was trained with other settings or data ({', '.join(diff)}); "
-                         f"restore them, or start over: train_resume false (resume=False), or delete "
+                         f"restore them, or start over: train_resume false, or delete "
                          f"{found[-1].parent}")
     return found[-1], state
 

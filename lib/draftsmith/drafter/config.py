@@ -1,8 +1,9 @@
 """The settings of one training run (`TrainConfig`), checked before any work.
 
 Every setting a user chooses is a required field: its one default is in notebook 05's parameters
-cell (`draft_vocab_size`, `train_lr`, ...), which is where a user reads and sets it. Only the two
-settings the notebook does not offer have defaults here.
+cell (`draft_vocab_size`, `train_lr`, ...), which is where a user reads and sets it, and each field is
+named as the notebook names it; the bounds declared there are checked here (`parameters.check_bounds`).
+Only the two settings the notebook does not offer have defaults here.
 
 A checkpoint remembers the settings that change the trained weights (`fingerprint`), so a run is
 resumed only with the settings and data it was started with.
@@ -15,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .. import layers
+from .. import layers, parameters
 from .export import DTYPES
 
 
@@ -26,29 +27,30 @@ class TrainConfig:
     out_dir: str                     # the drafter folder
     draft_vocab_size: int
     ttt_steps: int
-    epochs: float
-    batch_size: int                  # samples per optimizer step, all processes together
-    micro_batch_size: int            # samples per forward pass
-    max_len: int                     # tokens of a sample used (longer ones are cut)
-    lr: float
-    warmup_fraction: float
-    weight_decay: float
-    grad_clip: float
-    holdout_fraction: float
+    train_epochs: float
+    train_batch_size: int            # samples per optimizer step, all processes together
+    train_micro_batch_size: int      # samples per forward pass
+    train_max_len: int               # tokens of a sample used (longer ones are cut)
+    train_lr: float
+    train_warmup_fraction: float
+    train_weight_decay: float
+    train_grad_clip: float
+    train_holdout_fraction: float
     seed: int
-    fsdp: bool                       # shard the drafter over processes (FSDP2) instead of DDP
+    train_fsdp: bool                 # shard the drafter over processes (FSDP2) instead of DDP
     step_weight: float = 0.8         # TTT step i weighs step_weight**i
     # bookkeeping: does not change the trained weights
-    eval_every: int                  # steps between held-out evaluations (0: only at exports)
-    checkpoint_every: int
+    train_eval_every: int            # steps between held-out evaluations (0: only at exports)
+    train_checkpoint_every: int
     export_fractions: list[float]
     export_engine: str
     export_dtype: str
-    resume: bool
+    train_resume: bool
     stop_at: int = 0                 # return after this many steps (0: train to the end)
 
-    BOOKKEEPING = ("eval_every", "checkpoint_every", "export_fractions", "export_engine", "export_dtype",
-                   "resume", "stop_at", "out_dir", "hidden_dir", "target_path")
+    LIBRARY_ONLY = ("hidden_dir", "target_path", "out_dir", "step_weight", "stop_at")  # no notebook declares these
+    BOOKKEEPING = ("train_eval_every", "train_checkpoint_every", "export_fractions", "export_engine",
+                   "export_dtype", "train_resume", "stop_at", "out_dir", "hidden_dir", "target_path")
 
     def fingerprint(self, shards_index: dict, target_config: dict) -> dict:
         """What a checkpoint must agree with to be resumed: the settings that change the weights, and
@@ -64,11 +66,7 @@ class TrainConfig:
             raise ValueError(f"export_dtype must be one of {sorted(DTYPES)}, got {self.export_dtype!r}")
         if not all(0 < f <= 1 for f in self.export_fractions):
             raise ValueError(f"export_fractions must lie in (0, 1], got {self.export_fractions}")
-        for name in ("ttt_steps", "batch_size", "micro_batch_size", "max_len", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.epochs <= 0 or self.lr <= 0:
-            raise ValueError(f"epochs and lr must be positive, got {self.epochs} and {self.lr}")
+        parameters.check_bounds({k: v for k, v in asdict(self).items() if k not in self.LIBRARY_ONLY})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,6 +79,18 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"{path}: unknown training settings {sorted(unknown)}")
         return cls(**raw)
+
+
+# A checkpoint written before the settings took notebook 05's names remembers them by their old
+# names: its fingerprint is read through this map, so such a run still resumes.
+OLD_NAMES = {old: f"train_{old}" for old in (
+    "epochs", "batch_size", "micro_batch_size", "max_len", "lr", "warmup_fraction", "weight_decay", "grad_clip",
+    "holdout_fraction", "fsdp", "eval_every", "checkpoint_every", "resume")}
+
+
+def renamed(fingerprint: dict) -> dict:
+    """A checkpoint's fingerprint with the settings under their current names."""
+    return {OLD_NAMES.get(k, k): v for k, v in fingerprint.items()}
 
 
 def digest(obj) -> str:

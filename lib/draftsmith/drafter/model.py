@@ -56,7 +56,8 @@ class DrafterConfig:
     @classmethod
     def from_target(cls, target_config: dict, draft_vocab_size: int) -> "DrafterConfig":
         """The drafter's shape from the target's config.json: same hidden size (the embedding is
-        shared), the target's MLP width, heads and RoPE base."""
+        shared), the target's MLP width, heads and RoPE base. draft_vocab_size's own bound is held by
+        `TrainConfig.check` (`parameters.check_bounds`); this checks it against the target's vocabulary."""
         c = target_config.get("text_config", target_config)  # multimodal checkpoints nest it
         try:
             h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
@@ -75,8 +76,8 @@ class DrafterConfig:
             )
         except KeyError as e:
             raise ValueError(f"target config.json has no field {e.args[0]!r}") from None
-        if not 0 < cfg.draft_vocab_size <= cfg.vocab_size:
-            raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{cfg.vocab_size} (the target vocab)")
+        if cfg.draft_vocab_size > cfg.vocab_size:
+            raise ValueError(f"draft_vocab_size {draft_vocab_size} must be at most {cfg.vocab_size} (the target vocab)")
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads")
         return cfg

@@ -2,7 +2,7 @@
 
 The held-out part of the split is written to the drafter folder (stage 06 prompts with it); the
 vocabulary and the masks are cached there under a key of the inputs they come from, so a resumed
-or repeated run skips them and a run with other data, vocabulary size or max_len rebuilds them.
+or repeated run skips them and a run with other data, vocabulary size or train_max_len rebuilds them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..hidden.outputs import HiddenShards
-from . import outputs as artifacts, data
+from . import outputs, data
 from .config import TrainConfig, digest
 from .vocab import DraftVocab, token_counts
 
@@ -39,31 +39,31 @@ def prepare(cfg: TrainConfig, shards: HiddenShards, lm_head: torch.Tensor, d: "D
     t0 = time.time()
     out = Path(cfg.out_dir)
     vocab_size = lm_head.shape[0]
-    train, held = data.split(shards, cfg.holdout_fraction)
-    key = digest([shards.index, cfg.holdout_fraction, cfg.draft_vocab_size, cfg.max_len, vocab_size])
+    train, held = data.split(shards, cfg.train_holdout_fraction)
+    key = digest([shards.index, cfg.train_holdout_fraction, cfg.draft_vocab_size, cfg.train_max_len, vocab_size])
     if d.main:
-        artifacts.write_heldout(out, [(shards.samples[i].dataset, shards.samples[i].sample_id) for i in held],
-                                cfg.holdout_fraction)
-        if artifacts.read_vocab(out, key) is None:
-            counts = token_counts(shards, train, vocab_size, cfg.max_len)
-            artifacts.write_vocab(out, DraftVocab.build(counts, cfg.draft_vocab_size), key)
+        outputs.write_heldout(out, [(shards.samples[i].dataset, shards.samples[i].sample_id) for i in held],
+                              cfg.train_holdout_fraction)
+        if outputs.read_vocab(out, key) is None:
+            counts = token_counts(shards, train, vocab_size, cfg.train_max_len)
+            outputs.write_vocab(out, DraftVocab.build(counts, cfg.draft_vocab_size), key)
     d.barrier()
-    vocab = artifacts.read_vocab(out, key)
+    vocab = outputs.read_vocab(out, key)
     log(f"draft vocab: {vocab.size} of {vocab.distinct()} distinct response tokens, "
         f"training coverage {vocab.coverage():.1%}")
-    held_counts = token_counts(shards, held, vocab_size, cfg.max_len) if held and d.main else None
+    held_counts = token_counts(shards, held, vocab_size, cfg.train_max_len) if held and d.main else None
 
-    cached = artifacts.read_supervision(out, key)
+    cached = outputs.read_supervision(out, key)
     if cached is not None:
         sup = data.Supervision(*cached)
     else:   # each process does its share of the teacher-argmax pass, the first merges
         part = data.supervision(shards, list(range(d.rank, len(shards), d.world)), lm_head, vocab.t2d,
-                                cfg.max_len, d.device, desc=f"teacher argmax (rank {d.rank})")
+                                cfg.train_max_len, d.device, desc=f"teacher argmax (rank {d.rank})")
         if d.world > 1:
             part = {i: s for p in d.all_gather(part) for i, s in p.items()}
         sup = data.Supervision.from_parts(part, len(shards))
         if d.main:
-            artifacts.write_supervision(out, sup.flat, sup.offsets, key)
+            outputs.write_supervision(out, sup.flat, sup.offsets, key)
         d.barrier()
     counts = sup.step_counts(cfg.ttt_steps)
     kept = int(counts[train, 0].sum())

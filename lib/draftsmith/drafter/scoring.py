@@ -36,11 +36,11 @@ def heldout_scores(model, prep: Prepared, cfg: TrainConfig, d: "Dist", weights: 
     model.eval()
     with torch.no_grad():
         for src, split_ in prep.sources.items():
-            batches = data.micro_batches(split_["held"], prep.sup, cfg.micro_batch_size)
+            batches = data.micro_batches(split_["held"], prep.sup, cfg.train_micro_batch_size)
             mine = batches[d.rank::d.world]
             # under FSDP every forward is a collective: a rank with one micro-batch fewer runs a
             # repeat of one (its sums left out), or the other ranks would wait for it forever
-            spare = (-(-len(batches) // d.world) - len(mine)) if cfg.fsdp else 0
+            spare = (-(-len(batches) // d.world) - len(mine)) if cfg.train_fsdp else 0
             sums = torch.zeros(4, cfg.ttt_steps)
             for i, batch in enumerate(data.loader(cfg.hidden_dir, mine + batches[:spare], prep.sup, d.device)):
                 with autocast(d.device):
@@ -61,7 +61,7 @@ def unigram_baseline(objective: TTTObjective, prep: Prepared, cfg: TrainConfig, 
     q = prep.vocab.counts[prep.vocab.used].double() + 1
     logq = (q / q.sum()).log().float().to(d.device)
     top = int(logq.argmax())
-    mine = data.micro_batches(prep.held, prep.sup, cfg.micro_batch_size)[d.rank::d.world]
+    mine = data.micro_batches(prep.held, prep.sup, cfg.train_micro_batch_size)[d.rank::d.world]
     sums = torch.zeros(3)
     for batch in data.loader(cfg.hidden_dir, mine, prep.sup, d.device):
         aux, ids, sup, last = data.to_device(batch, d.device)

@@ -8,8 +8,9 @@ training (`export.py`). What it writes, and where, is `outputs.py`'s.
 
 One process: `train(cfg)`. Several (GPUs, or CPU processes with gloo, on one node or several):
 `torchrun --nproc_per_node N -m draftsmith.drafter.train CONFIG.json` runs the same function with
-DDP (or FSDP2 when `fsdp`); every loss denominator is fixed per global batch before it starts, so
-N processes give the result of one process on the same global batch. `launch` picks between the two.
+DDP (or FSDP2 when `train_fsdp`); every loss denominator is fixed per global batch before it starts, so
+N processes give the result of one process on the same global batch. `launch` picks between the two;
+`stage.run` is notebook 05's call into it.
 Each rank reads only its micro-batches from the shared hidden-state folder; rank 0 alone writes
 checkpoints, exports and metrics, so a lost node costs the steps since the last checkpoint.
 """
@@ -31,7 +32,7 @@ from ..progress import Progress
 from ..hidden.outputs import HiddenShards
 from ..target.checkpoint import target_config, target_tensors
 from ..distributed import done_launching, launch_dir, torchrun
-from . import outputs as artifacts, checkpoints, data
+from . import outputs, checkpoints, data
 from .config import TrainConfig
 from .export import export
 from .model import DrafterConfig
@@ -56,7 +57,7 @@ def _wrap(objective: TTTObjective, cfg: TrainConfig, d: Dist) -> nn.Module:
     """DDP (or FSDP2 when asked) over several processes; the objective itself in one."""
     if d.world == 1:
         return objective
-    if cfg.fsdp:
+    if cfg.train_fsdp:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(objective.drafter.midlayer)
@@ -70,8 +71,8 @@ def _plan(prep: Prepared, cfg: TrainConfig, d: Dist, steps: range, steps_per_epo
     denominators [k] and the tokens of the whole global batch."""
     micro, denoms, tokens = [], [], []
     for s in steps:
-        gb = data.global_batches(prep.train, cfg.batch_size, cfg.seed, s // steps_per_epoch)[s % steps_per_epoch]
-        micro.extend(data.micro_batches(gb, prep.sup, cfg.micro_batch_size)[d.rank::d.world])
+        gb = data.global_batches(prep.train, cfg.train_batch_size, cfg.seed, s // steps_per_epoch)[s % steps_per_epoch]
+        micro.extend(data.micro_batches(gb, prep.sup, cfg.train_micro_batch_size)[d.rank::d.world])
         denoms.append(prep.counts[gb].sum(0).float())
         tokens.append(sum(prep.sup.length(i) for i in gb))
     return micro, denoms, tokens
@@ -91,20 +92,20 @@ def train(cfg: TrainConfig, log=print) -> dict:
     if shards.hidden_size != mcfg.target_hidden_size:
         raise ValueError(f"{cfg.hidden_dir}: hidden_size {shards.hidden_size} but the target "
                          f"{cfg.target_path} has {mcfg.target_hidden_size}: shards from another target?")
-    layer_ids = layers.to_output_ids([int(k) for k in shards.index["layer_ids"]],
+    layer_ids = layers.in_output_convention([int(k) for k in shards.index["layer_ids"]],
                                      shards.index.get("layer_convention", "output"))
-    if cfg.batch_size % (cfg.micro_batch_size * d.world):
-        raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of micro_batch_size "
-                         f"{cfg.micro_batch_size} x {d.world} processes")
+    if cfg.train_batch_size % (cfg.train_micro_batch_size * d.world):
+        raise ValueError(f"train_batch_size {cfg.train_batch_size} must be a multiple of train_micro_batch_size "
+                         f"{cfg.train_micro_batch_size} x {d.world} processes")
     fingerprint = cfg.fingerprint(shards.index, tconf)
-    found = checkpoints.latest_matching(out, fingerprint) if cfg.resume else None
+    found = checkpoints.latest_matching(out, fingerprint) if cfg.train_resume else None
 
     tensors = target_tensors(cfg.target_path)
     prep = prepare(cfg, shards, tensors["lm_head"], d, log)
-    steps_per_epoch = len(prep.train) // cfg.batch_size
+    steps_per_epoch = len(prep.train) // cfg.train_batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"{len(prep.train)} training samples is less than one batch of {cfg.batch_size}")
-    total = max(1, round(cfg.epochs * steps_per_epoch))
+        raise ValueError(f"{len(prep.train)} training samples is less than one batch of {cfg.train_batch_size}")
+    total = max(1, round(cfg.train_epochs * steps_per_epoch))
     end = min(total, cfg.stop_at) if cfg.stop_at > 0 else total
 
     drafter = build_drafter(mcfg, tensors["embed"], prep.vocab, cfg.seed)
@@ -112,8 +113,8 @@ def train(cfg: TrainConfig, log=print) -> dict:
     del tensors
     model = _wrap(objective, cfg, d)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(total, cfg.warmup_fraction))
+    opt = torch.optim.AdamW(params, lr=cfg.train_lr, weight_decay=cfg.train_weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(total, cfg.train_warmup_fraction))
     weights = step_weights(cfg)
     start = 0
     if found is not None:
@@ -121,12 +122,12 @@ def train(cfg: TrainConfig, log=print) -> dict:
         log(f"resuming from {found[0]} (step {start} of {total})")
         del found
     elif d.main:
-        artifacts.remove_checkpoints(out)
-    metrics = artifacts.Metrics(out, start, d.main)
-    exports = artifacts.Exports(out, start, d.main)
+        outputs.remove_checkpoints(out)
+    metrics = outputs.Metrics(out, start, d.main)
+    exports = outputs.Exports(out, start, d.main)
     export_steps = sorted({min(total, max(1, round(f * total))) for f in cfg.export_fractions} | {total})
-    eval_steps = set(export_steps) | (set(range(cfg.eval_every, total + 1, cfg.eval_every))
-                                      if cfg.eval_every > 0 else set())
+    eval_steps = set(export_steps) | (set(range(cfg.train_eval_every, total + 1, cfg.train_eval_every))
+                                      if cfg.train_eval_every > 0 else set())
 
     baseline = unigram_baseline(objective, prep, cfg, d) if prep.held else None
     if baseline:
@@ -136,7 +137,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
 
     micro, denoms, step_tokens = _plan(prep, cfg, d, range(start, end), steps_per_epoch)
     batches = iter(data.loader(cfg.hidden_dir, micro, prep.sup, d.device))
-    accum = cfg.batch_size // (cfg.micro_batch_size * d.world)
+    accum = cfg.train_batch_size // (cfg.train_micro_batch_size * d.world)
     log(f"training {total} steps ({steps_per_epoch}/epoch, {len(prep.train)} train / {len(prep.held)} "
         f"held-out samples) on {d.world} x {d.device.type}" + (f", from step {start}" if start else ""))
     model.train()
@@ -149,7 +150,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
         sums = torch.zeros(4, cfg.ttt_steps)
         for a in range(accum):
             last_micro = a == accum - 1
-            if cfg.fsdp and d.world > 1:
+            if cfg.train_fsdp and d.world > 1:
                 model.set_requires_gradient_sync(last_micro)
             no_sync = isinstance(model, nn.parallel.DistributedDataParallel) and not last_micro
             with model.no_sync() if no_sync else contextlib.nullcontext():
@@ -157,7 +158,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
                     ce, stats = model(*data.to_device(next(batches), d.device))
                 (ce * scale).sum().backward()
             sums += torch.cat((ce.detach()[None], stats)).float().cpu()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train_grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -175,16 +176,16 @@ def train(cfg: TrainConfig, log=print) -> dict:
             metrics.write({"split": "heldout", "step": done, **ev})
             log(f"step {done}/{total}: held-out loss {ev['loss']:.3f}, acc_i "
                 + " ".join(f"{a:.3f}" for a in ev["acc_i"]))
-        if done in export_steps or done % cfg.checkpoint_every == 0 or done == end:
+        if done in export_steps or done % cfg.train_checkpoint_every == 0 or done == end:
             msd, osd = checkpoints.gather_state(model, opt)
             if d.main and done in export_steps:
-                path = export(artifacts.export_dir(out, done, total),
+                path = export(outputs.export_dir(out, done, total),
                               {k.removeprefix("drafter."): v for k, v in msd.items()}, mcfg,
                               layer_ids, cfg.export_engine, cfg.export_dtype,
                               {"step": done, "total_steps": total, "target": shards.index.get("target")})
                 exports.add({"step": done, "fraction": done / total, "dir": str(path),
                              "heldout": metrics.last("heldout") if prep.held else None})
-            if d.main and (done % cfg.checkpoint_every == 0 or done == end):
+            if d.main and (done % cfg.train_checkpoint_every == 0 or done == end):
                 checkpoints.save(out, done, msd, osd, sched, fingerprint)
             d.barrier()
         side += time.time() - t_side
@@ -203,7 +204,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
                     for src, v in prep.sources.items()},
     }
     if d.main:
-        artifacts.write_summary(out, summary)
+        outputs.write_summary(out, summary)
     d.barrier()  # every node's launcher reads the summary once its torchrun ends
     d.close()
     return summary
@@ -221,15 +222,16 @@ def launch(cfg: TrainConfig, nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str
     `nnodes` nodes joined at `rdzv_endpoint` (`draftsmith.distributed`); returns the summary."""
     if nproc <= 1 and nnodes <= 1:
         return train(cfg, log)
+    cfg.check()
     out = Path(cfg.out_dir)
     here = launch_dir(out, nnodes)
     here.mkdir(parents=True, exist_ok=True)
     try:
-        torchrun(nproc, "draftsmith.drafter.train", [str(artifacts.write_train_config(here, cfg.to_dict()))],
+        torchrun(nproc, "draftsmith.drafter.train", [str(outputs.write_train_config(here, cfg.to_dict()))],
                  nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, log=log)
     finally:
         done_launching(here, nnodes)
-    return artifacts.read_summary(out)
+    return outputs.read_summary(out)
 
 
 def main(argv=None) -> int:

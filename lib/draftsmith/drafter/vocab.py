@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import parameters
 from ..progress import Progress
 from ..hidden.outputs import HiddenShards
 
@@ -43,8 +44,9 @@ class DraftVocab:
     @classmethod
     def build(cls, counts: torch.Tensor, draft_vocab_size: int) -> "DraftVocab":
         v = counts.numel()
-        if not 0 < draft_vocab_size <= v:
-            raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{v} (the target vocab)")
+        parameters.check_bounds({"draft_vocab_size": draft_vocab_size})
+        if draft_vocab_size > v:
+            raise ValueError(f"draft_vocab_size {draft_vocab_size} must be at most {v} (the target vocab)")
         # most frequent first; a stable sort keeps ties (and never-seen tokens) in id order
         order = torch.sort(-counts.to(torch.int64), stable=True).indices
         used = torch.sort(order[:draft_vocab_size]).values

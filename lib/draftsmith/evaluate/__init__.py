@@ -1,6 +1,6 @@
 """Stage 06: acceptance length, measured by drafting and verifying against the target.
 
-The stage entry is `stage.evaluate_run`. Around it, one idea a module:
+The stage entry is `stage.run`. Around it, one idea a module:
     prompts        the held-out prompts (stage 05's held-out ids, their tokens from stage 04)
     target_cache   the target with a KV cache, one sequence at a time (our decoder's verifier)
     proposers      what drafts: prompt lookup (n-gram copying) and an exported EAGLE-3 drafter
@@ -8,8 +8,8 @@ The stage entry is `stage.evaluate_run`. Around it, one idea a module:
     metrics        acceptance from the rounds, novel vs repeating text, speed-up estimate, verdict
     methods        the methods compared: no drafter, prompt lookup, every export of the drafter
     measure        our decoder over every method, prompt and temperature, resumable
-    results        the stage's files under `<run>/eval/` (rounds measured, the report) and their names
+    outputs        the stage's files under `<run>/eval/` (rounds measured, the report) and their names
     engine         the same methods measured inside vLLM (a child process: `engine_child`), summed up
                    by `engine_summary`
-    tables, figures, serving   what notebook 06 shows, saves and prints
+    figures, serving   what notebook 06 shows (tables, text, figures), saves and prints
 """

@@ -180,7 +180,7 @@ def bench_commands(run, prompts: list[HeldoutPrompt], specs: list[BenchmarkSpec]
     one prompt at a time, the benchmark's max_new_tokens, each temperature of the stage. The
     engines' ShareGPT readers ask the first turn only: MT-bench's second turn (which the stage's own
     numbers include) is not in them."""
-    from . import outputs as results
+    from . import outputs
 
     out = {}
     for s in specs:
@@ -188,7 +188,7 @@ def bench_commands(run, prompts: list[HeldoutPrompt], specs: list[BenchmarkSpec]
         rows = [{"id": f"{s.name}/{p.sample_id}", "conversations": [
             {"from": "human", "value": next(m["content"] for m in reversed(p.messages) if m["role"] == "user")},
             {"from": "gpt", "value": ""}]} for p in mine]
-        path = results.write_benchmark_prompts(run, s.name, rows)
+        path = outputs.write_benchmark_prompts(run, s.name, rows)
         n, new = len(rows), s.max_new_tokens or max_new_tokens
         lines = [f"# {s.name}: {n} prompts ({path}), up to {new} new tokens each, concurrency 1"]
         for t in temperatures:

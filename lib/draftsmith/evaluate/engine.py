@@ -9,7 +9,7 @@ temperature, as token ids, with the same k and max_new_tokens as our decoder.
 
 Engines run in a child process (`python -m draftsmith.evaluate.engine_child JOB`, started like stage
 04's engine: `target.vllm.vllm_env`), one after the other in that process; what it counts and
-checks is described there. Each decoded prompt is one line of the engine's rounds file (`results`),
+checks is described there. Each decoded prompt is one line of the engine's rounds file (`outputs`),
 keyed by the settings, so a re-run starts no engine whose lines are all there. On GPUs with the real
 target: docs/gpu.md, "Stage 06 on GPUs".
 """
@@ -23,7 +23,7 @@ import sys
 
 from ..paths import Run
 from ..target.vllm import die_with_parent, vllm_env
-from . import outputs as results
+from . import outputs
 
 VLLM_VERSION = "0.32.0"
 CHILD = "draftsmith.evaluate.engine_child"
@@ -63,8 +63,8 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
     speculative_config, expect_layers (vLLM ids) or None, info}) at every temperature in vLLM,
     appending to the run's engine rounds; returns the rows of these settings, measured now or before
     (a method vLLM's CPU build cannot start has one row with its `gpu_only` line instead)."""
-    out = results.engine_rounds_file(run)
-    done = results.read_engine_rows(out, settings)
+    out = outputs.engine_rounds_file(run)
+    done = outputs.read_engine_rows(out, settings)
     gpu_only = {r["method_fingerprint"] for r in done.values() if r.get("gpu_only")}
     todo = [m for m in methods if m["fingerprint"] not in gpu_only and any(
         (m["fingerprint"], float(t), p.dataset, p.sample_id) not in done for t in temperatures for p in prompts)]
@@ -75,7 +75,7 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
                "max_model_len": max(p.context_needed(max_new_tokens) for p in prompts) + k + 16,
                "prompts": [p.job() for p in prompts],
                "methods": todo, "done": [list(key) for key in done]}
-        job_file = results.write_engine_job(run, job)
+        job_file = outputs.write_engine_job(run, job)
         log(f"vLLM {VLLM_VERSION}: {len(todo)} engine(s) to start ({', '.join(m['name'] for m in todo)}), "
             f"{len(prompts)} prompts x {len(temperatures)} temperatures each")
         env = {**vllm_env(in_process=tensor_parallel_size == 1), **RPC_ENV}
@@ -89,7 +89,7 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
         if proc.returncode:
             raise RuntimeError(f"the vLLM engine process failed (exit {proc.returncode}); its last lines:\n"
                                + "\n".join(tail))
-        done = results.read_engine_rows(out, settings)
+        done = outputs.read_engine_rows(out, settings)
     keys = {m["fingerprint"] for m in methods}
     return [r for key, r in done.items() if key[0] in keys]
 

@@ -57,7 +57,7 @@ def summarize(rows: list[dict], methods: list[dict], k: int, temperature: float)
 
 
 def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[dict], temperature: float) -> dict:
-    """Where the engine and our evaluator part, per eagle3 method at one temperature: on how many
+    """Where the engine and our decoder part, per eagle3 method at one temperature: on how many
     prompts the two no-drafter outputs are the same, and on those the per-step accepted counts
     (they implement the same rule, so they differ only where the two targets' numbers do)."""
     eng = {(r["method_fingerprint"], r["dataset"], r["sample_id"]): r for r in engine_rows

@@ -1,5 +1,5 @@
 """Our decoder over every method, prompt and temperature, resumable: what the rounds file
-(`results`) already holds for the same settings is not measured again.
+(`outputs.RoundsFile`) already holds for the same settings is not measured again.
 
 A benchmark prompt with follow-up turns (MT-bench) is one row: each follow-up is asked after the
 answer this decode gave to the turn before (`benchmarks.Turns`), and the rounds of all its turns
@@ -18,7 +18,7 @@ from .decode import Decoded, decode
 from .methods import Method
 from .metrics import repeat_start, summarize, verdict
 from .prompts import HeldoutPrompt, prompt_seed
-from .outputs import Results
+from .outputs import RoundsFile
 from .target_cache import Target
 
 ROUNDS_FORMAT = 3   # of a line of the rounds file; lines of another format are measured again
@@ -58,15 +58,17 @@ def decode_turns(target: Target, proposer, p: HeldoutPrompt, k: int, max_new_tok
 
 
 def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutPrompt], *, k: int, max_new_tokens: int,
-                temperature: float, seed: int, results: Results, target_fingerprint: str, turns=None) -> list[dict]:
-    """Decode every prompt with every method (skipping what `results` already holds for these
+                temperature: float, seed: int, rounds_file: RoundsFile, target_fingerprint: str,
+                turns=None) -> list[dict]:
+    """Decode every prompt with every method (skipping what `rounds_file` already holds for these
     settings); returns one row per (method, prompt). `turns` (`benchmarks.Turns`) renders the
     follow-up turns of prompts that have them."""
     settings_of = {(p.dataset, p.sample_id): prompt_settings(
         p, k=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
         target_fingerprint=target_fingerprint) for p in prompts}
     rows = []
-    todo = [(m, p) for m in methods for p in prompts if results.get(settings_of[p.dataset, p.sample_id], m, p) is None]
+    todo = [(m, p) for m in methods for p in prompts
+            if rounds_file.get(settings_of[p.dataset, p.sample_id], m, p) is None]
     with Progress(len(methods) * len(prompts), f"speculative decoding (T={temperature:g}, k={k})",
                   "decodes") as bar:
         bar.update(len(methods) * len(prompts) - len(todo))
@@ -75,7 +77,7 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
             tokens = n_rounds = 0
             for p in prompts:
                 settings = settings_of[p.dataset, p.sample_id]
-                row = results.get(settings, m, p)
+                row = rounds_file.get(settings, m, p)
                 if row is None:
                     if proposer is None:
                         proposer = m.make()
@@ -91,7 +93,7 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
                            "seconds": time.perf_counter() - t0}
                     if p.followups:
                         row["turns"] = lengths
-                    results.add(row)
+                    rounds_file.add(row)
                     bar.update(1)
                 tokens += sum(row["rounds"]["produced"])
                 n_rounds += len(row["rounds"]["produced"])
@@ -102,7 +104,7 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
 
 def decoder_report(model, methods: list[Method], prompts: list[HeldoutPrompt], layer_ids: list[int], *, k: int,
                    max_new_tokens: int, temperatures: list[float], seed: int, draft_cost_ratio: float,
-                   results: Results, target_fingerprint: str, turns=None) -> tuple[dict, list[dict]]:
+                   rounds_file: RoundsFile, target_fingerprint: str, turns=None) -> tuple[dict, list[dict]]:
     """The report's `temperatures` (per temperature: every method's summary and the verdict) and
     the rows they were summed from."""
     by_t, rows = {}, []
@@ -110,7 +112,7 @@ def decoder_report(model, methods: list[Method], prompts: list[HeldoutPrompt], l
     try:
         for t in temperatures:
             mine = run_methods(target, methods, prompts, k=k, max_new_tokens=max_new_tokens, temperature=float(t),
-                               seed=seed, results=results, target_fingerprint=target_fingerprint, turns=turns)
+                               seed=seed, rounds_file=rounds_file, target_fingerprint=target_fingerprint, turns=turns)
             rows += mine
             summary = summarize(mine, methods, k, draft_cost_ratio)
             by_t[f"{float(t):g}"] = {"temperature": float(t), "methods": summary, "verdict": verdict(summary)}

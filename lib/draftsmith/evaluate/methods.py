@@ -36,7 +36,7 @@ def export_layer_ids(export_dir: Path) -> list[int]:
         raise KeyError(f"{export_dir}/config.json: no draftsmith.aux_layer_ids; the engine-side ids "
                        f"{cfg.get('eagle_config', {}).get('eagle_aux_hidden_state_layer_ids')} are ambiguous "
                        f"(SGLang and vLLM read them differently), so this export cannot be evaluated here")
-    return layers.to_output_ids([int(k) for k in ds["aux_layer_ids"]], ds.get("aux_layer_convention", "output"))
+    return layers.in_output_convention([int(k) for k in ds["aux_layer_ids"]], ds.get("aux_layer_convention", "output"))
 
 
 def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, device,

@@ -32,7 +32,7 @@ def append_row(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-class Results:
+class RoundsFile:
     """Our decoder's `rounds.jsonl`, by (settings, method fingerprint, dataset, sample id)."""
 
     def __init__(self, run: Run):
@@ -101,7 +101,7 @@ def write_report(run: Run, report: dict) -> Path:
 def read_report(run: Run) -> dict:
     path = report_path(run)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no acceptance report (run stage 06 first)")
+        raise FileNotFoundError(f"{path}: no stage 06 report (run stage 06 first)")
     return json.loads(path.read_text(encoding="utf-8"))
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 
-from ..generate import outputs as store
+from ..generate.outputs import read_responses
 from ..drafter.export import for_engine, serving_command
 from ..paths import Run
-from . import outputs as results
+from . import outputs
 from .prompts import HeldoutPrompt
 
 COMMANDS = ("sglang_server", "sglang_baseline", "sglang_ngram", "sglang_bench", "sglang_acceptance", "vllm_server",
@@ -24,7 +24,7 @@ def write_bench_prompts(run: Run, prompts: list[HeldoutPrompt]) -> tuple[str, in
     wanted = {(p.dataset, p.sample_id) for p in prompts}
     rows = []
     for ds in sorted({p.dataset for p in prompts}):
-        for _, r in store.read_responses(run, ds):
+        for _, r in read_responses(run, ds):
             if (ds, r.get("sample_id")) not in wanted:
                 continue
             users = [m["content"] for m in r.get("messages", []) if m.get("role") == "user"]
@@ -32,7 +32,7 @@ def write_bench_prompts(run: Run, prompts: list[HeldoutPrompt]) -> tuple[str, in
                 rows.append({"id": f"{ds}/{r['sample_id']}", "conversations": [
                     {"from": "human", "value": users[-1]},
                     {"from": "gpt", "value": r.get("content") or ""}]})
-    return str(results.write_bench_prompts(run, rows)), len(rows)
+    return str(outputs.write_bench_prompts(run, rows)), len(rows)
 
 
 def serving_commands(export_dir: str | os.PathLike, target_path: str, k: int, bench_file: str,

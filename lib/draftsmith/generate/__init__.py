@@ -1,12 +1,13 @@
 """Stage 02: sample responses for every prompt through the API, within token and dollar budgets.
 
-stage.py        `run_generation(...)`, what notebook 02 calls; it returns a `GenerationResult`
+stage.py        `run(run, **params)`, what notebook 02 calls (`run_at`: against an API already open); it returns a `GenerationResult`
 The parts:
   options.py      what the stage is told (Options) and what it answers (GenerationResult)
   run_settings.py the settings that shape a run's answers, kept in its manifest; a re-run under others is refused
   engine.py       the session: slots shared by the datasets, starts, stops, the bare-server case
   attempts.py     one sample's attempts, and what its failures and lost answers cost
-  money.py        when money stops a start, and the stop for a top-up in the money-bound tail
+  counts.py       the session's counters, named as the manifest names them
+  money.py        what a money stop says, and when the money-bound tail stops for a top-up
   bookkeeping.py  progress, the timeline, the manifest, the closing message
   prompt_queue.py the prompts still to do, per dataset, read lazily from the files
   bare_server.py  the user's own vLLM or SGLang server in place of OpenRouter

@@ -51,7 +51,7 @@ async def sample(eng, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) 
     seen: dict = {}
     try:
         while True:
-            eng.attempts += 1
+            eng.counts.attempts += 1
             seen = {}
             t0 = time.monotonic()
             res = await client.complete(eng.http, eng.url, None, body, eng.stream, seen=seen)
@@ -77,12 +77,12 @@ async def sample(eng, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) 
                     tokens = None
                     return eng.write_failed(e, d.store.raw_path, cost)
                 d.store.count_reply(u, res.finish_reason, res.provider)
-                eng.samples += 1
-                eng.tokens += tokens
-                eng.cost += cost
+                eng.counts.samples += 1
+                eng.counts.completion_tokens += tokens
+                eng.counts.cost += cost
                 eng.progress.update(tokens)
                 return
-            eng.errors[res.kind] = eng.errors.get(res.kind, 0) + 1
+            eng.counts.errors_by_kind[res.kind] = eng.counts.errors_by_kind.get(res.kind, 0) + 1
             _settle_failed(eng, res, reserved)
             reserved = 0.0
             if res.action == "permanent":
@@ -140,14 +140,14 @@ def _settle_failed(eng, res: client.Failure, reserved: float) -> None:
         _recover(eng, res.generation_id, reserved)
         return
     eng.spend.settle(reserved, res.cost)
-    eng.failed_attempts_cost += res.cost
+    eng.counts.failed_attempts_cost += res.cost
     eng.money_freed.set()
 
 
 def _recover(eng, generation_id: str | None, reserved: float) -> None:
     """An answer lost after a provider may have taken the request: hold its reservation until
     /generation says what it cost; with no generation id, count it at its worst case."""
-    eng.lost += 1
+    eng.counts.lost_answers += 1
     if eng.server is not None:   # nothing is billed
         return eng.spend.settle(reserved, 0.0)
     if generation_id is None:
@@ -166,38 +166,40 @@ async def _ask_cost(eng, generation_id: str, reserved: float) -> None:
             _count_unknown(eng, reserved)
         else:
             eng.spend.settle(reserved, cost)
-            eng.failed_attempts_cost += cost
-            eng.recovered += 1
+            eng.counts.failed_attempts_cost += cost
+            eng.counts.lost_answers_costed += 1
             eng.money_freed.set()
         eng.wake.set()
 
 
 def _count_unknown(eng, reserved: float) -> None:
     eng.spend.settle(reserved, reserved)
-    eng.abandoned_reserved += reserved
-    eng.unknown_bills += 1
+    eng.counts.abandoned_reserved_usd += reserved
+    eng.counts.unknown_bills += 1
     eng.money_freed.set()
+
+
+_LINE = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":"))   # one, not one per line
 
 
 def _response_line(eng, d: DatasetQueue, p: Prompt, msgs_json: str, res: client.Reply, attempt: int,
           latency: float, started: float) -> str:
     """The raw_responses.jsonl line; the prompt and the settings are already JSON."""
-    rec = json.dumps({
+    rec = _LINE.encode({
         "sample_id": p.sample_id, "dataset": d.name, "content": res.content, "reasoning": res.reasoning,
         "finish_reason": res.finish_reason, "native_finish_reason": res.native_finish_reason,
         "provider": res.provider, "model": res.model, "generation_id": res.generation_id, "usage": res.usage,
         "attempts": attempt, "latency_s": round(latency, 3), "started_at": round(started, 3),
         "completed_at": round(time.time(), 3), "source": eng.source,
-        **({"output_ids": res.output_ids, "prompt_ids": res.prompt_ids} if res.output_ids else {})},
-        ensure_ascii=False, separators=(",", ":"))
+        **({"output_ids": res.output_ids, "prompt_ids": res.prompt_ids} if res.output_ids else {})})
     return f'{rec[:-1]},"messages":{msgs_json},"request":{eng.settings_json}}}'
 
 
 def _record_failure(eng, d: DatasetQueue, p: Prompt, res: client.Failure, attempts: int, action: str) -> None:
     if action == "permanent":
-        eng.permanent_samples += 1
+        eng.counts.permanent_samples += 1
     else:
-        eng.exhausted_samples += 1
+        eng.counts.exhausted_samples += 1
     d.store.write_error({"sample_id": p.sample_id, "dataset": d.name, "action": action, "kind": res.kind,
                          "status": res.status, "message": res.message, "provider": res.provider,
                          "attempts": attempts, "time": round(time.time(), 3)})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from . import outputs as store
+from . import outputs
 from .options import GenerationResult
 
 TODO = {"balance": "top up the balance, then re-run", "spend_limit": "raise spend_limit_usd, then re-run",
@@ -16,12 +16,12 @@ TODO = {"balance": "top up the balance, then re-run", "spend_limit": "raise spen
 
 async def tick(eng) -> None:
     last_save = last_t = time.monotonic()
-    last_tokens, rate = eng.tokens, 0.0
+    last_tokens, rate = eng.counts.completion_tokens, 0.0
     while True:
         await asyncio.sleep(1.0)
         now = time.monotonic()
-        rate = 0.7 * rate + 0.3 * (eng.tokens - last_tokens) / max(1e-9, now - last_t)
-        last_tokens, last_t = eng.tokens, now
+        rate = 0.7 * rate + 0.3 * (eng.counts.completion_tokens - last_tokens) / max(1e-9, now - last_t)
+        last_tokens, last_t = eng.counts.completion_tokens, now
         eng.progress.set(**progress_fields(eng, rate))
         eng.wake.set()       # the limit may have grown back, or a reservation been freed
         try:
@@ -51,9 +51,9 @@ def progress_fields(eng, rate: float) -> dict:
     for d in eng.datasets:
         b = d.spec.output_token_budget
         f[d.name] = f"{short(d.budget.done)}/{short(b)}" if b else short(d.budget.done)
-    f.update(samples=eng.samples, spent=f"${eng.spend.spent:.4f}/{eng.spend.limit:g}",
+    f.update(samples=eng.counts.samples, spent=f"${eng.spend.spent:.4f}/{eng.spend.limit:g}",
              tok_s=round(rate), in_flight=f"{eng.in_flight}/{eng.aimd.limit}",
-             err=f"{100 * sum(eng.errors.values()) / max(1, eng.attempts):.1f}%")
+             err=f"{100 * sum(eng.counts.errors_by_kind.values()) / max(1, eng.counts.attempts):.1f}%")
     return f
 
 
@@ -82,14 +82,8 @@ def save_manifest(eng, final: bool = False) -> None:
                 ([f"... {len(d.reader.problems) - 20} more"] if len(d.reader.problems) > 20 else [])
                 for d in eng.datasets if d.reader.problems}
     eng.entry.update(
-        updated=now(), samples=eng.samples, completion_tokens=eng.tokens, cost=round(eng.cost, 8),
-        attempts=eng.attempts, errors_by_kind=dict(eng.errors),
-        failed_attempts_cost=round(eng.failed_attempts_cost, 8), reserved_usd=round(eng.spend.reserved, 8),
-        peak_in_flight=eng.peak_in_flight, concurrency_limit=eng.aimd.limit, concurrency_cuts=eng.aimd.cuts,
-        exhausted_samples=eng.exhausted_samples, permanent_samples=eng.permanent_samples,
-        lost_answers=eng.lost, lost_answers_costed=eng.recovered, unknown_bills=eng.unknown_bills,
-        abandoned_reserved_usd=round(eng.abandoned_reserved, 8),
-        unsaved_answers=eng.unsaved, unsaved_cost=round(eng.unsaved_cost, 8),
+        updated=now(), **eng.counts.entry(), reserved_usd=round(eng.spend.reserved, 8),
+        concurrency_limit=eng.aimd.limit, concurrency_cuts=eng.aimd.cuts,
         skipped_too_long={d.name: d.skipped for d in eng.datasets if d.skipped}, malformed_rows=problems)
     if final:
         eng.entry.update(ended=now(), status=eng.reason, message=eng.message, reserved_usd=0.0)
@@ -107,30 +101,30 @@ def result(eng) -> GenerationResult:
                      + (f", {len(d.store.permanent)} failed for good" if d.store.permanent else ""))
     summary = "; ".join(parts)
     stage_01 = ", stage 01 included" if eng.stage_01_usd else ""
-    spent = (f"spent ${eng.cost + eng.failed_attempts_cost + eng.abandoned_reserved + eng.unsaved_cost:.4f} "
-             f"this session, "
+    c = eng.counts
+    lost = c.failed_attempts_cost + c.abandoned_reserved_usd + c.unsaved_cost
+    spent = (f"spent ${c.cost + c.failed_attempts_cost + c.abandoned_reserved_usd + c.unsaved_cost:.4f} this session, "
              f"${eng.spend.spent:.4f} in this run{stage_01} (limit ${eng.spend.limit:.2f})")
-    lost = eng.failed_attempts_cost + eng.abandoned_reserved + eng.unsaved_cost
     if lost > 0:
-        unknown = (f", of which ${eng.abandoned_reserved:.4f} is counted at its worst case for "
-                   f"{eng.unknown_bills} requests whose bill could not be read" if eng.unknown_bills else "")
-        parts = [f"failed attempts that were billed{unknown}"] if lost > eng.unsaved_cost else []
-        if eng.unsaved:
-            parts.append(f"${eng.unsaved_cost:.4f} for {eng.unsaved} answers that came back and could not be written")
+        unknown = (f", of which ${c.abandoned_reserved_usd:.4f} is counted at its worst case for "
+                   f"{c.unknown_bills} requests whose bill could not be read" if c.unknown_bills else "")
+        parts = [f"failed attempts that were billed{unknown}"] if lost > c.unsaved_cost else []
+        if c.unsaved_answers:
+            parts.append(f"${c.unsaved_cost:.4f} for {c.unsaved_answers} answers that came back and could not be written")
         paid = f"Paid for and not saved this session: ${lost:.4f} ({'; '.join(parts)})"
     else:
         paid = "Nothing paid for was lost"
     if done:
         head = eng.message + ": " if eng.reason == "nothing_to_do" else "finished: "
         msg = f"{head}{summary}; {spent}. {paid}."
-        if eng.exhausted_samples:
-            msg += (f" {eng.exhausted_samples} samples were GIVEN UP after {eng.opts.max_attempts} failed "
-                    f"attempts each ({store.ERRORS}); a re-run tries them again.")
+        if c.exhausted_samples:
+            msg += (f" {c.exhausted_samples} samples were GIVEN UP after {eng.opts.max_attempts} failed "
+                    f"attempts each ({outputs.ERRORS}); a re-run tries them again.")
     else:
         msg = (f"stopped: {eng.message}. Done so far: {summary}; {spent}. {paid}; every saved response is "
                f"kept: {TODO.get(eng.reason, 're-run')} and it resumes where it stopped.")
-        if eng.exhausted_samples:
-            msg += f" {eng.exhausted_samples} samples were given up this session (a re-run tries them again)."
+        if c.exhausted_samples:
+            msg += f" {c.exhausted_samples} samples were given up this session (a re-run tries them again)."
     return GenerationResult("finished" if done else "stopped", eng.reason, msg, eng.folder,
                             eng.spend.spent, dict(eng.entry), dataset_table(eng))
 

@@ -25,7 +25,7 @@ import os
 import aiohttp
 
 from ..openrouter import client
-from . import outputs as store
+from . import outputs
 from ..openrouter.budget import SpendBudget, TokenBudget
 from ..datasets import DatasetSpec
 from ..paths import Run
@@ -35,6 +35,7 @@ from ..providers import outputs as stage_01
 from ..openrouter.endpoints import policy_routing
 from ..openrouter.retry import Aimd
 from . import attempts, bare_server, bookkeeping, money
+from .counts import Counts
 from .options import Options
 from .outage import Outage
 from .prompt_queue import ContextCheck, DatasetQueue
@@ -44,8 +45,9 @@ WRITE_ERROR_GRACE_S = 5.0    # after a write error: how long the requests in fli
 
 
 class Engine:
-    """One session (a start or a resume): the slots, the money and the counts that attempts.py,
-    money.py and bookkeeping.py read and update as it runs."""
+    """One session (a start or a resume): the slots, the money (`spend`) and the counts (`counts`,
+    counts.py). Only the engine sets its own attributes; attempts.py adds to `counts` and settles
+    `spend`, money.py and bookkeeping.py read."""
 
     def __init__(self, base_url: str, api_key, run: Run, specs: list[DatasetSpec], settings: dict,
                  opts: Options, config: dict, log=print, policy: tuple[str, bool] | None = None):
@@ -64,14 +66,14 @@ class Engine:
         self.settings, self.policy = settings, policy
         self.sent = client.sent_parameters(settings)
 
-        self.manifest = store.open_manifest(run)
+        self.manifest = outputs.open_manifest(run)
         self.datasets: list[DatasetQueue] = []
         self.stage_01_usd = stage_01.spent(run)
         self.routing_name = str(stage_01.routing_file(run).relative_to(run.root))   # named in messages
         config["stage_01_spent_usd"] = self.stage_01_usd
         spent = self.manifest.spent_outside_responses + self.stage_01_usd
         for spec in specs:
-            saved = store.open_dataset(run, spec.name, opts.fsync_s)
+            saved = outputs.open_dataset(run, spec.name, opts.fsync_s)
             for note in saved.notes:
                 log(f"resume: {note}")
             budget = TokenBudget(spec.output_token_budget, self.max_tokens)
@@ -89,26 +91,21 @@ class Engine:
         self.progress: Progress | None = None
         self.http: aiohttp.ClientSession | None = None
 
-        self.in_flight = self.peak_in_flight = 0
+        self.in_flight = 0
+        self.counts = Counts()
         self.tasks: set[asyncio.Task] = set()
         self.reason: str | None = None       # why the session ended (None while running)
         self.message = ""
         self.blocked: tuple[str, float] | None = None   # (spend_limit | balance, worst cost) if dollars stopped a start
         self.winding_down: tuple[str, str] | None = None  # (reason, message): stopping for a top-up once in flight ends
-        self.errors: dict[str, int] = {}
-        self.attempts = self.samples = self.tokens = 0
-        self.exhausted_samples = self.permanent_samples = 0
-        self.cost = self.failed_attempts_cost = self.abandoned_reserved = 0.0
-        self.lost = self.recovered = self.unknown_bills = 0    # answers lost after billing could start
-        self.unsaved, self.unsaved_cost = 0, 0.0               # answers paid for that the store could not write
         self.write_error: str | None = None                    # what the store could not write
-        self.was_full = False        # every slot was busy at some moment (money.maybe_wind_down)
+        self.was_full = False        # every slot was busy at some moment (money.wind_down)
         self.recoveries: set[asyncio.Task] = set()             # asking /generation what one cost
         self._rr = 0
         self.entry = {"started": bookkeeping.now(), "status": "running",      # this session's line in the manifest
                       "samples_at_start": sum(len(d.store.done) for d in self.datasets)}
         self.manifest.sessions.append(self.entry)
-        self.timeline = store.open_timeline(run)    # a point every second (bookkeeping.point)
+        self.timeline = outputs.open_timeline(run)    # a point every second (bookkeeping.point)
 
     # -- dispatch ---------------------------------------------------------------------------
     def _take(self) -> tuple | None:
@@ -127,14 +124,14 @@ class Engine:
             p, bound = nxt
             worst = self.spend.worst_cost(bound, d.budget.worst)
             if not self.spend.try_reserve(worst):
-                money.block(self, worst)
-                money.maybe_wind_down(self)
+                self.blocked = (self.spend.binding, worst)
+                self._maybe_wind_down()
                 return None
             self.blocked = None
             d.take()
             self._rr = (self._rr + i + 1) % n
             self.in_flight += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self.counts.peak_in_flight = max(self.counts.peak_in_flight, self.in_flight)
             self.was_full = self.was_full or self.in_flight >= min(self.opts.concurrency, self.aimd.limit)
             return d, p, worst, d.budget.start()
         return None
@@ -160,7 +157,7 @@ class Engine:
                     self.request_stop("finished")
                     break
                 if not self.recoveries:         # else their reservations may yet be freed
-                    self.request_stop(self.blocked[0], money.blocked_message(self))
+                    self._stop_blocked()
                     break
             self.wake.clear()
             await self.wake.wait()
@@ -179,8 +176,8 @@ class Engine:
         when it was one), stop starting requests, give those in flight a few seconds to come back
         and be saved, and give up on them at the next failure."""
         if cost is not None:
-            self.unsaved += 1
-            self.unsaved_cost += cost
+            self.counts.unsaved_answers += 1
+            self.counts.unsaved_cost += cost
         if self.write_error:
             return self.cancel_all()
         self.write_error = f"writing {path or e.filename or self.folder} failed: {e.strerror or e}"
@@ -193,9 +190,9 @@ class Engine:
         while self.reason is None:
             if self.spend.try_reserve(worst):
                 return worst
-            money.block(self, worst)
+            self.blocked = (self.spend.binding, worst)
             if self.spend.reserved <= 1e-12 and not self.recoveries:
-                self.request_stop(self.blocked[0], money.blocked_message(self))
+                self._stop_blocked()
                 break
             self.money_freed.clear()
             try:
@@ -205,6 +202,25 @@ class Engine:
         return 0.0
 
     # -- stopping ---------------------------------------------------------------------------
+    def _stop_blocked(self) -> None:
+        """Money refused a start and nothing can free any: stop, saying about what to add."""
+        message, top_up = money.blocked_message(self, *self.blocked)
+        if top_up:
+            self.entry["top_up_usd"] = top_up     # what to add, for whoever re-runs it (bench/rehearsal.py)
+        self.request_stop(self.blocked[0], message)
+
+    def _maybe_wind_down(self) -> None:
+        """In the money-bound tail (money.wind_down): start nothing new, stop once in flight ends."""
+        if self.winding_down:
+            return
+        stop = money.wind_down(self, *self.blocked)
+        if stop is None:
+            return
+        message, top_up = stop
+        self.winding_down = (self.blocked[0], message)
+        self.entry["top_up_usd"] = round(top_up, 2)
+        self.log(f"winding down: {message}; starting nothing new, letting the {self.in_flight} requests in flight finish")
+
     def request_stop(self, reason: str, message: str = "") -> None:
         self.money_freed.set()
         if self.reason is None:
@@ -244,7 +260,7 @@ class Engine:
             self.reason = "nothing_to_do"
             self.message = "every dataset is done (budget reached or no prompts left); nothing was requested"
             return self._close()
-        problem = store.room_problem(self.folder, self._expected_bytes())
+        problem = outputs.room_problem(self.folder, self._expected_bytes())
         if problem:
             self.reason, self.message = "no_room", problem
             return self._close()
@@ -315,7 +331,7 @@ class Engine:
             tokens = prompts * mean
             if d.spec.output_token_budget:
                 tokens = min(tokens, max(0, d.spec.output_token_budget - d.budget.done))
-            need += store.expected_bytes(os.path.getsize(d.spec.path) / lines, tokens / max(1.0, mean), tokens)
+            need += outputs.expected_bytes(os.path.getsize(d.spec.path) / lines, tokens / max(1.0, mean), tokens)
         return need
 
     async def _bare_main(self, loop) -> None:

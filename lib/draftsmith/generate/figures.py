@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from . import outputs as store
+from . import outputs
 from ..paths import Run
 
 COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens", "completion_tokens",
@@ -16,8 +16,8 @@ COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens",
 def load_responses(run: Run) -> pd.DataFrame:
     """One row per saved sample (text left out), every dataset."""
     rows = []
-    for name in store.saved_datasets(run):
-        for _, r in store.read_responses(run, name):
+    for name in outputs.saved_datasets(run):
+        for _, r in outputs.read_responses(run, name):
             u = r.get("usage") or {}
             rows.append((r["dataset"], r["sample_id"], r.get("provider") or "unknown", r.get("finish_reason"),
                          u.get("prompt_tokens"), u.get("completion_tokens"), u.get("reasoning_tokens"),
@@ -32,15 +32,15 @@ def load_responses(run: Run) -> pd.DataFrame:
 def load_errors(run: Run) -> pd.DataFrame:
     """One row per sample that failed for good or ran out of attempts, every dataset."""
     rows = []
-    for name in store.saved_datasets(run):
-        rows.extend(e for _, e in store.read_errors(run, name))
+    for name in outputs.saved_datasets(run):
+        rows.extend(e for _, e in outputs.read_errors(run, name))
     return pd.DataFrame(rows, columns=["dataset", "sample_id", "action", "kind", "status", "message", "attempts"])
 
 
 def load_timeline(run: Run) -> pd.DataFrame:
     """One row per second of every session (time, session, in flight and the concurrency limit,
     spent, reserved, balance left, output tokens per dataset as `tokens.<name>`)."""
-    rows = store.read_timeline(run)
+    rows = outputs.read_timeline(run)
     return pd.json_normalize(rows) if rows else pd.DataFrame()
 
 

@@ -1,31 +1,26 @@
-"""When money stops a start: which limit stopped it, what the stop says (with about how much to
-add to finish), and the money-bound tail, where the run stops for a top-up rather than spend the
-last of the balance a few requests at a time."""
+"""When money stops a start: what the stop says (with about how much to add to finish), and the
+money-bound tail, where the run stops for a top-up rather than spend the last of the balance a
+few requests at a time. Which limit binds and the top-up itself are the budget's
+(openrouter/budget.py SpendBudget); the engine records what these return."""
 
 from __future__ import annotations
 
 import math
 
 
-def block(eng, worst: float) -> None:
-    left = eng.spend.balance_left
-    by_balance = left is not None and left - eng.spend.floor < eng.spend.limit - eng.spend.spent
-    eng.blocked = ("balance" if by_balance else "spend_limit", worst)
-
-
-def blocked_message(eng) -> str:
-    why, worst = eng.blocked
+def blocked_message(eng, why: str, worst: float) -> tuple[str, float]:
+    """(the stop's message, the top-up to finish rounded to cents, 0.0 if unknown) for a start of
+    worst case `worst` that the `why` limit (balance | spend_limit) refused."""
+    spend = eng.spend
     top_up = round(_top_up_usd(eng, worst), 2)
-    if top_up:
-        eng.entry["top_up_usd"] = top_up     # what to add, for whoever re-runs it (bench/rehearsal.py)
     if why == "balance":
-        floor = f" (balance_floor_usd ${eng.spend.floor:.2f})" if eng.spend.floor else ""
-        return (f"the balance ran out: ${eng.spend.balance_left:.4f} left{floor}, less than the next "
+        floor = f" (balance_floor_usd ${spend.floor:.2f})" if spend.floor else ""
+        return (f"the balance ran out: ${spend.balance_left:.4f} left{floor}, less than the next "
                 f"request could cost (${worst:.4f} at max_tokens on the dearest allowed provider)"
-                + (f"; top up about ${top_up:,.2f} to finish" if top_up else ""))
-    return (f"spend_limit_usd ${eng.spend.limit:.2f} reached: spent ${eng.spend.spent:.4f}, and the next "
-            f"request could cost ${worst:.4f}, more than the ${eng.spend.limit - eng.spend.spent:.4f} left"
-            + (f"; raise it by about ${top_up:,.2f} to finish" if top_up else ""))
+                + (f"; top up about ${top_up:,.2f} to finish" if top_up else "")), top_up
+    return (f"spend_limit_usd ${spend.limit:.2f} reached: spent ${spend.spent:.4f}, and the next "
+            f"request could cost ${worst:.4f}, more than the ${spend.limit_left:.4f} left"
+            + (f"; raise it by about ${top_up:,.2f} to finish" if top_up else "")), top_up
 
 
 # Each request is reserved at its worst case (about 3x an average one), so once the money left is
@@ -56,34 +51,27 @@ def _left_to_finish(eng) -> tuple[float, int] | None:
 
 
 def _top_up_usd(eng, worst: float, left: tuple[float, int] | None = None) -> float:
-    """About what to add to finish with every slot busy to the end: the expected cost of what is
-    left, plus a worst case for each slot it will use, less the money left."""
     left = left or _left_to_finish(eng)
-    if left is None:
-        return 0.0
-    usd, requests = left
-    return max(0.0, usd + min(eng.opts.concurrency, requests) * worst - max(0.0, eng.spend.left))
+    return 0.0 if left is None else eng.spend.top_up(*left, eng.opts.concurrency, worst)
 
 
-def maybe_wind_down(eng) -> None:
+def wind_down(eng, why: str, worst: float) -> tuple[str, float] | None:
+    """(the message, the top-up) when the run should stop for a top-up now that `why` refused a
+    start of worst case `worst`; None while it should go on."""
     fraction = eng.opts.money_bound_stop_fraction
-    if (eng.winding_down or not fraction or not eng.was_full
+    if (not fraction or not eng.was_full
             or eng.in_flight >= fraction * min(eng.opts.concurrency, eng.aimd.limit)):
-        return
+        return None
     left = _left_to_finish(eng)
     if left is None or left[0] <= eng.spend.left:
-        return
+        return None
     need = left[0]
-    why, worst = eng.blocked
     top_up = _top_up_usd(eng, worst, left)
-    money = (f"${eng.spend.balance_left - eng.spend.floor:.2f} above the balance floor" if why == "balance"
-             else f"${eng.spend.limit - eng.spend.spent:.2f} below spend_limit_usd")
+    money = (f"${eng.spend.left:.2f} above the balance floor" if why == "balance"
+             else f"${eng.spend.left:.2f} below spend_limit_usd")
     action = "top up" if why == "balance" else "raise spend_limit_usd by"
-    message = (f"money keeps only {eng.in_flight} of {eng.opts.concurrency} requests in flight ({money}; each "
-               f"is reserved at its worst case, ${worst:.4f}) and cannot finish the job (about ${need:,.2f} "
-               f"more at the cost per token so far): {action} about ${top_up:,.2f} (what is left, plus a worst "
-               f"case per slot it needs, so every slot stays busy) and re-run stage 02 "
-               f"(money_bound_stop_fraction: 0 spends the rest first)")
-    eng.winding_down = (why, message)
-    eng.entry["top_up_usd"] = round(top_up, 2)
-    eng.log(f"winding down: {message}; starting nothing new, letting the {eng.in_flight} requests in flight finish")
+    return (f"money keeps only {eng.in_flight} of {eng.opts.concurrency} requests in flight ({money}; each "
+            f"is reserved at its worst case, ${worst:.4f}) and cannot finish the job (about ${need:,.2f} "
+            f"more at the cost per token so far): {action} about ${top_up:,.2f} (what is left, plus a worst "
+            f"case per slot it needs, so every slot stays busy) and re-run stage 02 "
+            f"(money_bound_stop_fraction: 0 spends the rest first)"), top_up

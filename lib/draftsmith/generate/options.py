@@ -6,39 +6,44 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import parameters
+
+
+def _declared(name: str):
+    """A field whose default is the notebook's (its one declaration)."""
+    return field(default_factory=lambda: parameters.declaration(name).default)
+
 
 @dataclass
 class Options:
-    """How the engine behaves (the notebook's stage 02 parameters)."""
+    """How the engine behaves: notebook 02's parameters of that name, and the few knobs below
+    that no notebook declares (benchmarks and tests turn them)."""
 
     concurrency: int
     spend_limit_usd: float
-    balance_floor_usd: float = 0.0
-    # Stop for a top-up once money keeps fewer than this share of the slots busy and cannot finish
-    # the job anyway (0: spend down to the floor first, however few requests that keeps in flight).
-    money_bound_stop_fraction: float = 0.5
-    max_attempts: int = 6
-    request_timeout_s: float = 600.0     # no byte for this long: a hung connection
-    stop_grace_s: float = 30.0
+    balance_floor_usd: float = _declared("balance_floor_usd")
+    money_bound_stop_fraction: float = _declared("money_bound_stop_fraction")
+    max_attempts: int = _declared("max_attempts")
+    request_timeout_s: float = _declared("request_timeout_s")
+    stop_grace_s: float = _declared("stop_grace_s")
     balance_poll_s: float = 15.0
     fsync_s: float = 5.0
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 60.0
     recovery_patience_s: float = 120.0   # how long to keep asking /generation the cost of a lost answer
-    outage_limit_s: float = 300.0        # only retryable availability errors for this long: stop (outage.py)
-    target_model_path: str | None = None  # its tokenizer measures prompts that may be too long
-    trust_remote_code: bool = False       # loading that tokenizer may run its own code (Kimi-K2.5)
+    outage_limit_s: float = _declared("outage_limit_s")
+    target_model_path: str | None = None  # its tokenizer measures prompts that may be too long (None: not measured)
+    trust_remote_code: bool = _declared("trust_remote_code")
 
     def __post_init__(self):
+        parameters.check_bounds({k: v for k, v in vars(self).items() if k in _NOTEBOOK})
         for name in ("concurrency", "max_attempts"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if not self.request_timeout_s or self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s!r}")
-        if not self.outage_limit_s or self.outage_limit_s <= 0:
-            raise ValueError(f"outage_limit_s must be positive, got {self.outage_limit_s!r}")
-        if not 0 <= self.money_bound_stop_fraction <= 1:
-            raise ValueError(f"money_bound_stop_fraction must be between 0 and 1, got {self.money_bound_stop_fraction!r}")
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+
+
+_NOTEBOOK = ("concurrency", "spend_limit_usd", "balance_floor_usd", "money_bound_stop_fraction", "max_attempts",
+             "request_timeout_s", "stop_grace_s", "outage_limit_s")
 
 
 @dataclass

@@ -103,7 +103,7 @@ def writer_lock(run: Run):
     """Hold the run's writer lock for the block: an exclusive `flock` on `generate/writer.lock`,
     released when the block ends or the process dies. Raises RunBusy at once, naming the holder,
     if another process holds it; this process may take it again inside the block (the notebook
-    takes it before starting the local emulator, run_generation takes it again)."""
+    takes it before starting the local emulator, stage.run_at takes it again)."""
     path = run.dir("generate") / LOCK
     key = str(path)
     if key in _held:

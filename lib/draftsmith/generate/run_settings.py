@@ -16,7 +16,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from . import outputs as store
+from . import outputs
 from ..paths import Run
 
 SHAPING = ("model", "max_tokens", "temperature", "top_p", "reasoning", "provider")
@@ -56,11 +56,11 @@ def check(run: Run, datasets: list[str], new: dict, allow: bool) -> list[str]:
     """How `new` differs, per dataset of `datasets` that holds saved answers, from what they were
     made under (the datasets named); raises SettingsChanged naming the differences, unless `allow`.
     Datasets of one run may differ from each other (answers from two sources, say)."""
-    manifest = store.read_manifest(run)
+    manifest = outputs.read_manifest(run)
     by_diff: dict[tuple, list[str]] = {}
     for name in datasets:
         old = remembered(manifest, name)
-        path = store.responses_file(run, name)
+        path = outputs.responses_file(run, name)
         if old and path.exists() and path.stat().st_size:
             diff = tuple(changes(old, new))
             if diff:

@@ -1,4 +1,6 @@
-"""Stage 02 as notebook 02 runs it: `run_generation` (see the package's docstring)."""
+"""Stage 02's entry: `run(run, **params)` takes notebook 02's parameters, opens the API (the local
+emulator, or `api_base` with its key) and generates; `run_at` is the same against an API already
+open at `base_url` (tests and benchmarks that start their own server). See the package's docstring."""
 
 
 from __future__ import annotations
@@ -8,8 +10,9 @@ import signal
 import threading
 from pathlib import Path
 
+from .. import local, parameters
 from ..openrouter import client
-from . import outputs as store
+from . import outputs
 from ..datasets import parse_datasets
 from ..imports import answered, parse_imports
 from ..paths import Run, resolve
@@ -19,7 +22,16 @@ from .engine import Engine
 from .options import GenerationResult, GenerationStopped, Options
 
 
-def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model: str, max_tokens: int,
+def run(run: Run, *, api_base: str, api_key_file: str | None, target_model_path: str | None, emulator: dict,
+        **params) -> GenerationResult:
+    """Notebook 02: `params` are its parameters (`parameters.given("02", globals())`). Holds the
+    run's writer lock from before the local emulator starts to the end."""
+    with outputs.writer_lock(run), local.open_api(api_base, api_key_file, run, target_model_path, emulator,
+                                                  params.get("model")) as (base_url, api_key):
+        return run_at(base_url, api_key, run, target_model_path=target_model_path, **params)
+
+
+def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, max_tokens: int,
                    concurrency: int, spend_limit_usd: float, temperature: float | None = None,
                    top_p: float | None = None, seed: int | None = None, provider: dict | None = None,
                    reasoning: dict | None = None, stream: bool = False, native_precision: str | None = None,
@@ -31,7 +43,7 @@ def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model
     precision policy itself. Prompts answered by an import file (`imports`, see imports.py) are not
     asked for: they are never paid for twice.
 
-    One process writes a run at a time (store.writer_lock: a second one raises RunBusy naming the
+    One process writes a run at a time (outputs.writer_lock: a second one raises RunBusy naming the
     holder). A run that holds answers made under other settings is refused (SettingsChanged,
     naming each difference) unless `allow_changed_settings`. A write error at the store (a full
     disk) ends the session and raises GenerationStopped with what was paid for and not saved.
@@ -44,6 +56,7 @@ def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model
     for spec in specs:
         if not Path(spec.path).is_file():
             raise FileNotFoundError(f"datasets: file of dataset {spec.name!r} not found: {spec.path}")
+    parameters.check_bounds({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p})
     opts = Options(concurrency, spend_limit_usd, **options)
     base_routing = stage_01.read_routing(run)
     policy = None
@@ -61,7 +74,7 @@ def run_generation(base_url: str, api_key, run: Run, datasets: list[dict], model
               **{k: v for k, v in vars(opts).items() if k != "target_model_path"}}
     import_specs = parse_imports(imports or [], [s.name for s in specs])
     shaping = run_settings.data_settings(settings, policy, opts.target_model_path)
-    with store.writer_lock(run):
+    with outputs.writer_lock(run):
         diff = run_settings.check(run, [s.name for s in specs], shaping, allow_changed_settings)
         engine = Engine(base_url, api_key, run, specs, settings, opts, config, log, policy)
         engine.manifest.settings = {**(engine.manifest.settings or {}), **{s.name: shaping for s in specs}}

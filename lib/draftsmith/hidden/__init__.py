@@ -6,7 +6,7 @@ what the lm_head reads). Layer ids are kept in the OUTPUT convention (`draftsmit
 the output of decoder layer k, Hugging Face `output_hidden_states[k + 1]`. The shards and their
 index are `draftsmith.hidden.outputs`'; the target and its engines are `draftsmith.target`'s.
 
-  stage.py    the entry notebook 04 calls (`run_stage`): here, or as torchrun ranks (`launch`)
+  stage.py    the entry notebook 04 calls (`run`): here, or as torchrun ranks (`launch`)
   extract.py  the extraction itself (`extract`, `Settings`): one rank's shards, the index at the end
   plan.py     batches by length, shards of batches, the disk check
   resume.py   what the shards on disk already hold; leftovers of a killed run; one writer a folder

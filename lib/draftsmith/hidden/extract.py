@@ -14,9 +14,11 @@ The backend is one of the settings a shard records, so features of two engines a
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -24,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .. import layers
-from . import outputs as shards
+from .. import layers, parameters
+from . import outputs
 from ..distributed import init_dist
 from ..progress import Progress
 from ..target.checkpoint import load_target
@@ -40,43 +42,49 @@ ENGINE_LOG = "vllm.log"  # on several ranks (one engine per node): vllm.rank<N>.
 BACKENDS = ("hf", "vllm")
 
 
-def open_capture(backend: str, target, output_ids: list[int], *, device: str = "auto", log=print,
-                 **vllm_options):
-    """A capture of `output_ids` on `target` through `backend` (`hf` or `vllm`)."""
-    if backend == "hf":
-        return Capture(load_target(target, device, vllm_options.get("trust_remote_code", False)), output_ids)
-    if backend == "vllm":
-        return VllmCapture(target, output_ids, log=log, **vllm_options)
-    raise ValueError(f"target_backend must be one of {BACKENDS}, got {backend!r}")
+def open_capture(target_backend: str, target, layer_ids: list[int], *, device: str, log=print, **vllm_options):
+    """A capture of layers `layer_ids` (output convention) on `target` through `target_backend`
+    (`hf` or `vllm`)."""
+    if target_backend == "hf":
+        return Capture(load_target(target, device, vllm_options.get("trust_remote_code", False)), layer_ids)
+    if target_backend == "vllm":
+        return VllmCapture(target, layer_ids, log=log, **vllm_options)
+    raise ValueError(f"target_backend must be one of {BACKENDS}, got {target_backend!r}")
+
+
+def _declared(name: str):
+    """A field defaulting to notebook 04's declaration of setting `name` (its one default)."""
+    return field(default_factory=lambda: copy.deepcopy(parameters.declaration(name).default))
 
 
 @dataclass
 class Settings:
-    """How to extract; the defaults here are the library's (notebook 04 declares the user's)."""
+    """How to extract: notebook 04's settings under its names, each left out at the notebook's
+    default (`parameters.declaration`), held to its declared bounds by `check`."""
 
-    layer_ids: list[int] | None = None  # three layers; None or empty: the EAGLE-3 default
-    convention: str = "output"          # how layer_ids count (`draftsmith.layers`)
-    dtype: str = "bf16"                 # storage: bf16, or fp8 with per-token scales
-    max_tokens_per_batch: int = 16384   # padded tokens per forward pass
-    shard_mb: float = 1024.0            # shard size on disk
-    device: str = "auto"                # hf: auto, cpu, cuda, cuda:0, ...
-    backend: str = "hf"                 # hf or vllm
-    engine_options: dict = field(default_factory=dict)  # vllm: `VllmCapture`'s keyword arguments
+    layer_ids: list[int] | None = _declared("layer_ids")  # three layers; None or empty: the EAGLE-3 default
+    layer_convention: str = _declared("layer_convention")  # how layer_ids count (`draftsmith.layers`)
+    hidden_dtype: str = _declared("hidden_dtype")          # storage: bf16, or fp8 with per-token scales
+    max_tokens_per_batch: int = _declared("max_tokens_per_batch")
+    shard_mb: float = _declared("shard_mb")
+    device: str = _declared("device")                      # hf: auto, cpu, cuda, cuda:0, ...
+    target_backend: str = _declared("target_backend")      # hf or vllm
+    engine_options: dict = field(default_factory=dict)     # vllm: `VllmCapture`'s keyword arguments
 
     def check(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"target_backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.dtype not in shards.DTYPES:
-            raise ValueError(f"dtype must be one of {shards.DTYPES}, got {self.dtype!r}")
-        if self.max_tokens_per_batch < 1 or self.shard_mb <= 0:
-            raise ValueError("max_tokens_per_batch and shard_mb must be positive")
+        parameters.check_bounds({"max_tokens_per_batch": self.max_tokens_per_batch, "shard_mb": self.shard_mb})
+        if self.target_backend not in BACKENDS:
+            raise ValueError(f"target_backend must be one of {BACKENDS}, got {self.target_backend!r}")
+        if self.hidden_dtype not in outputs.DTYPES:
+            raise ValueError(f"hidden_dtype must be one of {outputs.DTYPES}, got {self.hidden_dtype!r}")
 
-    def output_ids(self, n_layers: int) -> list[int]:
+    def layer_ids_of(self, n_layers: int) -> list[int]:
+        """The three layer ids to capture on a target of `n_layers`, in the output convention."""
         ids = (layers.default_layer_ids(n_layers) if not self.layer_ids
-               else layers.to_output_ids(list(self.layer_ids), self.convention))
+               else layers.in_output_convention(list(self.layer_ids), self.layer_convention))
         if len(set(ids)) != 3 or not all(0 <= k < n_layers for k in ids):
-            raise ValueError(f"layer_ids {list(self.layer_ids or [])} ({self.convention} convention): need three "
-                             f"distinct layers of the target's {n_layers} (output ids 0..{n_layers - 1})")
+            raise ValueError(f"layer_ids {list(self.layer_ids or [])} ({self.layer_convention} convention): need "
+                             f"three distinct layers of the target's {n_layers} (output ids 0..{n_layers - 1})")
         return ids
 
 
@@ -84,18 +92,18 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
             capture=None, log=print, **settings) -> dict:
     """Extract hidden states of every sample in `token_files` into `out_dir` (shards + index),
     keeping whole shards of an earlier run. `settings` are `Settings`' fields. Runs as one rank of
-    several under torchrun (`hf`). `backend` `vllm` starts an engine with `engine_options`
+    several under torchrun (`hf`). `target_backend` `vllm` starts an engine with `engine_options`
     (tensor_parallel_size, trust_remote_code, gpu_memory_utilization, max_num_batched_tokens, ...),
     unless `capture`, an open capture of the same target and layers, is given to reuse. Returns a
     summary (rank 0: of the whole run)."""
     s = Settings(**settings)
     s.check()
-    if capture is not None and capture.backend != s.backend:
-        raise ValueError(f"capture runs on {capture.backend!r}, not on backend {s.backend!r}")
-    if s.backend == "vllm" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
-        raise ValueError("backend vllm runs one engine per node (tensor parallel over the node's GPUs): "
+    if capture is not None and capture.backend != s.target_backend:
+        raise ValueError(f"capture runs on {capture.backend!r}, not on target_backend {s.target_backend!r}")
+    if s.target_backend == "vllm" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise ValueError("target_backend vllm runs one engine per node (tensor parallel over the node's GPUs): "
                          "nproc_per_node must be 1; set tensor_parallel_size, and nnodes for several nodes")
-    d = init_dist(gpu=s.backend != "vllm")  # vLLM's engine owns the GPUs
+    d = init_dist(gpu=s.target_backend != "vllm")  # vLLM's engine owns the GPUs
     say = log if d.world == 1 else (lambda m: log(f"[rank {d.rank}/{d.world}] {m}"))
     held = None
     try:
@@ -104,14 +112,14 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         identity = target_identity(target, bool(s.engine_options.get("trust_remote_code")))
         d.check_together(out_dir, {"target": identity["fingerprint"], "token_files": [str(f) for f in token_files],
                                    "out_dir": str(out_dir), **asdict(s)})
-        output_ids = s.output_ids(identity["num_hidden_layers"])
+        layer_ids = s.layer_ids_of(identity["num_hidden_layers"])
         samples = read_tokens(token_files, identity["vocab_size"])
         plan = None
         if d.main:
             try:
                 held = lock(out_dir)
-                plan = prepare(out_dir, samples, identity, output_ids, s.dtype, s.max_tokens_per_batch, s.shard_mb,
-                               s.backend, say)
+                plan = prepare(out_dir, samples, identity, layer_ids, s.hidden_dtype, s.max_tokens_per_batch,
+                               s.shard_mb, s.target_backend, say)
             except Exception as e:  # tell the other ranks, so they stop too instead of waiting
                 d.broadcast({"error": f"{type(e).__name__}: {e}"})
                 raise
@@ -122,14 +130,14 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
             raise RuntimeError(f"rank {d.rank} read different samples than rank 0 from {token_files}")
         mine = plan["shards"][d.rank::d.world]
         engine_log = out_dir / (ENGINE_LOG if d.world == 1 else ENGINE_LOG.replace(".log", f".rank{d.rank}.log"))
-        written, seconds = _capture_shards(target, capture, samples, mine, output_ids, s, plan["settings"], out_dir,
+        written, seconds = _capture_shards(target, capture, samples, mine, layer_ids, s, plan["settings"], out_dir,
                                            engine_log, f"hidden {d.rank}/{d.world}" if d.world > 1 else "hidden",
                                            say)
         results = d.gather({"written": written, "seconds": seconds})
         summary = None
         if d.main:
             try:
-                summary = _finish(out_dir, plan, results, identity, output_ids, s.dtype, s.backend, say)
+                summary = _finish(out_dir, plan, results, identity, layer_ids, s.hidden_dtype, s.target_backend, say)
             except Exception as e:
                 d.broadcast({"error": f"{type(e).__name__}: {e}"})
                 raise
@@ -143,31 +151,34 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         d.close()
 
 
-def _capture_shards(target, capture, samples, mine, output_ids, s: Settings, settings, out_dir, engine_log, desc,
+def _capture_shards(target, capture, samples, mine, layer_ids, s: Settings, settings, out_dir, engine_log, desc,
                     log):
     """This rank's shards through `capture`, or through one opened here (and closed) for them."""
-    if capture is not None and getattr(capture, "ids", output_ids) != output_ids:
-        raise ValueError(f"capture keeps layers {capture.ids}, this run wants {output_ids}")
+    if capture is not None and getattr(capture, "ids", layer_ids) != layer_ids:
+        raise ValueError(f"capture keeps layers {capture.ids}, this run wants {layer_ids}")
     if capture is not None or not mine:
-        return _run_shards(capture, samples, mine, output_ids, s.dtype, settings, out_dir, desc, log)
+        return _run_shards(capture, samples, mine, layer_ids, s.hidden_dtype, settings, out_dir, desc, log)
     opts = dict(s.engine_options)
-    if s.backend == "vllm":
+    if s.target_backend == "vllm":
         longest = max(len(samples[i]) for _, p in mine for b in p for i in b)
         opts = {"max_model_len": longest + 1, "log_file": engine_log, **opts}
-    opened = open_capture(s.backend, target, output_ids, device=s.device, log=log, **opts)
+    opened = open_capture(s.target_backend, target, layer_ids, device=s.device, log=log, **opts)
     try:
-        return _run_shards(opened, samples, mine, output_ids, s.dtype, settings, out_dir, desc, log)
+        return _run_shards(opened, samples, mine, layer_ids, s.hidden_dtype, settings, out_dir, desc, log)
     finally:
         opened.close()
 
 
-def _run_shards(capture, samples, mine, output_ids, dtype, settings, out_dir, desc, log) -> tuple[list, float]:
+def _run_shards(capture, samples, mine, layer_ids, dtype, settings, out_dir, desc, log) -> tuple[list, float]:
     """Extract this rank's shards; writing a shard overlaps computing the next one."""
     if not mine:
         return [], 0.0
-    capture.scratch_dir = out_dir / SCRATCH
+    # one scratch folder per process: ranks on several nodes share out_dir, and each engine numbers
+    # its feature files from 0 (a shared folder mixed two ranks' files, and one rank's cleanup
+    # removed the files another was waiting for)
+    capture.scratch_dir = out_dir / SCRATCH / f"{socket.gethostname()}-{os.getpid()}"
     total = sum(len(samples[i]) for _, plan in mine for b in plan for i in b)
-    log(f"extracting {total:,} tokens into {len(mine)} shard(s), layers {output_ids} (output convention), "
+    log(f"extracting {total:,} tokens into {len(mine)} shard(s), layers {layer_ids} (output convention), "
         f"{dtype}, on {capture.device}")
     written, pending = [], None
     t0 = time.perf_counter()
@@ -191,6 +202,10 @@ def _run_shards(capture, samples, mine, output_ids, dtype, settings, out_dir, de
                 written.append(pending.result())
     finally:
         shutil.rmtree(capture.scratch_dir, ignore_errors=True)
+        try:
+            capture.scratch_dir.parent.rmdir()  # the last rank out removes the shared parent
+        except OSError:
+            pass
     return written, time.perf_counter() - t0
 
 
@@ -198,7 +213,7 @@ def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dic
     lengths = [len(s) for s in order]
     offsets = torch.tensor([0] + lengths).cumsum(0)
     rows = [[s.dataset, s.sample_id, len(s), s.digest] for s in order]
-    size = shards.write_shard(path, aux, last, torch.cat([s.input_ids for s in order]),
+    size = outputs.write_shard(path, aux, last, torch.cat([s.input_ids for s in order]),
                               torch.cat([s.loss_mask for s in order]), offsets, dtype,
                               metadata={"settings": json.dumps(settings), "samples": json.dumps(rows)})
     samples = [{"sample_id": s.sample_id, "dataset": s.dataset, "source": s.source, "offset": int(o), "length": len(s)}
@@ -206,7 +221,7 @@ def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dic
     return shard_entry(path.name, samples, size)
 
 
-def _finish(out_dir, plan, results, identity, output_ids, dtype, backend, log) -> dict:
+def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) -> dict:
     """Rank 0: merge every rank's shards with the kept ones into index.json."""
     entries = plan["keep"] + [e for r in results for e in r["written"]]
     entries.sort(key=lambda e: e["file"])
@@ -218,21 +233,21 @@ def _finish(out_dir, plan, results, identity, output_ids, dtype, backend, log) -
     if len(keys) != len(set(keys)):
         raise RuntimeError(f"{out_dir}: a sample appears in two shards")  # planning makes this impossible
     tokens = sum(e["tokens"] for e in entries)
-    index = {"dtype": dtype, "hidden_size": identity["hidden_size"], "layer_ids": output_ids,
-             "layer_convention": "output", "hf_hidden_state_indices": layers.hf_hidden_state_indices(output_ids),
+    index = {"dtype": dtype, "hidden_size": identity["hidden_size"], "layer_ids": layer_ids,
+             "layer_convention": "output", "hf_hidden_state_indices": layers.hf_hidden_state_indices(layer_ids),
              "last": "final hidden state after the final norm (input of lm_head)",
              "backend": backend, "target": identity, "num_samples": len(keys), "num_tokens": tokens,
              "bytes": sum(e["bytes"] for e in entries), "shards": entries}
-    shards.write_index(out_dir, index)
+    outputs.write_index(out_dir, index)
     new_tokens = sum(e["tokens"] for r in results for e in r["written"])
     seconds = max(r["seconds"] for r in results)
     summary = {"samples": len(keys), "tokens": tokens, "shards": len(entries), "shards_kept": len(plan["keep"]),
                "shards_written": sum(len(r["written"]) for r in results), "tokens_extracted": new_tokens,
                "extract_s": round(seconds, 3), "tokens_per_s": round(new_tokens / seconds, 1) if seconds else None,
                "bytes": index["bytes"], "bytes_per_token": round(index["bytes"] / tokens, 1) if tokens else None,
-               "dtype": dtype, "layer_ids": output_ids, "backend": backend, "ranks": len(results),
+               "dtype": dtype, "layer_ids": layer_ids, "backend": backend, "ranks": len(results),
                "hidden_dir": str(out_dir)}
-    shards.write_summary(out_dir, summary)
+    outputs.write_summary(out_dir, summary)
     log(f"{summary['samples']:,} samples, {tokens:,} tokens in {len(entries)} shard(s) "
         f"({summary['shards_kept']} kept from an earlier run), {index['bytes'] / 2**20:,.1f} MiB")
     return summary

@@ -23,8 +23,8 @@ SCRATCH = ".vllm-scratch"  # vLLM's per-sample feature files, deleted once read
 LOCK = ".lock"
 
 
-def settings_of(identity: dict, output_ids: list[int], dtype: str, backend: str) -> dict:
-    return {"target": identity["fingerprint"], "layer_ids": list(output_ids), "dtype": dtype, "backend": backend}
+def settings_of(identity: dict, layer_ids: list[int], dtype: str, backend: str) -> dict:
+    return {"target": identity["fingerprint"], "layer_ids": list(layer_ids), "dtype": dtype, "backend": backend}
 
 
 def shard_entry(file: str, samples: list[dict], size: int) -> dict:
@@ -62,13 +62,13 @@ def scan_shards(out_dir: Path, settings: dict, by_key: dict[tuple[str, str], Sam
     return keep, stale
 
 
-def prepare(out_dir: Path, samples: list[Sample], identity: dict, output_ids: list[int], dtype: str,
+def prepare(out_dir: Path, samples: list[Sample], identity: dict, layer_ids: list[int], dtype: str,
              max_tokens_per_batch: int, shard_mb: float, backend: str, log) -> dict:
     """Rank 0: clear leftovers, keep whole shards, check the disk, plan the rest."""
     for tmp in out_dir.glob("*.tmp"):
         tmp.unlink()
     shutil.rmtree(out_dir / SCRATCH, ignore_errors=True)
-    settings = settings_of(identity, output_ids, dtype, backend)
+    settings = settings_of(identity, layer_ids, dtype, backend)
     by_key = {s.key: s for s in samples}
     keep, stale = scan_shards(out_dir, settings, by_key)
     numbers = [shards.shard_number(p) for p in shards.shard_files(out_dir)]

@@ -1,28 +1,30 @@
 """Stage 04 as notebook 04 runs it: in this process, or as torchrun ranks fed one JSON config.
 
-`run_stage` takes the notebook's parameters and picks the way: `nproc_per_node` > 1 (`hf` on
-several GPUs, or gloo processes on a CPU) or `nnodes` > 1 (this node's part of a run over several,
-joined by torchrun's rendezvous; `vllm`: one engine per node) runs `launch`, anything else
-`extract` here. `launch`
-writes every setting into `extract_config.json` in the output folder and starts
-`python -m draftsmith.hidden CONFIG.json` as torchrun ranks (`draftsmith.distributed`), as stage 05's
-training does with its config: the settings are declared once (`extract.Settings`). A failed
-torchrun is started again; it resumes from the whole shards. Where vLLM's CPU build cannot run the
-target (`vllm` on INT4 MoE experts), the stage says so in one line and records it (`record_gpu_only`).
+`run` takes the notebook's parameters under its names and picks the way: `nproc_per_node` > 1
+(`hf` on several GPUs, or gloo processes on a CPU) or `nnodes` > 1 (this node's part of a run over
+several, joined by torchrun's rendezvous; `vllm`: one engine per node) runs `launch`, anything else
+`extract` here; then, with `verify_with_hf`, the stored features are checked against the target
+run alone (`verify`). `launch` writes every setting into `extract_config.json` in the output folder
+and starts `python -m draftsmith.hidden CONFIG.json` as torchrun ranks (`draftsmith.distributed`),
+as stage 05's training does with its config: the settings are declared once (`extract.Settings`,
+notebook 04's names and defaults). A failed torchrun is started again; it resumes from the whole
+shards. Where vLLM's CPU build cannot run the target (`vllm` on INT4 MoE experts), the stage says
+so in one line and records it (`record_gpu_only`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from . import outputs as shards
+from .. import parameters
+from . import outputs, verify
 from ..files import write_json_atomic
 from ..paths import Run
 from ..tokens.outputs import token_files
+from ..target.checkpoint import resolve_target
 from ..target.identity import target_identity
 from ..target.vllm_limits import GpuOnly
 from ..distributed import done_launching, launch_dir, torchrun
@@ -31,22 +33,37 @@ from .extract import Settings, extract
 CONFIG = "extract_config.json"
 
 
-def run_stage(run: Run, target: str | os.PathLike, datasets: list | None = None, *, nproc_per_node: int = 1,
-              nnodes: int = 1, rdzv_endpoint: str = "", engine_options: dict | None = None, log=print,
-              **settings) -> dict:
-    """Extract the run's stage-03 tokens (of `datasets`, or all) into its hidden-state folder and
-    return the summary. `engine_options` reach the engine only when `backend` is vllm. `nnodes` > 1:
-    this node's part of a run over that many nodes joined at `rdzv_endpoint` (`draftsmith.distributed`)."""
+def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, layer_ids: list,
+        layer_convention: str, max_tokens_per_batch: int, shard_mb: float, nproc_per_node: int, nnodes: int,
+        rdzv_endpoint: str, device: str, target_backend: str, trust_remote_code: bool, tensor_parallel_size: int,
+        gpu_memory_utilization: float | None, max_num_batched_tokens: int | None, verify_with_hf: bool,
+        log=print) -> dict:
+    """Stage 04 with notebook 04's parameters under its names: extract the run's stage-03 tokens
+    (of `datasets`, or all) into its hidden-state folder and return the summary, with `check`
+    (`verify.check_stored`; None when not `verify_with_hf`). The vLLM settings reach the engine only
+    when `target_backend` is vllm. `nnodes` > 1: this node's part of a run over that many nodes
+    joined at `rdzv_endpoint` (`draftsmith.distributed`)."""
+    parameters.check_bounds({name: value for name, value in locals().items() if name not in ("run", "log")})
+    target = resolve_target(target_model_path, log=log)
     files = token_files(run, datasets)
-    if settings.get("backend") == "vllm":
-        settings["engine_options"] = dict(engine_options or {})
+    out_dir = outputs.hidden_dir(run)
+    settings = dict(layer_ids=layer_ids, layer_convention=layer_convention, hidden_dtype=hidden_dtype,
+                    max_tokens_per_batch=max_tokens_per_batch, shard_mb=shard_mb, device=device,
+                    target_backend=target_backend)
+    if target_backend == "vllm":
+        settings["engine_options"] = dict(
+            tensor_parallel_size=tensor_parallel_size, trust_remote_code=trust_remote_code,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
     if nproc_per_node > 1 or nnodes > 1:
-        return launch(nproc_per_node, target, files, shards.hidden_dir(run), nnodes=nnodes,
-                      rdzv_endpoint=rdzv_endpoint, log=log, **settings)
-    try:
-        return extract(target, files, shards.hidden_dir(run), log=log, **settings)
-    except GpuOnly as e:
-        return record_gpu_only(shards.hidden_dir(run), target, e.line, log=log, **settings)
+        summary = launch(nproc_per_node, target, files, out_dir, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+                         log=log, **settings)
+    else:
+        try:
+            summary = extract(target, files, out_dir, log=log, **settings)
+        except GpuOnly as e:
+            summary = record_gpu_only(out_dir, target, e.line, log=log, **settings)
+    check = verify.check_stored(target, out_dir, device, enabled=verify_with_hf, trust_remote_code=trust_remote_code)
+    return {**summary, "check": check}
 
 
 def record_gpu_only(out_dir: Path, target, line: str, *, log=print, **settings) -> dict:
@@ -54,12 +71,13 @@ def record_gpu_only(out_dir: Path, target, line: str, *, log=print, **settings) 
     it as the index and summary of a folder without shards (stages after this one have no features)."""
     s = Settings(**settings)
     identity = target_identity(target, bool(s.engine_options.get("trust_remote_code")))
-    record = {"backend": s.backend, "gpu_only": line, "layer_ids": s.output_ids(identity["num_hidden_layers"]),
-              "dtype": s.dtype, "target": identity, "samples": 0, "tokens": 0, "shards": 0, "hidden_dir": str(out_dir)}
-    log(f"stage 04 on {Path(target).name} with target_backend {s.backend}: {line}")
-    shards.write_index(out_dir, {**record, "hidden_size": identity["hidden_size"], "layer_convention": "output",
+    record = {"backend": s.target_backend, "gpu_only": line, "layer_ids": s.layer_ids_of(identity["num_hidden_layers"]),
+              "dtype": s.hidden_dtype, "target": identity, "samples": 0, "tokens": 0, "shards": 0,
+              "hidden_dir": str(out_dir)}
+    log(f"stage 04 on {Path(target).name} with target_backend {s.target_backend}: {line}")
+    outputs.write_index(out_dir, {**record, "hidden_size": identity["hidden_size"], "layer_convention": "output",
                                  "num_samples": 0, "num_tokens": 0, "bytes": 0, "shards": []})
-    shards.write_summary(out_dir, record)
+    outputs.write_summary(out_dir, record)
     return record
 
 
@@ -81,13 +99,13 @@ def launch(nproc: int, target, files, out_dir, *, nnodes: int = 1, rdzv_endpoint
     (`attempts` in all); whole shards are kept."""
     here = launch_dir(out_dir, nnodes)
     config = write_config(target, files, out_dir, here, **settings)
-    shards.remove_summary(out_dir)
+    outputs.remove_summary(out_dir)
     try:
         torchrun(nproc, "draftsmith.hidden", [str(config)], nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                  attempts=attempts, log=log)
     finally:
         done_launching(here, nnodes)
-    return shards.read_summary(out_dir)
+    return outputs.read_summary(out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,19 +1,30 @@
-"""A small synchronous OpenRouter client for stage 01's few requests (the endpoint list, the pilot,
-the fidelity probe). Answers are classified by stage 02's `client` (errors inside 200s, empty
-answers, 402 kinds) and retried with its backoff."""
+"""Stage 01's synchronous face of the one HTTP stack (aiohttp, as stage 02 uses): the model's
+endpoints, the balance, and its few chat completions (the pilot, the fidelity probe).
+
+Each call runs its own short-lived event loop in a worker thread (`blocking`), because a Jupyter
+kernel already runs a loop in the main thread. Answers are classified by `client.complete` (errors
+inside 200s, empty answers, 402 kinds), the endpoints read by `pricing.fetch_endpoints` and the
+balance by `pricing.BalanceReader`: the same code as stage 02's; failures worth retrying are
+retried with `retry.backoff_delay`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Callable, TypeVar
 
-import httpx
+import aiohttp
 
-from .apikey import ApiKey
-from .client import Failure, Reply, classify_error, parse_completion, retry_after_seconds
 from ..progress import Progress
+from .apikey import ApiKey
+from .client import Reply, complete
+from .pricing import BalanceReader, fetch_endpoints
 from .retry import backoff_delay
+
+T = TypeVar("T")
+IN_FLIGHT = 16      # stage 01's requests in flight at a time
 
 
 class ApiError(RuntimeError):
@@ -22,54 +33,82 @@ class ApiError(RuntimeError):
         self.status = status
 
 
+def blocking(headers: dict, timeout: float, work: Callable[[aiohttp.ClientSession], Awaitable[T]]) -> T:
+    """`work(session)` run to its end from synchronous code, on a fresh event loop in a worker thread
+    (Jupyter may already run one in this thread), with a session of its own."""
+    async def main() -> T:
+        limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+        async with aiohttp.ClientSession(headers=headers, timeout=limits) as session:
+            return await work(session)
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, main()).result()
+
+
 class Api:
     def __init__(self, base_url: str, key: ApiKey, timeout: float = 120.0, attempts: int = 6):
-        self.base_url, self.attempts = base_url.rstrip("/"), attempts
-        self._http = httpx.Client(headers={**key.header(), "Content-Type": "application/json"}, timeout=timeout)
+        self.base_url, self.timeout, self.attempts = base_url.rstrip("/"), timeout, attempts
+        self._headers = {**key.header(), "Content-Type": "application/json"}
 
-    def get(self, path: str, **params) -> dict:
-        r = self._http.get(self.base_url + path, params=params or None)
-        body = _json(r)
-        if r.status_code != 200:
-            raise ApiError(r.status_code, _message(body))
-        return body
+    def _blocking(self, work: Callable[[aiohttp.ClientSession], Awaitable[T]]) -> T:
+        return blocking(self._headers, self.timeout, work)
+
+    def endpoints(self, model: str) -> list[dict]:
+        """The model's endpoints (`pricing.fetch_endpoints`), once `/models` lists the model."""
+        async def work(session: aiohttp.ClientSession) -> list[dict]:
+            async with session.get(self.base_url + "/models") as r:
+                body = _json(await r.read())
+                if r.status != 200:
+                    raise ApiError(r.status, _message(body))
+            if model not in {m.get("id") for m in body.get("data") or []}:
+                raise ValueError(f"model {model!r} is not listed by {self.base_url}/models")
+            return await fetch_endpoints(session, self.base_url, model)
+        return self._blocking(work)
+
+    def balance(self) -> tuple[float | None, str]:
+        """USD left and where that figure comes from (`pricing.BalanceReader`, read once)."""
+        async def work(session: aiohttp.ClientSession) -> tuple[float | None, str]:
+            reader = BalanceReader(session, self.base_url)
+            return await reader.read(), reader.source
+        return self._blocking(work)
 
     def chat(self, body: bytes) -> Reply:
         """A usable non-streaming completion of a request body (`client.BodyMaker`); raises
         ApiError on what must not be retried or after the last attempt."""
+        return self._blocking(lambda session: self._chat(session, body))
+
+    def chat_all(self, bodies: list[bytes], desc: str) -> list[Reply]:
+        """The replies to `bodies`, in their order, `IN_FLIGHT` at a time, with a progress bar."""
+        async def work(session: aiohttp.ClientSession) -> list[Reply]:
+            gate = asyncio.Semaphore(IN_FLIGHT)
+
+            async def one(body: bytes) -> Reply:
+                async with gate:
+                    reply = await self._chat(session, body)
+                bar.update()
+                return reply
+            return list(await asyncio.gather(*map(one, bodies)))
+
+        with Progress(total=len(bodies), desc=desc, unit="req") as bar:
+            return self._blocking(work)
+
+    async def _chat(self, session: aiohttp.ClientSession, body: bytes) -> Reply:
         for attempt in range(1, self.attempts + 1):
-            try:
-                r = self._http.post(self.base_url + "/chat/completions", content=body)
-            except (httpx.TimeoutException, httpx.TransportError) as e:
-                outcome = Failure("retry", "connection", type(e).__name__)
-            else:
-                outcome = parse_completion(r.content) if r.status_code == 200 else \
-                    classify_error(r.status_code, _json(r).get("error"), retry_after_seconds(r.headers.get("Retry-After")))
+            outcome = await complete(session, self.base_url + "/chat/completions", None, body, stream=False)
             if isinstance(outcome, Reply):
                 return outcome
             if outcome.action not in ("retry", "throttle", "unavailable") or attempt == self.attempts:
                 raise ApiError(outcome.status, str(outcome))
-            time.sleep(backoff_delay(attempt, outcome.retry_after, base=0.25, cap=8.0))
+            await asyncio.sleep(backoff_delay(attempt, outcome.retry_after, base=0.25, cap=8.0))
         raise AssertionError("unreachable")
 
-    def chat_all(self, bodies: list[bytes], desc: str) -> list[Reply]:
-        """The replies to `bodies`, in their order, 16 at a time, with a progress bar."""
-        with Progress(total=len(bodies), desc=desc, unit="req") as bar, ThreadPoolExecutor(16) as pool:
-            def one(body: bytes) -> Reply:
-                reply = self.chat(body)
-                bar.update()
-                return reply
-            return list(pool.map(one, bodies))
 
-    def close(self) -> None:
-        self._http.close()
-
-
-def _json(r: httpx.Response) -> dict:
+def _json(raw: bytes) -> dict:
     try:
-        return json.loads(r.content or b"{}")  # OpenRouter may pad bodies with leading whitespace
+        body = json.loads(raw or b"{}")  # OpenRouter may pad bodies with leading whitespace
     except json.JSONDecodeError:
-        return {"error": {"message": f"not JSON: {r.content[:80]!r}"}}
+        return {"error": {"message": f"not JSON: {raw[:80]!r}"}}
+    return body if isinstance(body, dict) else {"error": {"message": f"not a JSON object: {raw[:80]!r}"}}
 
 
 def _message(body: dict) -> str:

@@ -29,6 +29,7 @@ import math
 import time
 from collections import deque
 
+from .. import parameters
 from .pricing import Prices
 
 MIN_SAMPLES = 30
@@ -177,9 +178,13 @@ def prompt_tokens_bound(messages: list[dict]) -> int:
 
 
 class SpendBudget:
+    """The run's dollars: the spend limit, the balance above its floor, what is reserved; which of
+    the two limits binds, and what to add to finish."""
+
     def __init__(self, limit_usd: float, floor_usd: float = 0.0, spent: float = 0.0):
-        if not limit_usd or limit_usd <= 0:
-            raise ValueError(f"spend_limit_usd must be a positive number, got {limit_usd!r}")
+        parameters.check_bounds({"spend_limit_usd": limit_usd, "balance_floor_usd": floor_usd})
+        if limit_usd is None:
+            raise ValueError("spend_limit_usd is required")
         self.limit = float(limit_usd)
         self.floor = float(floor_usd or 0.0)
         self.spent = float(spent)       # the run's known spend, all sessions
@@ -189,15 +194,16 @@ class SpendBudget:
         self.prompt_price = 0.0         # worst USD per token
         self.completion_price = 0.0
         self.request_price = 0.0        # worst USD per request
+        self._prices = Prices(0.0, 0.0, 0.0)
 
     def set_prices(self, prompt: float, completion: float, request: float | None = None) -> None:
         self.prompt_price, self.completion_price = float(prompt), float(completion)
         if request is not None:
             self.request_price = float(request)
+        self._prices = Prices(self.prompt_price, self.completion_price, self.request_price)
 
     def worst_cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return Prices(self.prompt_price, self.completion_price, self.request_price).cost(prompt_tokens,
-                                                                                         completion_tokens)
+        return self._prices.cost(prompt_tokens, completion_tokens)
 
     def set_balance(self, balance: float | None) -> None:
         self.balance = balance
@@ -210,12 +216,29 @@ class SpendBudget:
         return self.balance - (self.spent - self._spent_at_poll)
 
     @property
+    def limit_left(self) -> float:
+        """Dollars under `spend_limit_usd`."""
+        return self.limit - self.spent
+
+    @property
+    def binding(self) -> str:
+        """Which limit `left` is: "balance" (the balance above its floor) or "spend_limit"."""
+        b = self.balance_left
+        return "balance" if b is not None and b - self.floor < self.limit_left else "spend_limit"
+
+    @property
     def left(self) -> float:
         """Dollars the run may still spend, reservations aside: under the limit and above the floor."""
-        room = self.limit - self.spent
+        room = self.limit_left
         if self.balance_left is not None:
             room = min(room, self.balance_left - self.floor)
         return room
+
+    def top_up(self, usd_to_finish: float, requests: int, slots: int, worst: float) -> float:
+        """About what to add to finish with every slot busy to the end: the expected cost of what
+        is left (`usd_to_finish`, over `requests`), plus a worst case for each of the `slots` it will
+        use, less the money left."""
+        return max(0.0, usd_to_finish + min(slots, requests) * worst - max(0.0, self.left))
 
     def headroom(self) -> float:
         """Dollars a new request may still reserve."""

@@ -1,8 +1,9 @@
-"""The model's endpoints and the precision policy: which of them stage 02 may route to, and why not
-the others.
+"""The model's endpoints as a table, and the precision policy: which of them stage 02 may route to,
+and why not the others. The endpoint list itself is read by `pricing.fetch_endpoints` (stage 01
+through `api.Api.endpoints`).
 
 `apply_policy` marks each endpoint allowed or excluded, with the reason: below the native
-precision (`quantization.below_native`), `unknown` (excluded unless allowed), down, or not listing
+precision (`pricing.below_native`), `unknown` (excluded unless allowed), down, or not listing
 a parameter we send (we send `require_parameters: true`, so that an endpoint cannot silently drop
 temperature or top_p; OpenRouter then never routes to such an endpoint, so it must not be planned
 or priced either - set `seed: null` if too few endpoints take a seed). `routing_object` is the
@@ -14,17 +15,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .pricing import Prices, default_prices, lacks_parameters, worst_prices
-from .pricing import BITS, below_native
-from .api import Api
-
-
-def fetch_endpoints(api: Api, model: str) -> tuple[dict, pd.DataFrame]:
-    """The model record and the endpoint table (`endpoint_table`)."""
-    models = {m["id"]: m for m in api.get("/models")["data"]}
-    if model not in models:
-        raise ValueError(f"model {model!r} is not listed by {api.base_url}/models")
-    return models[model], endpoint_table(api.get(f"/models/{model}/endpoints")["data"]["endpoints"])
+from .pricing import BITS, Prices, below_native, default_prices, lacks_parameters, worst_prices
 
 
 def endpoint_table(eps: list[dict]) -> pd.DataFrame:
@@ -55,7 +46,7 @@ def table_worst_prices(table: pd.DataFrame) -> list[Prices]:
             for _, r in table.iterrows()]
 
 
-def apply_policy(table: pd.DataFrame, native_precision: str, allow_unknown: bool = False,
+def apply_policy(table: pd.DataFrame, native_precision: str, allow_unknown_quantization: bool,
                  sent: set[str] = frozenset()) -> pd.DataFrame:
     """The table with `allowed` and `reason` columns; `sent`: the parameters every request sends
     (with `require_parameters: true`, an endpoint that does not list one of them is never used)."""
@@ -71,7 +62,7 @@ def apply_policy(table: pd.DataFrame, native_precision: str, allow_unknown: bool
             why = f"down (status {row['status']}, uptime {row['uptime']}%)"
         elif below_native(q, native_precision):
             why = f"{q} is below the native {native_precision}"
-        elif q == "unknown" and not allow_unknown:
+        elif q == "unknown" and not allow_unknown_quantization:
             why = "quantization unknown (allow_unknown_quantization to use it)"
         elif q not in BITS and q != "unknown":
             why = f"unrecognised quantization {q!r}"
@@ -85,14 +76,14 @@ def apply_policy(table: pd.DataFrame, native_precision: str, allow_unknown: bool
     return table.assign(allowed=allowed, reason=reasons)
 
 
-def routing_object(policy: pd.DataFrame, native_precision: str, allow_unknown: bool) -> dict:
+def routing_object(policy: pd.DataFrame, native_precision: str, allow_unknown_quantization: bool) -> dict:
     """The OpenRouter `provider` object that restricts routing to the allowed endpoints."""
     tags = policy.loc[policy["allowed"], "tag"].tolist()
     if not tags:
         reasons = "; ".join(f"{r['tag']}: {r['reason']}" for _, r in policy.iterrows())
         raise ValueError(f"no endpoint is allowed: {reasons}")
     quants = sorted(set(policy.loc[policy["allowed"], "quantization"]) | {native_precision}
-                    | ({"unknown"} if allow_unknown else set()))
+                    | ({"unknown"} if allow_unknown_quantization else set()))
     return {"only": tags, "quantizations": quants, "allow_fallbacks": True, "require_parameters": True}
 
 
@@ -101,9 +92,9 @@ def exclusions(policy: pd.DataFrame) -> list[dict]:
             for _, r in policy.iterrows() if not r["allowed"]]
 
 
-def policy_routing(eps: list[dict], native_precision: str, allow_unknown: bool,
+def policy_routing(eps: list[dict], native_precision: str, allow_unknown_quantization: bool,
                    sent: set[str]) -> tuple[dict, list[dict]]:
     """Stage 02 without stage 01: the same precision policy over the endpoint list, as the provider
     object and the exclusions (there is no fidelity probe here)."""
-    policy = apply_policy(endpoint_table(eps), native_precision, allow_unknown, sent)
-    return routing_object(policy, native_precision, allow_unknown), exclusions(policy)
+    policy = apply_policy(endpoint_table(eps), native_precision, allow_unknown_quantization, sent)
+    return routing_object(policy, native_precision, allow_unknown_quantization), exclusions(policy)

@@ -14,8 +14,8 @@ is the one worst-case rule: stage 02's reservations and stage 01's paid pilot an
 `generation_cost` asks `GET /generation?id=` the bill of a request whose answer was lost (it is
 404 for a moment after the request ends, so it is asked again with backoff).
 
-`BalanceReader` is the one reading of the money left (`balance_now` for stage 01's synchronous
-code): the lowest of the account's credits (`/credits`, when the key may read it), the key's own
+`BalanceReader` is the one reading of the money left (stage 01 reads it through `api.Api.balance`):
+the lowest of the account's credits (`/credits`, when the key may read it), the key's own
 limit (`/key` `limit_remaining`) and every budget layer the key is held to (`/key` `budgets`, of
 which `effective_budget` blocks first). When it cannot tell, it says why in `source`.
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
@@ -271,14 +270,3 @@ class BalanceReader:
         self.source = source + self._refused
         return usd
 
-
-def balance_now(base: str, headers: dict) -> tuple[float | None, str]:
-    """USD left and where that figure comes from, read once by `BalanceReader` from synchronous code
-    (stage 01); its event loop runs in a worker thread, as Jupyter may already run one here."""
-    async def once() -> tuple[float | None, str]:
-        async with aiohttp.ClientSession(headers=headers) as session:
-            reader = BalanceReader(session, base.rstrip("/"))
-            return await reader.read(), reader.source
-
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, once()).result()

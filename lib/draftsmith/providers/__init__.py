@@ -1,6 +1,7 @@
 """Stage 01: which providers serve the model at its native precision, at what price, how much of
 the token budget the money buys, and whether each endpoint really serves the same model.
 
+    stage.py      `run(run, **params)`: the stage, in the order below, with notebook 01's parameters
     cost_plan.py  the planned cost of the output budgets against the balance and the spend limit
     pilot.py      the response length: given, or measured by a paid pilot
     probe.py      the paid fidelity probe, and excluding the endpoints it flags
@@ -9,5 +10,5 @@ the token budget the money buys, and whether each endpoint really serves the sam
 
 The endpoint table and the precision policy (the `provider` routing object), the stage's HTTP
 client and every money question (prices, the balance) are `draftsmith.openrouter`'s.
-Notebook 01 calls these in that order.
+Notebook 01 calls `stage.run`, then shows its tables and figures.
 """

@@ -19,12 +19,12 @@ from .cost_plan import DatasetTokens
 from ..openrouter.endpoints import table_worst_prices
 
 
-def pilot(api: Api, settings: dict, datasets: list[DatasetSpec], samples: int) -> pd.DataFrame:
-    """Real completions of the first `samples` prompts of each dataset, sent with stage 02's
+def pilot(api: Api, settings: dict, datasets: list[DatasetSpec], pilot_samples: int) -> pd.DataFrame:
+    """Real completions of the first `pilot_samples` prompts of each dataset, sent with stage 02's
     request `settings` (`client.request_settings`, its routing included)."""
     bodies, names, requests = BodyMaker(settings), [], []
     for spec in datasets:
-        for p in islice(DatasetReader(spec), samples):
+        for p in islice(DatasetReader(spec), pilot_samples):
             names.append(spec.name)
             requests.append(bodies.body(messages_json(p.messages)))
     replies = api.chat_all(requests, "pilot")
@@ -34,21 +34,21 @@ def pilot(api: Api, settings: dict, datasets: list[DatasetSpec], samples: int) -
 
 
 def expected_output(api: Api, run: Run, settings: dict, datasets: list[DatasetSpec], tokens: list[DatasetTokens],
-                    allowed: pd.DataFrame, expected_output_tokens: float, samples: int, spend_limit_usd: float,
-                    refresh: bool) -> tuple[float, pd.DataFrame | None]:
+                    allowed: pd.DataFrame, expected_output_tokens: float, pilot_samples: int,
+                    spend_limit_usd: float, refresh_providers: bool) -> tuple[float, pd.DataFrame | None]:
     """The mean response length in tokens and the pilot's table (None when the user gave the length).
-    The pilot of an earlier run of this stage is reused unless `refresh`."""
+    The pilot of an earlier run of this stage is reused unless `refresh_providers`."""
     if expected_output_tokens > 0:
         return float(expected_output_tokens), None
-    table = outputs.reuse(run, "pilot", refresh)
+    table = outputs.reuse(run, "pilot", refresh_providers)
     if table is None:
         datasets = [s for s, t in zip(datasets, tokens) if t.prompts]   # not those the imports answer
-        n = samples * len(datasets)
+        n = pilot_samples * len(datasets)
         mean_prompt = sum(t.prompt_tokens for t in tokens) / max(1, sum(t.prompts for t in tokens))
         worst = highest(table_worst_prices(allowed)).cost(mean_prompt * n, settings["max_tokens"] * n, n)
         print(f"pilot: {n} requests, at most ${worst:.4f}")
         outputs.check_spend(run, worst, spend_limit_usd)
-        table = pilot(api, settings, datasets, samples)
+        table = pilot(api, settings, datasets, pilot_samples)
         outputs.keep_paid(run, "pilot", table)
     per_sample = float(table["completion_tokens"].mean())
     print(f"pilot: mean {per_sample:.0f} completion tokens per response, cost ${table['cost'].sum():.6f}")

@@ -1,6 +1,7 @@
 """`python -m draftsmith.target NAME...`: build built-in targets into the cache (or find them there).
 
-`make test` runs it before pytest, so that no test pays for a build inside its time-out.
+tests/conftest.py builds the targets a test session uses before its first test, so that no test
+pays for a build inside its time-out; this builds them by hand (e.g. before going offline).
 """
 
 import sys

@@ -25,15 +25,15 @@ def pad_batch(batch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Capture:
     """Calling it runs the decoder (not the lm_head) on a batch and returns aux [T, 3H] (the outputs
-    of decoder layers `output_ids`, side by side) and last [T, H] (the final hidden state after the
+    of decoder layers `layer_ids`, side by side) and last [T, H] (the final hidden state after the
     final norm) of the real tokens, sample after sample, on the CPU."""
 
     backend = "hf"
     scratch_dir = None  # unused: features come back in memory
 
-    def __init__(self, model, output_ids: list[int]):
+    def __init__(self, model, layer_ids: list[int]):
         self.base = model.get_decoder()
-        self.ids = list(output_ids)
+        self.ids = list(layer_ids)
         self.device = model.get_input_embeddings().weight.device
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self._layers = LayerOutputs(model, self.ids)

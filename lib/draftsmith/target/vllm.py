@@ -67,7 +67,7 @@ class VllmCapture:
 
     backend = "vllm"
 
-    def __init__(self, target: str | os.PathLike, output_ids: list[int], *, tensor_parallel_size: int = 1,
+    def __init__(self, target: str | os.PathLike, layer_ids: list[int], *, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, max_model_len: int = 4096,
                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
                  kvcache_gib: float = 1.0, log_file: str | os.PathLike | None = None, log=print,
@@ -75,7 +75,7 @@ class VllmCapture:
         from .vllm_capture import engine_kwargs
 
         self.target = Path(target)
-        self.ids = list(output_ids)
+        self.ids = list(layer_ids)
         cfg = target_config(self.target)
         self.num_layers = int((cfg.get("text_config") or cfg)["num_hidden_layers"])
         # vLLM input ids of our output ids, plus N: the last layer's output (before the final norm)

@@ -10,7 +10,7 @@ and of each import file (`draftsmith.imports`), the package
   analysis   compares every provider with the others: which disagree, and why;
   outputs    owns the stage's files (tokens/<dataset>.jsonl for stage 04, tokens/checks/,
              tokens/report.json) and reads them back;
-  stage      runs it all (`build`), resumable per source file;
+  stage      runs it all (`run`, what notebook 03 calls), resumable per source file;
   summary, figures  what notebook 03 prints and shows.
 Where the engine's sampled ids were saved (a local engine in stage 02, or an import file), they are
 the truth and the text's rebuild only measures how often the two agree. Each sample keeps its
@@ -22,9 +22,8 @@ from .figures import figures
 from .outputs import Sample, read_checks, read_report, read_tokens, token_files
 from .rebuild import Reconstructor, load_reconstructor
 from .responses import BadLine, Response
-from .stage import build
 from .summary import provider_table, summary
 
-__all__ = ["BadLine", "Reconstructor", "Response", "Sample", "Thresholds", "build", "check", "figures",
+__all__ = ["BadLine", "Reconstructor", "Response", "Sample", "Thresholds", "check", "figures",
            "load_reconstructor", "provider_table", "read_checks", "read_report", "read_tokens", "summary",
            "token_files"]

@@ -18,11 +18,11 @@ RESPONSE_ISSUES = ("empty_content", "tool_calls_not_rendered")
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When a sample or a provider is flagged."""
+    """When a sample or a provider is flagged (notebook 03's parameters of the same names)."""
 
-    sample_tolerance: float = 0.01   # sample: |billed - rebuilt| > max(1, this x billed), prompt or completion
-    min_clean_rate: float = 0.95     # provider: share of its samples with exact counts and no issue
-    max_relative_error: float = 0.005  # provider: |sum billed - sum rebuilt| / sum billed
+    sample_tolerance: float    # sample: |billed - rebuilt| > max(1, this x billed), prompt or completion
+    min_clean_rate: float      # provider: share of its samples with exact counts and no issue
+    max_relative_error: float  # provider: |sum billed - sum rebuilt| / sum billed
 
     def sample_ok(self, delta: int | None, billed: int | None) -> bool:
         return delta is None or abs(delta) <= max(1, self.sample_tolerance * (billed or 0))

@@ -1,4 +1,4 @@
-"""Stage 03's entry point: every source of every dataset rebuilt and checked, then analysed together.
+"""Stage 03's entry point (`run`): every source of every dataset rebuilt and checked, then analysed together.
 
 Pass 1 (`rebuild_source`) turns each source file into ids and check rows under tokens/.work/,
 resumable per file. Then duplicates, sources and providers are settled over all rows (`analysis`,
@@ -11,8 +11,8 @@ import hashlib
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import sources
-from ..datasets import DatasetSpec
+from .. import parameters, sources
+from ..datasets import parse_datasets
 from ..imports import parse_imports, source_files
 from ..paths import Run
 from ..progress import Progress
@@ -79,13 +79,18 @@ def rebuild_source(rec: Reconstructor, run: Run, name: str, unit: str, src: Path
     return rows, problems
 
 
-def build(run: Run, datasets: list[DatasetSpec], target_model_path: str, chat_template_file: str | None = None,
-          trust_remote_code: bool = False, thresholds: Thresholds = Thresholds(), exclude_flagged: bool = False,
-          batch_size: int = 256, imports: list[dict] = (), log=print) -> dict:
-    """Stage 03 end to end: rebuild every dataset from stage 02's responses and the files in
-    `imports` (see `draftsmith.imports`), analyse, write outputs and report.json (returned)."""
+def run(run: Run, *, datasets: list[dict], imports: list[dict], target_model_path: str,
+        chat_template_file: str | None, trust_remote_code: bool, sample_tolerance: float, min_clean_rate: float,
+        max_relative_error: float, exclude_flagged: bool, batch_size: int = 256, log=print) -> dict:
+    """Stage 03 end to end, with notebook 03's parameters under its names: rebuild every dataset
+    from stage 02's responses and the files in `imports` (see `draftsmith.imports`), analyse, write
+    outputs and report.json (returned)."""
     from ..target.checkpoint import resolve_target
 
+    parameters.check_bounds({"sample_tolerance": sample_tolerance, "min_clean_rate": min_clean_rate,
+                             "max_relative_error": max_relative_error})
+    datasets = parse_datasets(datasets)
+    thresholds = Thresholds(sample_tolerance, min_clean_rate, max_relative_error)
     specs = parse_imports(list(imports), [s.name for s in datasets])
     rec = load_reconstructor(str(resolve_target(target_model_path, log=log)), chat_template_file, trust_remote_code)
     log(f"tokenizer: {type(rec.tokenizer).__name__} ({rec.encoder.kind}), vocabulary {rec.encoder.vocab_size:,}")
