@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.drafter import outputs as artifacts, load_exported
+from draftsmith.drafter import outputs as drafter_outputs, load_exported
 from draftsmith.drafter.export import export
 from draftsmith.drafter.model import DrafterConfig
 from draftsmith.drafter.objective import build_drafter
@@ -161,7 +161,7 @@ def test_speculative_decoding_outputs_the_targets_greedy_tokens_with_any_drafter
     mixed drafts: the output is the target's greedy output (transformers' generate). The tiny target
     loops at once ("the the the"), which a wrongly cut cache could still reproduce, so the same is
     checked on a target of the same shape with random weights, whose greedy output does not loop."""
-    exports = artifacts.read_exports(trained_run / "drafter")
+    exports = drafter_outputs.read_exports(trained_run / "drafter")
     assert [e["fraction"] for e in exports] == [0.5, 1.0]
     trained = Eagle3Proposer(load_exported(exports[-1]["dir"], tiny_target))
     untrained = Eagle3Proposer(load_exported(random_export(tiny_target, tmp_path / "bad"), tiny_target))
@@ -258,7 +258,7 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     report = json.loads((trained_run / "eval" / "report.json").read_text())
     assert report["k"] == 3 and report["aux_layer_ids"] == LAYER_IDS
     assert set(report["prompts"]) == {"code", "chat"}
-    assert {tuple(x) for x in report["prompt_ids"]} <= set(artifacts.read_heldout(trained_run / "drafter"))
+    assert {tuple(x) for x in report["prompt_ids"]} <= set(drafter_outputs.read_heldout(trained_run / "drafter"))
     greedy = report["temperatures"]["0"]["methods"]
     assert list(greedy) == ["none", "prompt lookup", "eagle3 50%", "eagle3"]
     assert greedy["none"]["acceptance_length"] == 1.0
@@ -281,8 +281,8 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
 
 def test_heldout_prompts_are_the_samples_stage_05_held_out_in_its_order(trained_run, tmp_path):
     run = Run(trained_run.parent, trained_run.name)
-    held = artifacts.read_heldout(trained_run / "drafter")
-    assert len(held) == artifacts.read_summary(trained_run / "drafter")["heldout_samples"] == 7
+    held = drafter_outputs.read_heldout(trained_run / "drafter")
+    assert len(held) == drafter_outputs.read_summary(trained_run / "drafter")["heldout_samples"] == 7
     prompts = heldout.heldout_prompts(run, trained_run / "drafter", 1)
     assert sorted(p.dataset for p in prompts) == ["chat", "code"]      # one per dataset, as asked
     assert [(p.dataset, p.sample_id) for p in prompts] == [next(h for h in held if h[0] == p.dataset)
@@ -291,7 +291,7 @@ def test_heldout_prompts_are_the_samples_stage_05_held_out_in_its_order(trained_
     assert [(p.dataset, p.sample_id) for p in heldout.heldout_prompts(run, trained_run / "drafter", 99)] == held
     with pytest.raises(FileNotFoundError, match="heldout.json: .*run stage 05 first"):
         heldout.heldout_prompts(run, tmp_path, 1)
-    artifacts.write_heldout(tmp_path, [("code", "not-extracted")] + held, 0.2)
+    drafter_outputs.write_heldout(tmp_path, [("code", "not-extracted")] + held, 0.2)
     with pytest.raises(ValueError, match="'not-extracted' of 'code': held out by stage 05 .* not in stage 04"):
         heldout.heldout_prompts(run, tmp_path, 1)
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from draftsmith.drafter import outputs as artifacts, train
+from draftsmith.drafter import outputs as drafter_outputs, train
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.hidden.extract import extract
 from draftsmith.paths import Run
@@ -237,7 +237,7 @@ def train_config(hidden: Path, target: Path, out: Path, **kw) -> TrainConfig:
 
 
 def train_losses(out: Path) -> list[float]:
-    return [r["loss"] for r in artifacts.read_metrics(out) if r["split"] == "train"]
+    return [r["loss"] for r in drafter_outputs.read_metrics(out) if r["split"] == "train"]
 
 
 # 2 nodes x 1 process and 1 node x 2 processes hand every rank the same micro-batches and sum the
@@ -257,7 +257,7 @@ def test_stage_05_on_two_nodes_trains_like_two_processes_on_one_with_ddp_and_fsd
     assert two_by_one == results[1][2] and two_by_one["world_size"] == 2
     assert two_by_one["steps"] == one_by_two["steps"] >= 4
     assert train_losses(tmp_path / "2x1") == pytest.approx(train_losses(tmp_path / "1x2"), rel=LOSS_TOLERANCE)
-    assert len(artifacts.checkpoints(tmp_path / "2x1")) == 2   # written once, by rank 0 (two kept)
+    assert len(drafter_outputs.checkpoints(tmp_path / "2x1")) == 2   # written once, by rank 0 (two kept)
     fsdp = {**args, "config": asdict(train_config(one_node, tiny_target, tmp_path / "2x1-fsdp", train_fsdp=True))}
     for rc, out, _ in two_nodes(fsdp, (tmp_path, tmp_path)):
         assert rc == 0, out[-3000:]
@@ -268,7 +268,7 @@ def test_stage_05_on_two_nodes_trains_like_two_processes_on_one_with_ddp_and_fsd
     args["config"] = asdict(train_config(one_node, tiny_target, out))
     first, second = start_node(args, tmp_path), start_node(args, tmp_path)
     deadline = time.time() + 300
-    while not artifacts.checkpoints(out) and time.time() < deadline and second.poll() is None:
+    while not drafter_outputs.checkpoints(out) and time.time() < deadline and second.poll() is None:
         time.sleep(0.01)
     assert second.poll() is None, "node 2 finished before it could be killed: the test proved nothing"
     kill_node(second)

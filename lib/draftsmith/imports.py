@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .generate import outputs as store
+from .generate.outputs import responses_file
 from .datasets import row_messages, stable_id
 from .paths import Run, resolve
 
@@ -118,7 +118,7 @@ def source_files(run: Run, name: str, imports: list[ImportSpec]) -> list[tuple[s
     """(unit, file) of every source of dataset `name`, in the order sources are preferred: stage
     02's own responses first, then the imports in the order listed."""
     units = []
-    raw = store.responses_file(run, name)
+    raw = responses_file(run, name)
     if raw.is_file():
         units.append(("generate", raw))
     units += [(s.unit, Path(s.path)) for s in imports if s.name == name]

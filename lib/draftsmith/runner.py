@@ -74,12 +74,12 @@ def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
 def _check_no_other_writer(run: Run) -> None:
     """Refuse at once, before any stage runs or any of the run's files is touched, when another
     process is generating this run. Only a check: stage 02's kernel takes the lock itself."""
-    from .generate import outputs as store
+    from .generate import outputs as generate_outputs
 
     try:
-        with store.writer_lock(run):
+        with generate_outputs.writer_lock(run):
             pass
-    except store.RunBusy as e:
+    except generate_outputs.RunBusy as e:
         raise StageFailed(f"stage 02 not started: {e}") from None
 
 

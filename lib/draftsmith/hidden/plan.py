@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from . import outputs as shards
+from . import outputs
 
 
 def plan_batches(lengths: list[int], max_tokens: int, max_padding: float = 0.1) -> list[list[int]]:
@@ -57,7 +57,7 @@ def bytes_per_token(hidden_size: int, dtype: str) -> int:
     elif dtype == "fp8":
         hidden = 4 * hidden_size + 4 * 4
     else:
-        raise ValueError(f"dtype must be one of {shards.DTYPES}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {outputs.DTYPES}, got {dtype!r}")
     return hidden + 8 + 1
 
 

@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from . import outputs as shards
+from . import outputs
 from ..tokens.outputs import Sample
 from .plan import bytes_per_token, check_disk, plan_batches, plan_shards
 
@@ -36,9 +36,9 @@ def scan_shards(out_dir: Path, settings: dict, by_key: dict[tuple[str, str], Sam
     is gone, excluded, changed, or already held by an earlier shard. Shards made with other settings
     are an error: mixing them would give the drafter inconsistent features."""
     keep, stale, done = [], [], set()
-    for path in shards.shard_files(out_dir):
+    for path in outputs.shard_files(out_dir):
         try:
-            meta = shards.read_header(path)
+            meta = outputs.read_header(path)
         except Exception:  # unreadable (not one of ours, or a damaged disk): re-extract its samples
             stale.append(path)
             continue
@@ -71,11 +71,11 @@ def prepare(out_dir: Path, samples: list[Sample], identity: dict, layer_ids: lis
     settings = settings_of(identity, layer_ids, dtype, backend)
     by_key = {s.key: s for s in samples}
     keep, stale = scan_shards(out_dir, settings, by_key)
-    numbers = [shards.shard_number(p) for p in shards.shard_files(out_dir)]
+    numbers = [outputs.shard_number(p) for p in outputs.shard_files(out_dir)]
     for p in stale:
         log(f"{p.name}: its samples changed since it was written; re-extracting them")
         p.unlink()
-    shards.remove_index(out_dir)  # rewritten when every shard is whole again
+    outputs.remove_index(out_dir)  # rewritten when every shard is whole again
     done = {(s["dataset"], s["sample_id"]) for e in keep for s in e["samples"]}
     todo = [i for i, s in enumerate(samples) if s.key not in done]
     lengths = [len(samples[i]) for i in todo]
@@ -87,7 +87,7 @@ def prepare(out_dir: Path, samples: list[Sample], identity: dict, layer_ids: lis
     batches = [[todo[j] for j in b] for b in plan_batches(lengths, max_tokens_per_batch, max_padding)]
     planned = plan_shards(batches, [len(s) for s in samples], per_shard)
     first = max(numbers, default=-1) + 1
-    return {"keep": keep, "shards": [(shards.shard_name(first + n), p) for n, p in enumerate(planned)],
+    return {"keep": keep, "shards": [(outputs.shard_name(first + n), p) for n, p in enumerate(planned)],
             "settings": settings, "check": fingerprint_samples(samples)}
 
 

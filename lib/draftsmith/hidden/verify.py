@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import outputs as shards
+from . import outputs
 from ..target.checkpoint import load_target
 
 # (largest relative error of a stored tensor, smallest top-1 agreement of lm_head(last)) per dtype
@@ -23,10 +23,10 @@ def check_stored(target, hidden_dir, device: str = "auto", enabled: bool = True,
     """`verify_sample` of sample 0, raising AssertionError (with the numbers) when stored features
     and the target disagree beyond rounding; None when not `enabled` or when stage 04 stored
     nothing because its engine is GPU-only here (the index says so)."""
-    if not enabled or shards.HiddenShards(hidden_dir).index.get("gpu_only"):
+    if not enabled or outputs.HiddenShards(hidden_dir).index.get("gpu_only"):
         return None
     check = verify_sample(target, hidden_dir, 0, device, trust_remote_code)
-    index = shards.HiddenShards(hidden_dir).index
+    index = outputs.HiddenShards(hidden_dir).index
     max_err, min_top1 = TOLERANCE[index["dtype"]]
     if index.get("backend") == "vllm":
         min_top1 -= VLLM_TOP1_SLACK
@@ -48,7 +48,7 @@ def verify_sample(target, hidden_dir, i: int = 0, device: str = "auto", trust_re
     """Run the target alone on stored sample i and compare: stored aux vs its own
     `output_hidden_states` at the index's HF indices, and lm_head(stored last) vs its logits. Also
     the mean token norm of every layer, for the sanity plot."""
-    hs = shards.HiddenShards(hidden_dir)
+    hs = outputs.HiddenShards(hidden_dir)
     s = hs.sample(i)
     model = load_target(target, device, trust_remote_code)
     dev = model.get_input_embeddings().weight.device
@@ -80,7 +80,7 @@ def stored_norms(hidden_dir, max_samples: int = 64):
     """Per-token L2 norms of the stored tensors, one column per captured layer and `last`."""
     import pandas as pd
 
-    hs = shards.HiddenShards(hidden_dir)
+    hs = outputs.HiddenShards(hidden_dir)
     H, ids = hs.hidden_size, hs.index["layer_ids"]
     cols: dict[str, list] = {f"aux layer {k}": [] for k in ids} | {"last (normed)": []}
     for i in range(min(max_samples, len(hs))):

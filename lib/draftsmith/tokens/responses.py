@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..generate import outputs as store
+from ..generate import outputs as generate_outputs
 from ..imports import to_raw
 from ..paths import Run
 
@@ -108,7 +108,7 @@ def read_responses(run: Run, dataset: str, unit: str, path: Path):
     or killed) is left out, a line that is not JSON is an error naming file:line. An import file
     (`path`) is the user's: every line that cannot be used, torn last line included, is reported."""
     if unit == "generate":
-        for lineno, row in store.read_responses(run, dataset):
+        for lineno, row in generate_outputs.read_responses(run, dataset):
             yield lineno, _parse(row, None)
         return
     with open(path, "rb") as f:
