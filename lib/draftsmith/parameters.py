@@ -17,10 +17,11 @@ before anything starts or pays.
 from __future__ import annotations
 
 import ast
+import copy
 import difflib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
@@ -149,6 +150,12 @@ def declaration(name: str) -> Param:
     if name not in _DECLARED:
         raise KeyError(f"no notebook declares {name!r}")
     return _DECLARED[name]
+
+
+def default_field(name: str):
+    """A dataclass field whose default is setting `name`'s one default (its notebook declaration),
+    for the library's settings classes: no second default to drift from the notebook's."""
+    return field(default_factory=lambda: copy.deepcopy(declaration(name).default))
 
 
 def check_bounds(values: dict) -> None:

@@ -9,11 +9,6 @@ from pathlib import Path
 from .. import parameters
 
 
-def _declared(name: str):
-    """A field whose default is the notebook's (its one declaration)."""
-    return field(default_factory=lambda: parameters.declaration(name).default)
-
-
 @dataclass
 class Options:
     """How the engine behaves: notebook 02's parameters of that name, and the few knobs below
@@ -21,19 +16,19 @@ class Options:
 
     concurrency: int
     spend_limit_usd: float
-    balance_floor_usd: float = _declared("balance_floor_usd")
-    money_bound_stop_fraction: float = _declared("money_bound_stop_fraction")
-    max_attempts: int = _declared("max_attempts")
-    request_timeout_s: float = _declared("request_timeout_s")
-    stop_grace_s: float = _declared("stop_grace_s")
+    balance_floor_usd: float = parameters.default_field("balance_floor_usd")
+    money_bound_stop_fraction: float = parameters.default_field("money_bound_stop_fraction")
+    max_attempts: int = parameters.default_field("max_attempts")
+    request_timeout_s: float = parameters.default_field("request_timeout_s")
+    stop_grace_s: float = parameters.default_field("stop_grace_s")
     balance_poll_s: float = 15.0
     fsync_s: float = 5.0
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 60.0
     recovery_patience_s: float = 120.0   # how long to keep asking /generation the cost of a lost answer
-    outage_limit_s: float = _declared("outage_limit_s")
+    outage_limit_s: float = parameters.default_field("outage_limit_s")
     target_model_path: str | None = None  # its tokenizer measures prompts that may be too long (None: not measured)
-    trust_remote_code: bool = _declared("trust_remote_code")
+    trust_remote_code: bool = parameters.default_field("trust_remote_code")
 
     def __post_init__(self):
         parameters.check_bounds({k: v for k, v in vars(self).items() if k in _NOTEBOOK})

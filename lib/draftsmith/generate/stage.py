@@ -32,11 +32,11 @@ def run(run: Run, *, api_base: str, api_key_file: str | None, target_model_path:
 
 
 def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, max_tokens: int,
-                   concurrency: int, spend_limit_usd: float, temperature: float | None = None,
-                   top_p: float | None = None, seed: int | None = None, provider: dict | None = None,
-                   reasoning: dict | None = None, stream: bool = False, native_precision: str | None = None,
-                   allow_unknown_quantization: bool = False, imports: list[dict] | None = None, log=print,
-                   allow_changed_settings: bool = False, **options) -> GenerationResult:
+           concurrency: int, spend_limit_usd: float, temperature: float | None = None,
+           top_p: float | None = None, seed: int | None = None, provider: dict | None = None,
+           reasoning: dict | None = None, stream: bool = False, native_precision: str | None = None,
+           allow_unknown_quantization: bool = False, imports: list[dict] | None = None, log=print,
+           allow_changed_settings: bool = False, **options) -> GenerationResult:
     """Generate responses for `datasets` into `run.dir("generate")`, resuming whatever is there.
     `options`: the other fields of `Options` (balance_floor_usd, max_attempts, request_timeout_s, ...).
     Without stage 01's routing, `native_precision` is required: the engine then applies the

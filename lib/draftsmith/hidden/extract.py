@@ -14,7 +14,6 @@ The backend is one of the settings a shard records, so features of two engines a
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -52,23 +51,18 @@ def open_capture(target_backend: str, target, layer_ids: list[int], *, device: s
     raise ValueError(f"target_backend must be one of {BACKENDS}, got {target_backend!r}")
 
 
-def _declared(name: str):
-    """A field defaulting to notebook 04's declaration of setting `name` (its one default)."""
-    return field(default_factory=lambda: copy.deepcopy(parameters.declaration(name).default))
-
-
 @dataclass
 class Settings:
     """How to extract: notebook 04's settings under its names, each left out at the notebook's
     default (`parameters.declaration`), held to its declared bounds by `check`."""
 
-    layer_ids: list[int] | None = _declared("layer_ids")  # three layers; None or empty: the EAGLE-3 default
-    layer_convention: str = _declared("layer_convention")  # how layer_ids count (`draftsmith.layers`)
-    hidden_dtype: str = _declared("hidden_dtype")          # storage: bf16, or fp8 with per-token scales
-    max_tokens_per_batch: int = _declared("max_tokens_per_batch")
-    shard_mb: float = _declared("shard_mb")
-    device: str = _declared("device")                      # hf: auto, cpu, cuda, cuda:0, ...
-    target_backend: str = _declared("target_backend")      # hf or vllm
+    layer_ids: list[int] | None = parameters.default_field("layer_ids")  # three; None or []: EAGLE-3's
+    layer_convention: str = parameters.default_field("layer_convention")  # how layer_ids count (layers.py)
+    hidden_dtype: str = parameters.default_field("hidden_dtype")          # bf16, or fp8 with per-token scales
+    max_tokens_per_batch: int = parameters.default_field("max_tokens_per_batch")
+    shard_mb: float = parameters.default_field("shard_mb")
+    device: str = parameters.default_field("device")                      # hf: auto, cpu, cuda, cuda:0, ...
+    target_backend: str = parameters.default_field("target_backend")      # hf or vllm
     engine_options: dict = field(default_factory=dict)     # vllm: `VllmCapture`'s keyword arguments
 
     def check(self) -> None:
