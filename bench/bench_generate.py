@@ -4,6 +4,8 @@ its own process so that its CPU is not counted as the client's).
 1. Client cost: CPU seconds per 1000 responses at `--concurrency` in flight (~600-token
    responses, served as fast as the emulator can):
      floor            a bare aiohttp loop doing only POST + json.loads
+     floor, gc        the same loop under the engine's garbage-collector setting (engine.py
+                      _fewer_collections): what the engine itself adds, apart from the collector
      draftsmith       the whole engine: budgets, resume file, manifest, progress and all
      openai+aiohttp   AsyncOpenAI with DefaultAioHttpClient
      openai default   AsyncOpenAI with its default httpx transport
@@ -112,8 +114,13 @@ def prompts(path: str):
             yield json.loads(line)["messages"]
 
 
-async def run_floor(base, n, conc, path):
+async def run_floor(base, n, conc, path, gc_like_engine=False):
     import aiohttp
+
+    if gc_like_engine:
+        from draftsmith.generate.engine import _fewer_collections
+        with _fewer_collections():
+            return await run_floor(base, n, conc, path)
 
     url, headers = base + "/chat/completions", {"Authorization": f"Bearer {KEY}"}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc + 16)) as s:
@@ -171,8 +178,8 @@ def run_draftsmith(base, n, conc, path, out, budget=None, max_tokens=1024):
 
 
 def client_main(a) -> None:
-    if a.client == "floor":
-        res = asyncio.run(run_floor(a.base, a.n, a.conc, a.prompts))
+    if a.client in ("floor", "floor, gc"):
+        res = asyncio.run(run_floor(a.base, a.n, a.conc, a.prompts, gc_like_engine=a.client == "floor, gc"))
     elif a.client in ("openai+aiohttp", "openai default"):
         res = asyncio.run(run_openai(a.base, a.n, a.conc, a.prompts, aio=a.client == "openai+aiohttp"))
     else:
@@ -211,14 +218,14 @@ def bench_cpu(work: Path, n: int, conc: int, reps: int, openai_reps: int) -> Non
     emu = Emulator(work, **fast_config(600))
     try:
         path = write_prompts(work / "cpu_prompts.jsonl", n)
-        names = ["floor", "draftsmith", "openai+aiohttp", "openai default"]
+        names = ["floor", "floor, gc", "draftsmith", "openai+aiohttp", "openai default"]
         runs = {k: [] for k in names}
         run_client("floor", emu.base, n, conc, path)           # warm the emulator up
         for rep in range(reps):
-            order = names if rep < openai_reps else names[:2]
+            order = names if rep < openai_reps else names[:3]
             order = order if rep % 2 == 0 else order[::-1]      # alternate who goes first
             for name in order:
-                out = work / f"cpu-{name.replace(' ', '_').replace('+', '_')}-{rep}"
+                out = work / f"cpu-{name.replace(' ', '_').replace('+', '_').replace(',', '')}-{rep}"
                 r = run_client(name, emu.base, n, conc, path, out)
                 assert r["responses"] == n, (name, r)
                 runs[name].append(r)
@@ -236,8 +243,9 @@ def bench_cpu(work: Path, n: int, conc: int, reps: int, openai_reps: int) -> Non
         print(f"| {name} | {med[name]:.3f} | {med[name] / med['floor']:.2f} | "
               f"{statistics.median(r['wall_s'] for r in runs[name]):.1f} | {', '.join(f'{x:.3f}' for x in per)} |")
     pairs = [d["cpu_s"] / f["cpu_s"] for f, d in zip(runs["floor"], runs["draftsmith"])]
-    print(f"\ndraftsmith / floor = {med['draftsmith'] / med['floor']:.2f} (target <= 1.25; round by round "
-          f"{', '.join(f'{x:.2f}' for x in pairs)}); best openai / draftsmith = "
+    print(f"\ndraftsmith / floor = {med['draftsmith'] / med['floor']:.2f} (target <= 1.10; round by round "
+          f"{', '.join(f'{x:.2f}' for x in pairs)}); draftsmith / (floor, gc) = "
+          f"{med['draftsmith'] / med['floor, gc']:.2f}; best openai / draftsmith = "
           f"{min(med['openai+aiohttp'], med['openai default']) / med['draftsmith']:.2f}")
 
 

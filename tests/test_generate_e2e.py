@@ -247,6 +247,25 @@ def test_bad_key_or_unroutable_provider_stops_with_the_reason(shared_emu, tmp_pa
     assert not saved(tmp_path / "p", "p")
 
 
+def test_a_session_runs_fewer_garbage_collections_and_gives_the_collector_back_as_it_was(shared_emu, tmp_path):
+    """While stage 02 runs, what was alive at its start is frozen and young collections are rarer
+    (engine._fewer_collections); after it, the process's collector is as it was, even when the
+    session ends on a stop."""
+    import gc
+
+    from draftsmith.generate.engine import GC_GEN0_THRESHOLD
+
+    path = prompts_file(tmp_path / "p.jsonl", 20, "gc")
+    before = gc.get_threshold(), gc.get_freeze_count()
+    during = []
+    r = generate(shared_emu, tmp_path, [{"name": "p", "path": str(path)}], key=ApiKey("sk-or-v1-wrong", "test"),
+                 log=lambda m: during.append((m, gc.get_threshold(), gc.get_freeze_count())))
+    assert r.reason == "fatal"
+    stop = [d for d in during if d[0].startswith("stopping:")]
+    assert stop and stop[0][1][0] == max(before[0][0], GC_GEN0_THRESHOLD) and stop[0][2] > before[1], during
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before
+
+
 def test_too_long_prompts_skipped_and_malformed_rows_reported(tiny_target, tmp_path):
     providers = [{"slug": "small", "name": "Small", "quantization": "int4", "prompt_price": 0.5,
                   "completion_price": 2.0, "context_length": 400}]

@@ -19,12 +19,12 @@ from __future__ import annotations
 import ast
 import copy
 import difflib
+import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
 import yaml
 
 from .paths import NOTEBOOKS_DIR
@@ -99,8 +99,24 @@ class Stage:
         return self.path.stem
 
 
+def read_notebook(path: Path) -> dict:
+    """A notebook file as its JSON (`cells` with their `source` as one string). An .ipynb is JSON;
+    this reads it without nbformat, whose import alone costs about a second (its schema validator
+    builds a grammar), which every stage's import and every `draftsmith` command would pay."""
+    try:
+        nb = json.loads(Path(path).read_text(encoding="utf-8"))
+        cells = nb["cells"]
+        for c in cells:
+            if isinstance(c.get("source"), list):
+                c["source"] = "".join(c["source"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ParamError(f"{path}: not a notebook ({type(e).__name__}: {e})") from None
+    return nb
+
+
 def parameters_cell(nb) -> int:
-    idx = [i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
+    """The index of the notebook's one cell tagged `parameters` (`nb`: read_notebook's, or nbformat's)."""
+    idx = [i for i, c in enumerate(nb["cells"]) if "parameters" in c.get("metadata", {}).get("tags", [])]
     if len(idx) != 1:
         raise ParamError(f"expected exactly one cell tagged 'parameters', found {len(idx)}")
     return idx[0]
@@ -110,14 +126,14 @@ def read_parameters(path: Path) -> dict[str, Param]:
     """`name = literal  # help` lines of the notebook's parameters cell, in order. A stage notebook
     carrying outputs was run and saved in place (Jupyter's autosave), so its parameters cell may
     hold one session's values instead of the shipped defaults: it is refused, not read."""
-    nb = nbformat.read(path, as_version=4)
-    ran = [i + 1 for i, c in enumerate(nb.cells)
-           if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
+    nb = read_notebook(path)
+    ran = [i + 1 for i, c in enumerate(nb["cells"])
+           if c.get("cell_type") == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
     if ran:
         raise ParamError(f"{path}: cell {ran[0]} holds outputs: the notebook was run and saved in place, so its "
                          f"parameters cell may no longer hold the defaults; restore it as shipped (in a git clone: "
                          f"git checkout -- {path}) and explore in `make lab`, which opens copies in lab/")
-    src = nb.cells[parameters_cell(nb)].source
+    src = nb["cells"][parameters_cell(nb)]["source"]
     tree = ast.parse(src)
     lines = src.splitlines()
     out: dict[str, Param] = {}

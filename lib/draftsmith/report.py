@@ -13,8 +13,6 @@ import copy
 import re
 from pathlib import Path
 
-import nbformat
-
 from .files import write_text_atomic
 from .paths import REPO_ROOT, Run
 from .target.tiny import BUILD_LOG
@@ -37,6 +35,7 @@ def report_file(run: Run) -> Path:
 
 
 def write_report(run: Run) -> Path | None:
+    import nbformat     # here, not at the top: its import costs a second that every command would pay
     from nbconvert import HTMLExporter
 
     notebooks = run.executed_notebooks()

@@ -18,11 +18,10 @@ import time
 import traceback
 from pathlib import Path
 
-import nbformat
 import yaml
 
 from .files import write_text_atomic
-from .parameters import Stage, parameters_cell
+from .parameters import Stage, parameters_cell, read_notebook
 from .paths import EXECUTED, Run
 from .report import write_report
 
@@ -101,7 +100,7 @@ def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None
         handlers = [logging.FileHandler(log_path, mode="a", encoding="utf-8")]
         if echo:
             handlers.append(logging.StreamHandler(sys.stderr))
-        injected = parameters_cell(nbformat.read(stage.path, as_version=4)) + 1
+        injected = parameters_cell(read_notebook(stage.path)) + 1
         for h in handlers:
             h.setFormatter(logging.Formatter("%(message)s"))
             h.addFilter(_CellNumbers(injected))

@@ -11,6 +11,10 @@ spending attempts (a prompt no provider can serve is not an outage). An answer l
 after a provider took the request may still be billed: its reservation is held until
 `GET /generation` says what it cost (pricing.generation_cost); without a generation id it is
 counted at its worst case.
+
+The engine gives a session's `Sampler` what the attempts use (the wire, the money, the counts,
+the controllers, the stop to wait on) and makes the stop a sample returns (`Stop`, `NotSaved`):
+nothing here reads or writes the engine.
 """
 
 from __future__ import annotations
@@ -18,11 +22,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from ..openrouter import client
+import aiohttp
+
 from ..datasets import Prompt
+from ..openrouter import client
+from ..openrouter.budget import SpendBudget
 from ..openrouter.pricing import generation_cost
-from ..openrouter.retry import backoff_delay
+from ..openrouter.retry import Aimd, backoff_delay
+from ..progress import Progress
+from .counts import Counts
+from .options import Options
+from .outage import Outage
 from .prompt_queue import DatasetQueue
 
 HINTS = {
@@ -39,167 +52,217 @@ HINTS = {
 }
 
 
-async def sample(eng, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) -> None:
-    """One sample to the end: saved, failed for good, out of attempts, or left for a re-run by a
-    stop. Only real failures spend attempts; throttling is waited out."""
-    msgs_json = client.messages_json(p.messages)
-    body = eng.bodies.body(msgs_json)
-    worst, started = reserved, time.time()
-    tokens = None
-    failures = throttles = 0
-    unavailable_since = None     # this sample has met only retryable availability errors since then
-    seen: dict = {}
-    try:
-        while True:
-            eng.counts.attempts += 1
-            seen = {}
-            t0 = time.monotonic()
-            res = await client.complete(eng.http, eng.url, None, body, eng.stream, seen=seen)
-            if isinstance(res, client.Reply):
-                latency = time.monotonic() - t0
-                eng.aimd.observe_latency(latency)
-                eng.aimd.on_success()
-                eng.outage.answered()
-                if eng.server is not None:
-                    res.provider = res.provider or eng.source
-                u = res.usage
-                tokens = u["completion_tokens"]
-                if tokens is None:      # no usage came back: count what we got, roughly
-                    tokens = max(1, (len(res.content) + len(res.reasoning or "")) // 4)
-                cost = u["cost"] or 0.0
-                eng.spend.settle(reserved, cost, u["prompt_tokens"], tokens)
+@dataclass(frozen=True)
+class Wire:
+    """How this session's attempts are sent and recorded: the HTTP session and endpoint, the body
+    maker, and the settings and source written with every saved line. A bare server bills nothing."""
+    http: aiohttp.ClientSession
+    base: str
+    bodies: client.BodyMaker
+    stream: bool
+    settings_json: str
+    source: str
+    billed: bool
+    model: str
+
+    @property
+    def url(self) -> str:
+        return self.base + "/chat/completions"
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The sample ended the session: the engine starts nothing new (`reason` as in the manifest)."""
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class NotSaved:
+    """An answer (or a failure record) the store could not write; `cost` when it was a paid answer."""
+    error: OSError
+    path: object = None
+    cost: float | None = None
+
+
+@dataclass
+class Sampler:
+    """One session's attempts, given what they use: the wire, the money (`spend`), the counts, the
+    concurrency controller and the outage clock, the retry settings (`opts`), and from the engine
+    the stop it waits on, the event it sets when money is freed or a bill is learnt, the set of
+    bills still being asked, and `reserve` (the dollars of a retry, 0.0 if the session stops)."""
+    wire: Wire
+    spend: SpendBudget
+    counts: Counts
+    aimd: Aimd
+    outage: Outage
+    progress: Progress
+    opts: Options
+    stopped: asyncio.Future
+    freed: asyncio.Event
+    wake: asyncio.Event
+    recoveries: set
+    reserve: Callable[[float], Awaitable[float]]
+
+    async def sample(self, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) -> Stop | NotSaved | None:
+        """One sample to the end: saved, failed for good, out of attempts, or left for a re-run by a
+        stop (returned, with what stops the session). Only real failures spend attempts; throttling
+        is waited out."""
+        w, counts = self.wire, self.counts
+        msgs_json = client.messages_json(p.messages)
+        body = w.bodies.body(msgs_json)
+        worst, started = reserved, time.time()
+        tokens = None
+        failures = throttles = 0
+        unavailable_since = None     # this sample has met only retryable availability errors since then
+        seen: dict = {}
+        try:
+            while True:
+                counts.attempts += 1
+                seen = {}
+                t0 = time.monotonic()
+                res = await client.complete(w.http, w.url, None, body, w.stream, seen=seen)
+                if isinstance(res, client.Reply):
+                    latency = time.monotonic() - t0
+                    self.aimd.observe_latency(latency)
+                    self.aimd.on_success()
+                    self.outage.answered()
+                    if not w.billed:
+                        res.provider = res.provider or w.source
+                    u = res.usage
+                    tokens = u["completion_tokens"]
+                    if tokens is None:      # no usage came back: count what we got, roughly
+                        tokens = max(1, (len(res.content) + len(res.reasoning or "")) // 4)
+                    cost = u["cost"] or 0.0
+                    self.spend.settle(reserved, cost, u["prompt_tokens"], tokens)
+                    reserved = 0.0
+                    self.freed.set()
+                    try:
+                        d.store.write(p.sample_id, _response_line(w, d, p, msgs_json, res, failures + throttles + 1,
+                                                                  latency, started))
+                    except OSError as e:        # paid for, not saved (a full disk): the session stops
+                        tokens = None
+                        return NotSaved(e, d.store.raw_path, cost)
+                    d.store.count_reply(u, res.finish_reason, res.provider)
+                    counts.samples += 1
+                    counts.completion_tokens += tokens
+                    counts.cost += cost
+                    self.progress.update(tokens)
+                    return None
+                counts.errors_by_kind[res.kind] = counts.errors_by_kind.get(res.kind, 0) + 1
+                self._settle_failed(res, reserved)
                 reserved = 0.0
-                eng.money_freed.set()
-                try:
-                    d.store.write(p.sample_id, _response_line(eng, d, p, msgs_json, res, failures + throttles + 1,
-                                                          latency, started))
-                except OSError as e:        # paid for, not saved (a full disk): the session stops
-                    tokens = None
-                    return eng.write_failed(e, d.store.raw_path, cost)
-                d.store.count_reply(u, res.finish_reason, res.provider)
-                eng.counts.samples += 1
-                eng.counts.completion_tokens += tokens
-                eng.counts.cost += cost
-                eng.progress.update(tokens)
-                return
-            eng.counts.errors_by_kind[res.kind] = eng.counts.errors_by_kind.get(res.kind, 0) + 1
-            _settle_failed(eng, res, reserved)
-            reserved = 0.0
-            if res.action == "permanent":
-                return _record_failure(eng, d, p, res, failures + 1, "permanent")
-            if res.action == "balance":
-                return eng.request_stop("balance", f"the OpenRouter balance ran out ({res.message})")
-            if res.action == "fatal":
-                hint = HINTS.get(res.kind, "fix that").format(model=eng.model)
-                return eng.request_stop("fatal", f"{res}: {hint}")
-            if res.action == "unavailable":
-                now = time.monotonic()
-                if eng.outage.unavailable(now, res.kind):
-                    return eng.request_stop("unavailable", eng.outage.message(now))
-                unavailable_since = unavailable_since or now
-                if now - unavailable_since <= eng.outage.limit_s:
-                    res.action = "throttle"       # waited out, as a throttle
+                if res.action == "permanent":
+                    return self._record_failure(d, p, res, failures + 1, "permanent")
+                if res.action == "balance":
+                    return Stop("balance", f"the OpenRouter balance ran out ({res.message})")
+                if res.action == "fatal":
+                    return Stop("fatal", f"{res}: {HINTS.get(res.kind, 'fix that').format(model=w.model)}")
+                if res.action == "unavailable":
+                    now = time.monotonic()
+                    if self.outage.unavailable(now, res.kind):
+                        return Stop("unavailable", self.outage.message(now))
+                    unavailable_since = unavailable_since or now
+                    if now - unavailable_since <= self.outage.limit_s:
+                        res.action = "throttle"       # waited out, as a throttle
+                    else:
+                        res.action = "retry"          # only this prompt keeps failing: spend attempts
                 else:
-                    res.action = "retry"          # only this prompt keeps failing: spend attempts
+                    unavailable_since = None
+                opts = self.opts
+                if res.action == "throttle":
+                    throttles += 1
+                    self.aimd.on_throttle()
+                    delay = backoff_delay(min(throttles, 8), res.retry_after, opts.backoff_base_s, opts.backoff_cap_s)
+                else:
+                    failures += 1
+                    if failures >= opts.max_attempts:
+                        return None if self.stopped.done() else self._record_failure(d, p, res, failures, "exhausted")
+                    delay = backoff_delay(failures, res.retry_after, opts.backoff_base_s, opts.backoff_cap_s)
+                if self.stopped.done():
+                    return None
+                await asyncio.wait((self.stopped,), timeout=delay)     # a stop cuts the wait short
+                if self.stopped.done():
+                    return None
+                reserved = await self.reserve(worst)
+                if not reserved:
+                    return None
+        except asyncio.CancelledError:
+            if reserved:        # given up on while in flight: it may still be billed
+                self._recover(seen.get("generation_id"), reserved)
+                reserved = 0.0
+            raise
+        finally:
+            d.budget.end(ticket, tokens)
+            if reserved:
+                self.spend.settle(reserved, 0.0)
+
+    def _settle_failed(self, res: client.Failure, reserved: float) -> None:
+        if res.maybe_billed:
+            self._recover(res.generation_id, reserved)
+            return
+        self.spend.settle(reserved, res.cost)
+        self.counts.failed_attempts_cost += res.cost
+        self.freed.set()
+
+    def _recover(self, generation_id: str | None, reserved: float) -> None:
+        """An answer lost after a provider may have taken the request: hold its reservation until
+        /generation says what it cost; with no generation id, count it at its worst case."""
+        self.counts.lost_answers += 1
+        if not self.wire.billed:
+            return self.spend.settle(reserved, 0.0)
+        if generation_id is None:
+            return self._count_unknown(reserved)
+        t = asyncio.get_running_loop().create_task(self._ask_cost(generation_id, reserved))
+        self.recoveries.add(t)
+        t.add_done_callback(self.recoveries.discard)
+
+    async def _ask_cost(self, generation_id: str, reserved: float) -> None:
+        cost = None
+        try:
+            cost = await generation_cost(self.wire.http, self.wire.base, generation_id, self.opts.recovery_patience_s)
+        finally:                # also when given up on at the very end: then counted at its worst case
+            if cost is None:
+                self._count_unknown(reserved)
             else:
-                unavailable_since = None
-            if res.action == "throttle":
-                throttles += 1
-                eng.aimd.on_throttle()
-                delay = backoff_delay(min(throttles, 8), res.retry_after, eng.opts.backoff_base_s,
-                                      eng.opts.backoff_cap_s)
-            else:
-                failures += 1
-                if failures >= eng.opts.max_attempts:
-                    if eng.reason is None:
-                        _record_failure(eng, d, p, res, failures, "exhausted")
-                    return
-                delay = backoff_delay(failures, res.retry_after, eng.opts.backoff_base_s, eng.opts.backoff_cap_s)
-            if eng.reason is not None:
-                return
-            await asyncio.wait((eng.stopped,), timeout=delay)     # a stop cuts the wait short
-            if eng.reason is not None:
-                return
-            reserved = await eng.reserve(worst)
-            if not reserved:
-                return
-    except asyncio.CancelledError:
-        if reserved:        # given up on while in flight: it may still be billed
-            _recover(eng, seen.get("generation_id"), reserved)
-            reserved = 0.0
-        raise
-    finally:
-        d.budget.end(ticket, tokens)
-        if reserved:
-            eng.spend.settle(reserved, 0.0)
-        eng.in_flight -= 1
+                self.spend.settle(reserved, cost)
+                self.counts.failed_attempts_cost += cost
+                self.counts.lost_answers_costed += 1
+                self.freed.set()
+            self.wake.set()
 
+    def _count_unknown(self, reserved: float) -> None:
+        self.spend.settle(reserved, reserved)
+        self.counts.abandoned_reserved_usd += reserved
+        self.counts.unknown_bills += 1
+        self.freed.set()
 
-def _settle_failed(eng, res: client.Failure, reserved: float) -> None:
-    if res.maybe_billed:
-        _recover(eng, res.generation_id, reserved)
-        return
-    eng.spend.settle(reserved, res.cost)
-    eng.counts.failed_attempts_cost += res.cost
-    eng.money_freed.set()
-
-
-def _recover(eng, generation_id: str | None, reserved: float) -> None:
-    """An answer lost after a provider may have taken the request: hold its reservation until
-    /generation says what it cost; with no generation id, count it at its worst case."""
-    eng.counts.lost_answers += 1
-    if eng.server is not None:   # nothing is billed
-        return eng.spend.settle(reserved, 0.0)
-    if generation_id is None:
-        return _count_unknown(eng, reserved)
-    t = asyncio.get_running_loop().create_task(_ask_cost(eng, generation_id, reserved))
-    eng.recoveries.add(t)
-    t.add_done_callback(eng.recoveries.discard)
-
-
-async def _ask_cost(eng, generation_id: str, reserved: float) -> None:
-    cost = None
-    try:
-        cost = await generation_cost(eng.http, eng.base, generation_id, eng.opts.recovery_patience_s)
-    finally:                # also when given up on at the very end: then counted at its worst case
-        if cost is None:
-            _count_unknown(eng, reserved)
+    def _record_failure(self, d: DatasetQueue, p: Prompt, res: client.Failure, attempts: int,
+                        action: str) -> NotSaved | None:
+        if action == "permanent":
+            self.counts.permanent_samples += 1
         else:
-            eng.spend.settle(reserved, cost)
-            eng.counts.failed_attempts_cost += cost
-            eng.counts.lost_answers_costed += 1
-            eng.money_freed.set()
-        eng.wake.set()
-
-
-def _count_unknown(eng, reserved: float) -> None:
-    eng.spend.settle(reserved, reserved)
-    eng.counts.abandoned_reserved_usd += reserved
-    eng.counts.unknown_bills += 1
-    eng.money_freed.set()
+            self.counts.exhausted_samples += 1
+        try:
+            d.store.write_error({"sample_id": p.sample_id, "dataset": d.name, "action": action, "kind": res.kind,
+                                 "status": res.status, "message": res.message, "provider": res.provider,
+                                 "attempts": attempts, "time": round(time.time(), 3)})
+        except OSError as e:
+            return NotSaved(e, d.store.err_path)
+        return None
 
 
 _LINE = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":"))   # one, not one per line
 
 
-def _response_line(eng, d: DatasetQueue, p: Prompt, msgs_json: str, res: client.Reply, attempt: int,
-          latency: float, started: float) -> str:
+def _response_line(w: Wire, d: DatasetQueue, p: Prompt, msgs_json: str, res: client.Reply, attempt: int,
+                   latency: float, started: float) -> str:
     """The raw_responses.jsonl line; the prompt and the settings are already JSON."""
     rec = _LINE.encode({
         "sample_id": p.sample_id, "dataset": d.name, "content": res.content, "reasoning": res.reasoning,
         "finish_reason": res.finish_reason, "native_finish_reason": res.native_finish_reason,
         "provider": res.provider, "model": res.model, "generation_id": res.generation_id, "usage": res.usage,
         "attempts": attempt, "latency_s": round(latency, 3), "started_at": round(started, 3),
-        "completed_at": round(time.time(), 3), "source": eng.source,
+        "completed_at": round(time.time(), 3), "source": w.source,
         **({"output_ids": res.output_ids, "prompt_ids": res.prompt_ids} if res.output_ids else {})})
-    return f'{rec[:-1]},"messages":{msgs_json},"request":{eng.settings_json}}}'
-
-
-def _record_failure(eng, d: DatasetQueue, p: Prompt, res: client.Failure, attempts: int, action: str) -> None:
-    if action == "permanent":
-        eng.counts.permanent_samples += 1
-    else:
-        eng.counts.exhausted_samples += 1
-    d.store.write_error({"sample_id": p.sample_id, "dataset": d.name, "action": action, "kind": res.kind,
-                         "status": res.status, "message": res.message, "provider": res.provider,
-                         "attempts": attempts, "time": round(time.time(), 3)})
+    return f'{rec[:-1]},"messages":{msgs_json},"request":{w.settings_json}}}'

@@ -19,8 +19,10 @@ for and not saved. Before anything is asked, the disk must hold what the plan ex
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
+from contextlib import contextmanager
 
 import aiohttp
 
@@ -40,27 +42,25 @@ from .options import Options
 from .outage import Outage
 from .prompt_queue import ContextCheck, DatasetQueue
 
+GC_GEN0_THRESHOLD = 20_000  # objects allocated between young collections while a session runs (Python: 700)
 STOPPED_PATIENCE_S = 5.0     # after an interrupt or a write error: how long to ask what lost answers cost
 WRITE_ERROR_GRACE_S = 5.0    # after a write error: how long the requests in flight may come back
 
 
 class Engine:
     """One session (a start or a resume): the slots, the money (`spend`) and the counts (`counts`,
-    counts.py). Only the engine sets its own attributes; attempts.py adds to `counts` and settles
-    `spend`, money.py and bookkeeping.py read."""
+    counts.py). Only the engine sets its own attributes: a sample's attempts (attempts.Sampler)
+    are given what they use, add to `counts`, settle `spend` and return a stop for the engine to
+    make; money.py and bookkeeping.py read."""
 
     def __init__(self, base_url: str, api_key, run: Run, specs: list[DatasetSpec], settings: dict,
                  opts: Options, config: dict, log=print, policy: tuple[str, bool] | None = None):
         """`policy`: (native_precision, allow_unknown) when there is no stage-01 routing and the
         engine must build it from the endpoint list; `settings["provider"]` is then laid over it."""
         self.base = base_url.rstrip("/")
-        self.url = self.base + "/chat/completions"
         self._headers = {**api_key.header(), "Content-Type": "application/json", "X-Title": "draftsmith"}
         self.opts, self.config, self.log = opts, config, log
         self.folder = run.dir("generate")
-        self.stream = bool(settings.get("stream"))
-        self.bodies = client.BodyMaker(settings)
-        self.settings_json = json.dumps(settings, ensure_ascii=False, separators=(",", ":"))
         self.model, self.provider, self.max_tokens = settings["model"], settings.get("provider") or {}, settings["max_tokens"]
         self.stop_grace_s = opts.stop_grace_s
         self.settings, self.policy = settings, policy
@@ -87,7 +87,7 @@ class Engine:
         self.outage = Outage(opts.outage_limit_s)
         self.check: ContextCheck | None = None
         self.server: bare_server.BareServer | None = None   # set when api_base is not OpenRouter
-        self.source = "openrouter"
+        self.sampler: attempts.Sampler | None = None         # once the session is open
         self.progress: Progress | None = None
         self.http: aiohttp.ClientSession | None = None
 
@@ -165,9 +165,15 @@ class Engine:
     async def _worker(self, job: tuple) -> None:
         while job is not None:
             try:
-                await attempts.sample(self, *job)
-            except OSError as e:        # recording a failure in errors.jsonl
-                self.write_failed(e)
+                end = await self.sampler.sample(*job)
+            except OSError as e:        # setting aside a failed sample in errors.jsonl
+                end = attempts.NotSaved(e)
+            finally:
+                self.in_flight -= 1
+            if isinstance(end, attempts.Stop):
+                self.request_stop(end.reason, end.message)
+            elif isinstance(end, attempts.NotSaved):
+                self.write_failed(end.error, end.path, end.cost)
             job = self._take()
         self.wake.set()
 
@@ -252,6 +258,10 @@ class Engine:
 
     # -- the whole session -------------------------------------------------------------------
     async def main(self) -> None:
+        with _fewer_collections():
+            await self._main()
+
+    async def _main(self) -> None:
         loop = asyncio.get_running_loop()
         self.stopped = loop.create_future()
         self.wake = asyncio.Event()
@@ -296,6 +306,7 @@ class Engine:
                                           self.opts.trust_remote_code)
                 reader = BalanceReader(session, self.base)
                 self.spend.set_balance(await reader.read())
+                self.sampler = self._sampler(session, "openrouter")
                 background = [loop.create_task(self._poll_balance(reader)), loop.create_task(bookkeeping.tick(self))]
                 bookkeeping.save_manifest(self)
                 await self._dispatch()
@@ -334,14 +345,20 @@ class Engine:
             need += outputs.expected_bytes(os.path.getsize(d.spec.path) / lines, tokens / max(1.0, mean), tokens)
         return need
 
+    def _sampler(self, session: aiohttp.ClientSession, source: str) -> attempts.Sampler:
+        """What this session's attempts use (attempts.py), the request settings final."""
+        wire = attempts.Wire(session, self.base, client.BodyMaker(self.settings), bool(self.settings.get("stream")),
+                             json.dumps(self.settings, ensure_ascii=False, separators=(",", ":")), source,
+                             billed=self.server is None, model=self.model)
+        return attempts.Sampler(wire, self.spend, self.counts, self.aimd, self.outage, self.progress, self.opts,
+                                self.stopped, self.money_freed, self.wake, self.recoveries, self.reserve)
+
     async def _bare_main(self, loop) -> None:
         """A bare OpenAI-compatible server: no prices, balance or routing (every reservation is $0),
         the requests without OpenRouter's fields; the rest as with OpenRouter."""
         self.log(self.server.notice(self.base, self.settings))
-        self.source = self.server.engine
         self.settings = self.server.settings(self.settings)
-        self.bodies = client.BodyMaker(self.settings)
-        self.settings_json = json.dumps(self.settings, ensure_ascii=False, separators=(",", ":"))
+        self.sampler = self._sampler(self.http, self.server.engine)
         self.config.update(request=self.settings, server=self.server.engine, routing_source=None)
         self.check = ContextCheck(self.server.max_model_len, self.max_tokens, self.opts.target_model_path,
                                   self.opts.trust_remote_code)
@@ -371,8 +388,6 @@ class Engine:
         obj, excluded = policy_routing(eps, native, allow_unknown, self.sent)
         self.provider = {**obj, **self.provider}
         self.settings["provider"] = self.provider
-        self.bodies = client.BodyMaker(self.settings)
-        self.settings_json = json.dumps(self.settings, ensure_ascii=False, separators=(",", ":"))
         self.config["request"] = self.settings
         self.config["routing_source"] = f"stage 02 precision policy (no {self.routing_name})"
         gone = "; ".join(f"{x['tag']}: {x['reason']}" for x in excluded) or "none"
@@ -405,6 +420,26 @@ class Engine:
                 self.message = f"writing {path} failed: {e.strerror or e}"
             self.write_error = self.write_error or self.message
 
+
+
+@contextmanager
+def _fewer_collections():
+    """While a session runs, the cyclic garbage collector costs as much CPU as everything the engine
+    adds to a bare HTTP loop (bench/bench_generate.py): with thousands of requests in flight, each
+    young collection at Python's threshold (700 allocations) walks the live request state again,
+    and every full one walks the imported libraries too. So the objects alive at the start are
+    frozen (never walked again; unfrozen after) and young collections run every GC_GEN0_THRESHOLD
+    allocations; cycles are still collected."""
+    threshold, frozen = gc.get_threshold(), gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
+    gc.set_threshold(max(threshold[0], GC_GEN0_THRESHOLD), *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        if frozen:
+            gc.unfreeze()
 
 
 def _raise_fd_limit(need: int) -> None:
