@@ -4,9 +4,9 @@ its own process so that its CPU is not counted as the client's).
 1. Client cost: CPU seconds per 1000 responses at `--concurrency` in flight (~600-token
    responses, served as fast as the emulator can):
      floor            a bare aiohttp loop doing only POST + json.loads
-     floor, gc        the same loop under the engine's garbage-collector setting (engine.py
-                      _fewer_collections): what the engine itself adds, apart from the collector
-     draftsmith       the whole engine: budgets, resume file, manifest, progress and all
+     floor, gc        the same loop under stage 02's garbage-collector setting (session.py
+                      _fewer_collections): what stage 02 itself adds, apart from the collector
+     draftsmith       the whole of stage 02: budgets, resume file, manifest, progress and all
      openai+aiohttp   AsyncOpenAI with DefaultAioHttpClient
      openai default   AsyncOpenAI with its default httpx transport
    Each client runs in a fresh process that counts only its own CPU around its work (connections
@@ -16,7 +16,7 @@ its own process so that its CPU is not counted as the client's).
    token 0.05 s; achieved output tok/s / (concurrency x 50 tok/s) while every slot is busy, split
    into what the client controls (slots occupied) and what the server delivered (stream speed),
    next to the bare aiohttp floor under the same server.
-3. Memory: peak RSS of the engine at `--concurrency` in flight over 20k and over 200k prompts
+3. Memory: peak RSS of stage 02 at `--concurrency` in flight over 20k and over 200k prompts
    (same token budget): it must not grow with the number of prompts.
 
     .venv/bin/python bench/bench_generate.py            # ~20 minutes on 2 busy cores
@@ -114,11 +114,11 @@ def prompts(path: str):
             yield json.loads(line)["messages"]
 
 
-async def run_floor(base, n, conc, path, gc_like_engine=False):
+async def run_floor(base, n, conc, path, gc_like_stage_02=False):
     import aiohttp
 
-    if gc_like_engine:
-        from draftsmith.generate.engine import _fewer_collections
+    if gc_like_stage_02:
+        from draftsmith.generate.session import _fewer_collections
         with _fewer_collections():
             return await run_floor(base, n, conc, path)
 
@@ -179,7 +179,7 @@ def run_draftsmith(base, n, conc, path, out, budget=None, max_tokens=1024):
 
 def client_main(a) -> None:
     if a.client in ("floor", "floor, gc"):
-        res = asyncio.run(run_floor(a.base, a.n, a.conc, a.prompts, gc_like_engine=a.client == "floor, gc"))
+        res = asyncio.run(run_floor(a.base, a.n, a.conc, a.prompts, gc_like_stage_02=a.client == "floor, gc"))
     elif a.client in ("openai+aiohttp", "openai default"):
         res = asyncio.run(run_openai(a.base, a.n, a.conc, a.prompts, aio=a.client == "openai+aiohttp"))
     else:
@@ -293,7 +293,7 @@ def bench_slots(work: Path, conc: int, seconds: float) -> None:
     print(f"| and: mean stream speed seen by the client (ttft included) / 50 tok/s | {client_speed / tok_s:.3f} |")
     print(f"| stream speed as the emulator timed it (request in to body out) | {server_speed:.1f} tok/s |")
     print(f"| best possible with the ttft ({ttft}s per {mean_len:.0f}-token response) | {ideal:.3f} |")
-    print(f"| engine CPU busy / emulator CPU busy (cores) | {r['cpu_s'] / wall:.2f} / {server_cpu / wall:.2f} |")
+    print(f"| stage 02 CPU busy / emulator CPU busy (cores) | {r['cpu_s'] / wall:.2f} / {server_cpu / wall:.2f} |")
     print(f"| whole run, tokens / wall: draftsmith vs bare aiohttp floor | {r['tokens'] / wall:,.0f} vs "
           f"{floor['tokens'] / floor['wall_s']:,.0f} tok/s = {r['tokens'] / wall / (floor['tokens'] / floor['wall_s']):.2f} |")
     print("\nOccupancy is what the client controls; the stream speed is the emulator's and the machine's "
@@ -311,7 +311,7 @@ def bench_memory(work: Path, conc: int, sizes: tuple[int, ...], budget: int) -> 
     finally:
         emu.close()
     base = rows[0][1]["maxrss_mb"]
-    print(f"\n## Peak RSS of the engine ({conc} in flight, max_tokens 512, output_token_budget {budget:,} = about "
+    print(f"\n## Peak RSS of stage 02 ({conc} in flight, max_tokens 512, output_token_budget {budget:,} = about "
           f"{rows[0][1]['responses']:,} responses)\n")
     print("| prompts in the dataset | responses | peak in flight | peak RSS MB | x smallest |")
     print("|---|---|---|---|---|")

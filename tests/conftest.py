@@ -52,6 +52,8 @@ TIERS = {
     "test_engine_source.py": "engine",
     "test_eval_vllm.py": "engine",
     "test_evaluate.py": "unit",
+    "test_evaluate.py::test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report": "notebook",
+    "test_evaluate.py::test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_held_out_prompts": "notebook",
     "test_files.py": "unit",
     "test_foundation.py": "unit",
     "test_foundation.py::test_target_build_is_deterministic_for_a_seed": "engine",

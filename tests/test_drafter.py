@@ -284,7 +284,7 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
     vllm = export.for_engine(out, "vllm")
     vids = json.loads((vllm / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert layers.engine_capture_indices(vids, "vllm") == layers.hf_hidden_state_indices(output_ids)
-    assert "vllm serve" in export.serving_command("vllm", tiny_target, vllm)
+    assert "vllm serve" in export.serving_command("vllm", tiny_target, vllm, 3)
 
     # reload bit for bit (float32 export) and draft the same as the checkpointed model
     ck = torch.load(outputs.checkpoints(Path(cfg.out_dir))[-1], weights_only=False)

@@ -135,7 +135,7 @@ def test_repeat_start_is_the_first_output_token_closing_an_already_seen_ngram():
 
 
 def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
-    pl = PromptLookup(max_ngram=3, min_ngram=1)
+    pl = PromptLookup(lookup_max_ngram=3, lookup_min_ngram=1)
     pl.reset([7, 1, 2, 3, 8, 1, 2, 3, 9, 4])
     pl.advance([1, 2, 3])
     assert pl.propose(2) == [9, 4]                  # latest (1, 2, 3) was followed by 9, 4
@@ -143,8 +143,8 @@ def test_prompt_lookup_continues_the_latest_match_of_the_longest_ngram():
     assert pl.propose(5) == [5, 6, 5, 6, 5]         # a loop is continued past the end of the context
     pl.reset([1, 2, 3])
     assert pl.propose(3) == []                      # nothing to copy from
-    with pytest.raises(ValueError, match="min_ngram"):
-        PromptLookup(max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError, match="lookup_min_ngram <= lookup_max_ngram, got 2, 1"):
+        PromptLookup(lookup_max_ngram=1, lookup_min_ngram=2)
 
 
 # -- lossless ---------------------------------------------------------------------------------------
@@ -175,9 +175,10 @@ def test_speculative_decoding_outputs_the_targets_greedy_tokens_with_any_drafter
                 w.normal_(0, 0.3)    # large random weights: word salad that does not repeat
     noisy_refs = [generate(noisy, p, 24) for p in prompts[:2]]
     assert len(set(noisy_refs[0])) > 12                  # no loop to hide behind
-    cases = [(target_model, greedy, {"none": None, "prompt lookup": PromptLookup(), "trained drafter": trained,
+    lookup = dict(lookup_max_ngram=3, lookup_min_ngram=1)
+    cases = [(target_model, greedy, {"none": None, "prompt lookup": PromptLookup(**lookup), "trained drafter": trained,
                                      "untrained drafter": untrained}),
-             (noisy, noisy_refs, {"untrained drafter": untrained, "prompt lookup": PromptLookup()})]
+             (noisy, noisy_refs, {"untrained drafter": untrained, "prompt lookup": PromptLookup(**lookup)})]
     for model, refs, proposers in cases:
         target = Target(model, LAYER_IDS)
         for i, (p, ref) in enumerate(zip(prompts, refs)):
@@ -256,7 +257,7 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     assert cli.main(["run", "06", "-f", str(REPO_ROOT / "params" / "smoke.yaml"), "-p", "outputs_dir",
                      str(trained_run.parent), "-p", "run_name", trained_run.name]) == 0
     report = json.loads((trained_run / "eval" / "report.json").read_text())
-    assert report["k"] == 3 and report["aux_layer_ids"] == LAYER_IDS
+    assert report["draft_tokens"] == 3 and report["aux_layer_ids"] == LAYER_IDS
     assert set(report["prompts"]) == {"code", "chat"}
     assert {tuple(x) for x in report["prompt_ids"]} <= set(drafter_outputs.read_heldout(trained_run / "drafter"))
     greedy = report["temperatures"]["0"]["methods"]
@@ -273,6 +274,10 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
 
     rounds = (trained_run / "eval" / "rounds.jsonl").read_text()
     smoke = parameters.effective_params(parameters.discover(), str(REPO_ROOT / "params" / "smoke.yaml"), [])
+    recorded = ("draft_tokens", "eval_max_new_tokens", "lookup_min_ngram", "lookup_max_ngram", "draft_cost_ratio",
+                "seed")   # the settings report.json records, under notebook 06's names
+    assert {name: report[name] for name in recorded} == {name: smoke[name] for name in recorded}
+    assert report["eval_max_new_tokens"] == 16    # smoke.yaml's, not the notebook's default
     stage.run(Run(trained_run.parent, trained_run.name), **parameters.given("06", smoke), log=quiet)
     assert (trained_run / "eval" / "rounds.jsonl").read_text() == rounds
     again = json.loads((trained_run / "eval" / "report.json").read_text())
@@ -327,16 +332,82 @@ def test_stage_06_takes_notebook_06s_parameters_by_their_names_and_holds_a_direc
     assert not (tmp_path / "r" / "eval").exists()   # refused before anything was measured or written
 
 
+def relays_of_notebook_settings(module) -> list[str]:
+    """Calls in `module` that hand a notebook-06 setting (a variable of its name) to a function of
+    another stage-06 module under another name: by keyword, or positionally into a parameter named
+    otherwise. Calls within one module (an algorithm's own `k`) and out of the package are not counted."""
+    import ast
+    import inspect
+
+    settings = set(notebook_params("06"))
+
+    def callee(node):
+        if isinstance(node, ast.Name):
+            return getattr(module, node.id, None)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            return getattr(getattr(module, node.value.id, None), node.attr, None)
+        return None
+
+    found = []
+    for call in (n for n in ast.walk(ast.parse(inspect.getsource(module))) if isinstance(n, ast.Call)):
+        f = callee(call.func)
+        home = getattr(f, "__module__", None) or ""
+        if not callable(f) or not home.startswith("draftsmith.evaluate") or home == module.__name__:
+            continue
+        params = list(inspect.signature(f).parameters)
+        passed = [(params[i] if i < len(params) else "*args", a) for i, a in enumerate(call.args)]
+        passed += [(kw.arg, kw.value) for kw in call.keywords if kw.arg]
+        found += [f"{module.__name__}:{call.lineno}: {value.id} -> {f.__name__}({name}=)" for name, value in passed
+                  if isinstance(value, ast.Name) and value.id in settings and name != value.id]
+    return found
+
+
+def test_every_stage_06_module_hands_a_notebook_setting_on_under_the_notebooks_name():
+    import importlib
+    import pkgutil
+
+    import draftsmith.evaluate
+
+    modules = [importlib.import_module(f"draftsmith.evaluate.{m.name}")
+               for m in pkgutil.iter_modules(draftsmith.evaluate.__path__)]
+    assert stage in modules and len(modules) > 10
+    assert [relay for m in modules for relay in relays_of_notebook_settings(m)] == []
+
+
+def test_the_relay_check_finds_a_setting_passed_on_under_another_name(tmp_path, monkeypatch):
+    """The check above can fail: a module that hands `draft_tokens` on as `k` is caught."""
+    import importlib
+    import sys
+
+    (tmp_path / "draftsmith_relay_probe.py").write_text(
+        "from draftsmith.evaluate import engine_summary, metrics, serving\n\n\n"
+        "def f(rows, methods, draft_tokens, eval_temperatures, eval_tensor_parallel):\n"
+        "    serving.serving_commands('e', 't', 'b', draft_tokens=draft_tokens, eval_tensor_parallel=2,\n"
+        "                             trust_remote_code=False)\n"
+        "    metrics.acceptance(rows, draft_tokens)\n"
+        "    return engine_summary.engine_report(rows, methods, None, draft_tokens, eval_temperatures, 'float32',\n"
+        "                                        tp=eval_tensor_parallel)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probe = importlib.import_module("draftsmith_relay_probe")
+    try:
+        assert sorted(r.split(": ", 1)[1] for r in relays_of_notebook_settings(probe)) == \
+            ["draft_tokens -> acceptance(k=)", "eval_tensor_parallel -> engine_report(tp=)"]
+    finally:
+        sys.modules.pop("draftsmith_relay_probe", None)
+
+
 def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_asked(tiny_target, tmp_path):
     d = random_export(tiny_target, tmp_path / "e")
-    c = serving.serving_commands(d, "/models/Kimi-K2.5", 3, "bench.json", tp=8, trust_remote_code=True)
+    c = serving.serving_commands(d, "/models/Kimi-K2.5", "bench.json", draft_tokens=3, eval_tensor_parallel=8,
+                                 trust_remote_code=True)
     for flag in ("--speculative-algorithm EAGLE3", "--speculative-num-steps 3", "--speculative-eagle-topk 1",
                  "--speculative-num-draft-tokens 4", "--trust-remote-code", "--tp 8"):
         assert flag in c["sglang_server"]
     assert all("--trust-remote-code" in c[name] for name in ("sglang_baseline", "sglang_ngram", "vllm_server",
                                                              "vllm_baseline"))
     assert "completion_tokens'] / m['spec_verify_ct']" in c["sglang_acceptance"]
-    assert "--trust-remote-code" not in serving.serving_commands(d, "/m", 3, "bench.json")["sglang_server"]
+    assert "--trust-remote-code" not in serving.serving_commands(d, "/m", "bench.json", draft_tokens=3, eval_tensor_parallel=1,
+                                                                 trust_remote_code=False)["sglang_server"]
 
 
 def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_held_out_prompts(

@@ -76,7 +76,7 @@ def method_colours(figs) -> dict[str, set[str]]:
 
 
 def test_vllm_ngram_and_our_prompt_lookup_have_two_colours_and_each_method_one_everywhere():
-    report = {"k": 3, "draft_cost_ratio": 0.05, "temperatures": {"0": temperature("prompt lookup", "prompt_lookup")},
+    report = {"draft_tokens": 3, "draft_cost_ratio": 0.05, "temperatures": {"0": temperature("prompt lookup", "prompt_lookup")},
               "engine": {"temperatures": {"0": temperature("ngram", "ngram")}}}
     seen = method_colours(figures.stage_figures(report).values())
     assert {"ngram", "prompt lookup", "eagle3", "eagle3 50%"} <= set(seen), seen

@@ -200,15 +200,16 @@ def for_engine(export_dir: str | Path, engine: str) -> Path:
     return dst
 
 
-def serving_command(engine: str, target_path: str | Path, export_dir: str | Path, num_steps: int = 3,
+def serving_command(engine: str, target_path: str | Path, export_dir: str | Path, draft_tokens: int,
                     trust_remote_code: bool = False) -> str:
-    """The command that serves the target with this drafter (chain drafting, topk 1)."""
+    """The command that serves the target with this drafter (chain drafting, topk 1, `draft_tokens`
+    drafted per verification: notebook 06's setting of that name)."""
     trust = " --trust-remote-code" if trust_remote_code else ""
     if engine == "sglang":
         return (f"python -m sglang.launch_server --model-path {target_path} --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {export_dir} --speculative-num-steps {num_steps} "
-                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {num_steps + 1}{trust}")
+                f"--speculative-draft-model-path {export_dir} --speculative-num-steps {draft_tokens} "
+                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {draft_tokens + 1}{trust}")
     if engine == "vllm":
-        spec = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": num_steps})
+        spec = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": draft_tokens})
         return f"vllm serve {target_path} --speculative-config '{spec}'{trust}"
     raise ValueError(f"engine must be one of {layers.ENGINES}, got {engine!r}")

@@ -9,6 +9,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from .. import parameters
 from .export import for_engine, serving_command
 from .vocab import DraftVocab, coverage_curve
 
@@ -92,8 +93,10 @@ def exports_table(summary: dict) -> pd.DataFrame:
 
 def serving_markdown(summary: dict, target_path: str | Path) -> str:
     """The SGLang and vLLM commands serving the target with the final export, each pointed at the
-    export folder written in its own layer-id convention."""
+    export folder written in its own layer-id convention, drafting notebook 06's `draft_tokens`
+    (the default stage 06 measures)."""
+    draft_tokens = parameters.declaration("draft_tokens").default
     final = summary["exports"][-1]["dir"]
-    commands = {engine: serving_command(engine, target_path, for_engine(final, engine))
+    commands = {engine: serving_command(engine, target_path, for_engine(final, engine), draft_tokens)
                 for engine in ("sglang", "vllm")}
     return "\n\n".join(f"**{e}**\n```\n{c}\n```" for e, c in commands.items())

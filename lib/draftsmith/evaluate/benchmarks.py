@@ -47,12 +47,13 @@ class BenchmarkSpec:
         return BUILTIN[self.name][2] if self.path is None else self.path
 
 
-def parse_benchmarks(entries: list) -> list[BenchmarkSpec]:
+def parse_benchmarks(eval_benchmarks: list) -> list[BenchmarkSpec]:
     """`eval_benchmarks` as specs; a ValueError names the entry and field."""
-    if not isinstance(entries, list):
-        raise ValueError(f"eval_benchmarks must be a list of {{name, path?, prompts?, max_new_tokens?}}, got {entries!r}")
+    if not isinstance(eval_benchmarks, list):
+        raise ValueError(f"eval_benchmarks must be a list of {{name, path?, prompts?, max_new_tokens?}}, "
+                         f"got {eval_benchmarks!r}")
     out = []
-    for i, e in enumerate(entries):
+    for i, e in enumerate(eval_benchmarks):
         where = f"eval_benchmarks[{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("name"), str):
             raise ValueError(f"{where}: expected a mapping with a name ({', '.join(BUILTIN)} or a name and a path), "
@@ -173,8 +174,8 @@ def benchmark_prompts(specs: list[BenchmarkSpec], turns: Turns, log=print) -> li
     return out
 
 
-def bench_commands(run, prompts: list[HeldoutPrompt], specs: list[BenchmarkSpec], max_new_tokens: int,
-                   temperatures: list[float], target_path: str) -> dict[str, str]:
+def bench_commands(run, prompts: list[HeldoutPrompt], specs: list[BenchmarkSpec], *, eval_max_new_tokens: int,
+                   eval_temperatures: list[float], target_path: str) -> dict[str, str]:
     """Per benchmark, its first turns as a ShareGPT file and the commands that measure them against
     the servers `serving.serving_commands` prints (SGLang on port 30000, vLLM on 8000, both 3-1-4):
     one prompt at a time, the benchmark's max_new_tokens, each temperature of the stage. The
@@ -189,9 +190,9 @@ def bench_commands(run, prompts: list[HeldoutPrompt], specs: list[BenchmarkSpec]
             {"from": "human", "value": next(m["content"] for m in reversed(p.messages) if m["role"] == "user")},
             {"from": "gpt", "value": ""}]} for p in mine]
         path = outputs.write_benchmark_prompts(run, s.name, rows)
-        n, new = len(rows), s.max_new_tokens or max_new_tokens
+        n, new = len(rows), s.max_new_tokens or eval_max_new_tokens
         lines = [f"# {s.name}: {n} prompts ({path}), up to {new} new tokens each, concurrency 1"]
-        for t in temperatures:
+        for t in eval_temperatures:
             lines += [f"python -m sglang.bench_serving --backend sglang --port 30000 --dataset-name sharegpt "
                       f"--dataset-path {path} --num-prompts {n} --sharegpt-output-len {new} --max-concurrency 1 "
                       f"--apply-chat-template --extra-request-body '{{\"temperature\": {float(t):g}}}'",

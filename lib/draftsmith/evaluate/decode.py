@@ -1,8 +1,8 @@
 """One speculative decode, the way SGLang and vLLM run an EAGLE-3 chain (`--speculative-eagle-topk 1`).
 
-A proposer drafts k tokens, the target runs once over the last committed token plus the drafts
-(with its KV cache), the longest agreeing prefix is accepted and the target's own next token is
-appended (the "bonus"), the caches are cut back to what was accepted.
+A proposer drafts k tokens (k = `draft_tokens`), the target runs once over the last committed
+token plus the drafts (with its KV cache), the longest agreeing prefix is accepted and the target's
+own next token is appended (the "bonus"), the caches are cut back to what was accepted.
 
     greedy (temperature 0): draft i is accepted while it equals the target's argmax; the output is the
         target's own greedy output token for token (tests pin this);
@@ -62,12 +62,13 @@ class Decoded:
                 "produced": self.produced, "top_prob": self.top_prob}
 
 
-def decode(target: Target, proposer, prompt: list[int], k: int, max_new_tokens: int,
+def decode(target: Target, proposer, prompt: list[int], draft_tokens: int, max_new_tokens: int,
            temperature: float = 0.0, gen: torch.Generator | None = None) -> Decoded:
     """Speculative decoding of one prompt: up to `max_new_tokens` tokens, stopping after an
-    end-of-sequence token. `proposer` None (or k = 0) is plain decoding, one token a round.
-    Every round drafts k, the last one too, as vLLM and SGLang do: a round's accepted drafts are
-    counted in full, its emitted tokens stop at `max_new_tokens` (and after an end of sequence)."""
+    end-of-sequence token. `proposer` None (or `draft_tokens` 0) is plain decoding, one token a round.
+    Every round drafts `draft_tokens`, the last one too, as vLLM and SGLang do: a round's accepted
+    drafts are counted in full, its emitted tokens stop at `max_new_tokens` (and after an end of
+    sequence)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     target.reset()
@@ -78,7 +79,7 @@ def decode(target: Target, proposer, prompt: list[int], k: int, max_new_tokens: 
         proposer.reset(list(prompt))
         proposer.advance(list(prompt[1:]) + out, aux)
     while len(out) < max_new_tokens and out[-1] not in target.eos:
-        drafts = proposer.propose(k)[:k] if proposer is not None and k > 0 else []
+        drafts = proposer.propose(draft_tokens)[:draft_tokens] if proposer is not None and draft_tokens > 0 else []
         committed = len(target)   # every committed token but the last is in the target cache
         logits, aux = target.forward([out[-1]] + drafts)
         a, nxt = verify(logits, drafts, temperature, gen)

@@ -5,7 +5,7 @@ kernels, draft-vocab mapping and layer-id handling; our decoder over transformer
 cross-check. Here every method is a vLLM engine serving the target: `none` (no speculation),
 `ngram` (vLLM's prompt lookup) and each export of the drafter (`eagle3`, chain of k). Every held-out
 prompt is decoded alone (concurrency 1, the latency setting speculative decoding is for) at every
-temperature, as token ids, with the same k and max_new_tokens as our decoder.
+temperature, as token ids, with the same `draft_tokens` (k) and `eval_max_new_tokens` as our decoder.
 
 Engines run in a child process (`python -m draftsmith.evaluate.engine_child JOB`, started like stage
 04's engine: `target.vllm.vllm_env`), one after the other in that process; what it counts and
@@ -33,32 +33,40 @@ CHILD = "draftsmith.evaluate.engine_child"
 RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
-def speculative_config(kind: str, k: int, export_dir: str | None = None, lookup_min: int = 1,
-                       lookup_max: int = 3) -> dict | None:
-    """vLLM's `speculative_config` for a method: none, ngram (prompt lookup) or an eagle3 export."""
+def speculative_config(kind: str, draft_tokens: int, export_dir: str | None = None, *,
+                       lookup_min_ngram: int | None = None, lookup_max_ngram: int | None = None) -> dict | None:
+    """vLLM's `speculative_config` for a method: none, ngram (prompt lookup: both lookup settings
+    given) or an eagle3 export."""
     if kind == "none":
         return None
     if kind == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min,
-                "prompt_lookup_max": lookup_max}
+        if lookup_min_ngram is None or lookup_max_ngram is None:
+            raise ValueError("vLLM's ngram needs lookup_min_ngram and lookup_max_ngram")
+        return {"method": "ngram", "num_speculative_tokens": draft_tokens, "prompt_lookup_min": lookup_min_ngram,
+                "prompt_lookup_max": lookup_max_ngram}
     if kind == "eagle3":
-        return {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}
+        return {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": draft_tokens}
     raise ValueError(f"unknown method kind {kind!r}")
 
 
-def settings_key(target_fingerprint: str, k: int, max_new_tokens: int, seed: int, dtype: str) -> str:
-    """What a row of the engine rounds was measured with; the device kind is part of it, so what a
-    CPU engine could not start (`gpu_only`) is tried again on GPUs."""
+def settings_key(target_fingerprint: str, draft_tokens: int, new_tokens: int | dict, seed: int,
+                 eval_engine_dtype: str) -> str:
+    """What a row of the engine rounds was measured with (`new_tokens`: `eval_max_new_tokens`, or
+    prompt set -> tokens per turn when benchmarks bring their own); the device kind is part of it,
+    so what a CPU engine could not start (`gpu_only`) is tried again on GPUs. The key's own field
+    names (k, max_new_tokens, dtype) are those the rows of earlier runs were written with: renaming
+    them would measure every earlier run again."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return json.dumps({"engine": f"vllm {VLLM_VERSION}", "device": device, "target": target_fingerprint, "k": k,
-                       "max_new_tokens": max_new_tokens, "seed": seed, "dtype": dtype}, sort_keys=True)
+    return json.dumps({"engine": f"vllm {VLLM_VERSION}", "device": device, "target": target_fingerprint,
+                       "k": draft_tokens, "max_new_tokens": new_tokens, "seed": seed, "dtype": eval_engine_dtype},
+                      sort_keys=True)
 
 
-def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: list, *, k: int,
-            max_new_tokens: int, temperatures: list[float], seed: int, settings: str, dtype: str = "float32",
-            tensor_parallel_size: int = 1, trust_remote_code: bool = False, log=print) -> list[dict]:
+def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: list, *, draft_tokens: int,
+            eval_max_new_tokens: int, eval_temperatures: list[float], seed: int, settings: str,
+            eval_engine_dtype: str, eval_tensor_parallel: int, trust_remote_code: bool, log=print) -> list[dict]:
     """Decode every prompt (`prompts.HeldoutPrompt`) with every method ({name, kind, fingerprint,
     speculative_config, expect_layers (vLLM ids) or None, info}) at every temperature in vLLM,
     appending to the run's engine rounds; returns the rows of these settings, measured now or before
@@ -67,18 +75,19 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
     done = outputs.read_engine_rows(out, settings)
     gpu_only = {r["method_fingerprint"] for r in done.values() if r.get("gpu_only")}
     todo = [m for m in methods if m["fingerprint"] not in gpu_only and any(
-        (m["fingerprint"], float(t), p.dataset, p.sample_id) not in done for t in temperatures for p in prompts)]
+        (m["fingerprint"], float(t), p.dataset, p.sample_id) not in done for t in eval_temperatures for p in prompts)]
     if todo:
-        job = {"target": str(target), "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
-               "trust_remote_code": trust_remote_code, "k": k, "max_new_tokens": max_new_tokens,
-               "seed": seed, "settings": settings, "out": str(out), "temperatures": [float(t) for t in temperatures],
-               "max_model_len": max(p.context_needed(max_new_tokens) for p in prompts) + k + 16,
+        job = {"target": str(target), "eval_engine_dtype": eval_engine_dtype,
+               "eval_tensor_parallel": eval_tensor_parallel, "trust_remote_code": trust_remote_code,
+               "draft_tokens": draft_tokens, "eval_max_new_tokens": eval_max_new_tokens, "seed": seed,
+               "settings": settings, "out": str(out), "eval_temperatures": [float(t) for t in eval_temperatures],
+               "max_model_len": max(p.context_needed(eval_max_new_tokens) for p in prompts) + draft_tokens + 16,
                "prompts": [p.job() for p in prompts],
                "methods": todo, "done": [list(key) for key in done]}
         job_file = outputs.write_engine_job(run, job)
         log(f"vLLM {VLLM_VERSION}: {len(todo)} engine(s) to start ({', '.join(m['name'] for m in todo)}), "
-            f"{len(prompts)} prompts x {len(temperatures)} temperatures each")
-        env = {**vllm_env(in_process=tensor_parallel_size == 1), **RPC_ENV}
+            f"{len(prompts)} prompts x {len(eval_temperatures)} temperatures each")
+        env = {**vllm_env(in_process=eval_tensor_parallel == 1), **RPC_ENV}
         tail: list[str] = []
         with subprocess.Popen([sys.executable, "-m", CHILD, str(job_file)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent) as proc:

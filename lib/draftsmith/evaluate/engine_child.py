@@ -42,8 +42,8 @@ def _counters(llm) -> dict:
             "accepted": got.get("accepted", 0), "per_pos": got.get("per_pos", [])}
 
 
-def _delta(after: dict, before: dict, k: int) -> dict:
-    pos_a, pos_b = after["per_pos"] or [0] * k, before["per_pos"] or [0] * k
+def _delta(after: dict, before: dict, draft_tokens: int) -> dict:
+    pos_a, pos_b = after["per_pos"] or [0] * draft_tokens, before["per_pos"] or [0] * draft_tokens
     return {"drafts": after["drafts"] - before["drafts"], "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
             "accepted": after["accepted"] - before["accepted"], "per_pos": [a - b for a, b in zip(pos_a, pos_b)]}
 
@@ -69,12 +69,13 @@ def _say(msg: str) -> None:
     print(f"[draftsmith] {msg}", flush=True)
 
 
-def _turns(llm, p: dict, sp, k: int, job: dict) -> dict:
+def _turns(llm, p: dict, sp, job: dict) -> dict:
     """Decode one prompt; a benchmark's follow-up turns (`followups`) each after the answer the
     engine gave to the turn before (`benchmarks.Turns`). One row's fields for all turns: outputs
     and per-step counts concatenated, counters and seconds summed."""
-    ids, messages = p["ids"], p.get("messages")
-    row = {"output": [], "seconds": 0.0, "counters": {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * k},
+    ids, messages, draft_tokens = p["ids"], p.get("messages"), job["draft_tokens"]
+    row = {"output": [], "seconds": 0.0,
+           "counters": {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * draft_tokens},
            "drafted": [], "accepted": []}
     for question in [None] + p.get("followups", []):
         if question is not None:
@@ -86,7 +87,7 @@ def _turns(llm, p: dict, sp, k: int, job: dict) -> dict:
         t1 = time.perf_counter()
         o = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
         row["seconds"] += time.perf_counter() - t1
-        c, sdm, answer = _delta(_counters(llm), before, k), o.spec_decode_metrics, list(o.token_ids)
+        c, sdm, answer = _delta(_counters(llm), before, draft_tokens), o.spec_decode_metrics, list(o.token_ids)
         row["counters"] = {key: ([a + b for a, b in zip(row["counters"][key], c[key])] if key == "per_pos"
                                  else row["counters"][key] + c[key]) for key in c}
         row["output"] += answer
@@ -102,13 +103,13 @@ def run_job(job: dict) -> None:
 
     from vllm import LLM, SamplingParams
 
-    k, tp = job["k"], job["tensor_parallel_size"]
     done = {tuple(key) for key in job["done"]}
     # language_model_only: a multimodal wrapper (Kimi-K2.5) builds no vision tower
-    common = dict(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=job["seed"],
-                  tensor_parallel_size=tp, trust_remote_code=job["trust_remote_code"], enable_prefix_caching=False,
+    common = dict(model=job["target"], dtype=job["eval_engine_dtype"], max_model_len=job["max_model_len"],
+                  seed=job["seed"], tensor_parallel_size=job["eval_tensor_parallel"],
+                  trust_remote_code=job["trust_remote_code"], enable_prefix_caching=False,
                   enforce_eager=True, disable_log_stats=False, language_model_only=True)
-    if tp == 1:
+    if job["eval_tensor_parallel"] == 1:
         common["distributed_executor_backend"] = "uni"
     fixed = "fix_cpu_expand_kernel" in apply_fixes(log=_say)
     out = Path(job["out"])
@@ -146,16 +147,16 @@ def run_job(job: dict) -> None:
         _say(f"engine {m['name']!r} up in {startup:.0f}s" + (f", captures layers {live}" if live else ""))
         first = job["prompts"][0]["ids"]
         llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-        for t in job["temperatures"]:
+        for t in job["eval_temperatures"]:
             n = 0
             for p in job["prompts"]:
                 if (m["fingerprint"], t, p["dataset"], p["sample_id"]) in done:
                     continue
-                sp = SamplingParams(max_tokens=p.get("max_new_tokens", job["max_new_tokens"]), temperature=t,
+                sp = SamplingParams(max_tokens=p.get("max_new_tokens", job["eval_max_new_tokens"]), temperature=t,
                                     seed=prompt_seed(job["seed"], p["dataset"], p["sample_id"], 4) if t > 0 else None)
                 row = {"settings": job["settings"], "method": m["name"], "method_fingerprint": m["fingerprint"],
                        "kind": m["kind"], "dataset": p["dataset"], "sample_id": p["sample_id"], "temperature": t,
-                       **_turns(llm, p, sp, k, job),
+                       **_turns(llm, p, sp, job),
                        "aux_layers_engine": live, "aux_layers_gpu_runner": gpu, "startup_s": startup,
                        "cpu_expand_kernel_replaced": fixed}
                 append_row(out, row)

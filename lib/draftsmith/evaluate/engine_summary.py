@@ -12,7 +12,7 @@ from .engine import VLLM_VERSION
 
 def acceptance(rows: list[dict], k: int) -> dict:
     """vLLM's acceptance over a set of decodes, from its counters: 1 + accepted / drafts, per
-    position accepted at j / drafts; output tokens per second (each prompt alone)."""
+    position j = 1..k accepted at j / drafts; output tokens per second (each prompt alone)."""
     drafts = sum(r["counters"]["drafts"] for r in rows)
     accepted = sum(r["counters"]["accepted"] for r in rows)
     draft_tokens = sum(r["counters"]["draft_tokens"] for r in rows)
@@ -25,7 +25,7 @@ def acceptance(rows: list[dict], k: int) -> dict:
             "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
 
 
-def summarize(rows: list[dict], methods: list[dict], k: int, temperature: float) -> dict:
+def summarize(rows: list[dict], methods: list[dict], draft_tokens: int, temperature: float) -> dict:
     """Per method at one temperature: acceptance overall and per dataset, tok/s and its ratio to
     no drafter, and (greedy) whether the outputs equal the no-drafter engine's token for token."""
     mine = [r for r in rows if r["temperature"] == temperature]
@@ -39,8 +39,8 @@ def summarize(rows: list[dict], methods: list[dict], k: int, temperature: float)
         rs = by_fp.get(m["fingerprint"], [])
         if not rs:
             continue
-        s = {"kind": m["kind"], **m.get("info", {}), **acceptance(rs, k),
-             "per_dataset": {ds: acceptance([r for r in rs if r["dataset"] == ds], k)
+        s = {"kind": m["kind"], **m.get("info", {}), **acceptance(rs, draft_tokens),
+             "per_dataset": {ds: acceptance([r for r in rs if r["dataset"] == ds], draft_tokens)
                              for ds in sorted({r["dataset"] for r in rs})},
              "aux_layers_engine": rs[0].get("aux_layers_engine"), "aux_layers_gpu_runner": rs[0].get("aux_layers_gpu_runner"),
              "startup_s": rs[0].get("startup_s")}
@@ -84,15 +84,16 @@ def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[dict], t
     return out
 
 
-def engine_report(rows: list[dict], methods: list[dict], hf_rows: list[dict] | None, k: int,
-                  temperatures: list[float], dtype: str, tensor_parallel: int) -> dict:
+def engine_report(rows: list[dict], methods: list[dict], hf_rows: list[dict] | None, draft_tokens: int,
+                  eval_temperatures: list[float], eval_engine_dtype: str, eval_tensor_parallel: int) -> dict:
     """The report's `engine` part: per temperature the summary of every method and, when our
     decoder measured beside it (`hf_rows`), where the two part; `gpu_only`: method name -> the line
     of vLLM's CPU build that could not start it (those methods have no summary)."""
-    return {"backend": "vllm", "version": VLLM_VERSION, "dtype": dtype, "tensor_parallel": tensor_parallel,
+    return {"backend": "vllm", "version": VLLM_VERSION, "eval_engine_dtype": eval_engine_dtype,
+            "eval_tensor_parallel": eval_tensor_parallel,
             "concurrency": 1, "cpu_expand_kernel_replaced": any(r.get("cpu_expand_kernel_replaced") for r in rows),
             "gpu_only": {r["method"]: r["gpu_only"] for r in rows if r.get("gpu_only")},
             "temperatures": {
-                f"{float(t):g}": {"temperature": float(t), "methods": summarize(rows, methods, k, float(t)),
+                f"{float(t):g}": {"temperature": float(t), "methods": summarize(rows, methods, draft_tokens, float(t)),
                                   "vs_ours": compare(rows, hf_rows, methods, float(t)) if hf_rows is not None else None}
-                for t in temperatures}}
+                for t in eval_temperatures}}

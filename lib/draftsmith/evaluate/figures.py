@@ -78,7 +78,7 @@ def by_dataset(report: dict) -> Figure:
         ax.set_xticks(x, groups)
         ax.set_ylabel("tokens per verification")
         ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom so the legend sits above the bars
-        ax.set_title(f"acceptance length, {_label(t)}, k = {report['k']}", fontsize=10)
+        ax.set_title(f"acceptance length, {_label(t)}, k = {report['draft_tokens']}", fontsize=10)
     panels[0][0].legend(fontsize=7, ncols=len(panels[0][1]["methods"]), loc="upper center")
     fig.tight_layout()
     return fig
@@ -152,7 +152,7 @@ def speedup_estimate(report: dict) -> Figure:
         ax.axvline(report["draft_cost_ratio"], color="black", lw=0.8, ls="--")
         ax.set_xlabel("drafter forward cost / target forward cost")
         ax.set_ylabel("estimated speed-up")
-        ax.set_title(f"speed-up estimate, {_label(t)}, k = {report['k']}", fontsize=10)
+        ax.set_title(f"speed-up estimate, {_label(t)}, k = {report['draft_tokens']}", fontsize=10)
     panels[0][0].legend(fontsize=7)
     fig.tight_layout()
     return fig
@@ -184,8 +184,8 @@ def benchmarks(report: dict) -> Figure:
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xticks(x, names)
         ax.set_ylabel("acceptance length (tokens per verification)")
-        ax.set_ylim(0, max(ax.get_ylim()[1], report["k"] + 1) * 1.15)
-        ax.set_title(f"benchmarks, {_label(t)}, k = {report['k']} ({source})", fontsize=10)
+        ax.set_ylim(0, max(ax.get_ylim()[1], report["draft_tokens"] + 1) * 1.15)
+        ax.set_title(f"benchmarks, {_label(t)}, k = {report['draft_tokens']} ({source})", fontsize=10)
     panels[0][0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig
@@ -244,13 +244,13 @@ def explain_engine(report: dict) -> str:
         mode = "greedy" if t["temperature"] <= 0 else f"T = {t['temperature']:g}"
         found = next(((n, s) for n, s in m.items() if s["kind"] == "eagle3" and s.get("final")), None)
         if found is None:  # the drafter's engine could not start here (`gpu_only` below)
-            lines.append(f"**vLLM {e['version']}, {mode}, k = {report['k']}:** no drafter engine; ngram "
+            lines.append(f"**vLLM {e['version']}, {mode}, k = {report['draft_tokens']}:** no drafter engine; ngram "
                          f"{m['ngram']['acceptance_length']:.2f} tokens per verification, "
                          f"{m['none']['tokens_per_s']:.0f} tok/s without speculation.")
             continue
         name, final = found
         ck = sorted((s["fraction"], s["acceptance_length"]) for s in m.values() if s["kind"] == "eagle3")
-        line = (f"**vLLM {e['version']}, {mode}, k = {report['k']}:** drafter **{final['acceptance_length']:.2f}**, "
+        line = (f"**vLLM {e['version']}, {mode}, k = {report['draft_tokens']}:** drafter **{final['acceptance_length']:.2f}**, "
                 f"ngram {m['ngram']['acceptance_length']:.2f} tokens per verification "
                 f"({'the drafter wins' if final['acceptance_length'] > m['ngram']['acceptance_length'] else 'ngram wins'}); "
                 f"through training " + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in ck)
@@ -287,7 +287,7 @@ def explain(report: dict) -> str:
         d = m["eagle3"]
         mode = "greedy" if t["temperature"] <= 0 else f"sampling at T = {t['temperature']:g}"
         ck = [(s["fraction"], s["acceptance_length"]) for s in m.values() if s["kind"] == "eagle3"]
-        line = (f"**{mode}, k = {report['k']}:** drafter **{v['drafter']:.2f}**, prompt lookup "
+        line = (f"**{mode}, k = {report['draft_tokens']}:** drafter **{v['drafter']:.2f}**, prompt lookup "
                 f"{v['prompt_lookup']:.2f}, no drafter 1.00 tokens per verification. Through training "
                 + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in sorted(ck)) + ". ")
         if len(ck) > 1 and not max(a for _, a in ck) > min(ck)[1]:
@@ -361,7 +361,7 @@ def explain_benchmarks(report: dict) -> str:
     if not b:
         return "`eval_benchmarks` is empty: no benchmark prompts were measured."
     source, temps = benchmark_view(report)
-    lines = [f"Measured in {source}, k = {report['k']} drafts in a chain (SGLang 3-1-4 for k = 3), each prompt "
+    lines = [f"Measured in {source}, k = {report['draft_tokens']} drafts in a chain (SGLang 3-1-4 for k = 3), each prompt "
              f"alone; " + "; ".join(f"{s['name']}: {s['prompts']} prompt(s) of {s['turns']} turn(s), up to "
                                     f"{s['max_new_tokens']} new tokens per turn ({s['source']})" for s in b["sets"]) + "."]
     held = report["engine"]["temperatures"] if b["engine"] else report["temperatures"]

@@ -24,25 +24,29 @@ from .target_cache import Target
 ROUNDS_FORMAT = 3   # of a line of the rounds file; lines of another format are measured again
 
 
-def prompt_settings(p: HeldoutPrompt, *, k: int, max_new_tokens: int, temperature: float, seed: int,
+def prompt_settings(p: HeldoutPrompt, *, draft_tokens: int, eval_max_new_tokens: int, temperature: float, seed: int,
                     target_fingerprint: str) -> str:
-    """What a row of this prompt is measured with (a benchmark's own max_new_tokens and turns included)."""
-    s = {"k": k, "max_new_tokens": p.new_tokens(max_new_tokens), "temperature": temperature, "seed": seed,
-         "target": target_fingerprint, "format": ROUNDS_FORMAT}
+    """What a row of this prompt is measured with (a benchmark's own max_new_tokens and turns
+    included). Its field names (k, max_new_tokens) are those of the rows earlier runs wrote: renaming
+    them would measure every earlier run again."""
+    s = {"k": draft_tokens, "max_new_tokens": p.new_tokens(eval_max_new_tokens), "temperature": temperature,
+         "seed": seed, "target": target_fingerprint, "format": ROUNDS_FORMAT}
     if p.followups:
         s["turns"] = 1 + len(p.followups)
     return json.dumps(s, sort_keys=True)
 
 
-def decode_turns(target: Target, proposer, p: HeldoutPrompt, k: int, max_new_tokens: int, temperature: float,
-                 gen, turns) -> tuple[Decoded, list[dict]]:
-    """Every turn of the prompt, each follow-up after this decode's own answer; one `Decoded`
-    of all turns (outputs concatenated, rounds' starts shifted) and each turn's prompt/output length."""
-    d = decode(target, proposer, list(p.ids), k, max_new_tokens, temperature, gen)
+def decode_turns(target: Target, proposer, p: HeldoutPrompt, draft_tokens: int, eval_max_new_tokens: int,
+                 temperature: float, gen, turns) -> tuple[Decoded, list[dict]]:
+    """Every turn of the prompt (each up to the prompt's own max_new_tokens, else
+    `eval_max_new_tokens`), each follow-up after this decode's own answer; one `Decoded` of all
+    turns (outputs concatenated, rounds' starts shifted) and each turn's prompt/output length."""
+    max_new_tokens = p.new_tokens(eval_max_new_tokens)
+    d = decode(target, proposer, list(p.ids), draft_tokens, max_new_tokens, temperature, gen)
     parts, lengths, messages = [d], [{"prompt_tokens": len(p.ids), "output_tokens": len(d.output)}], list(p.messages)
     for q in p.followups:
         messages, ids = turns.follow(messages, parts[-1].output, q)
-        parts.append(decode(target, proposer, ids, k, max_new_tokens, temperature, gen))
+        parts.append(decode(target, proposer, ids, draft_tokens, max_new_tokens, temperature, gen))
         lengths.append({"prompt_tokens": len(ids), "output_tokens": len(parts[-1].output)})
     if len(parts) == 1:
         return d, lengths
@@ -57,19 +61,19 @@ def decode_turns(target: Target, proposer, p: HeldoutPrompt, k: int, max_new_tok
     return out, lengths
 
 
-def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutPrompt], *, k: int, max_new_tokens: int,
-                temperature: float, seed: int, rounds_file: RoundsFile, target_fingerprint: str,
-                turns=None) -> list[dict]:
+def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutPrompt], *, draft_tokens: int,
+                eval_max_new_tokens: int, temperature: float, seed: int, rounds_file: RoundsFile,
+                target_fingerprint: str, turns=None) -> list[dict]:
     """Decode every prompt with every method (skipping what `rounds_file` already holds for these
     settings); returns one row per (method, prompt). `turns` (`benchmarks.Turns`) renders the
     follow-up turns of prompts that have them."""
     settings_of = {(p.dataset, p.sample_id): prompt_settings(
-        p, k=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+        p, draft_tokens=draft_tokens, eval_max_new_tokens=eval_max_new_tokens, temperature=temperature, seed=seed,
         target_fingerprint=target_fingerprint) for p in prompts}
     rows = []
     todo = [(m, p) for m in methods for p in prompts
             if rounds_file.get(settings_of[p.dataset, p.sample_id], m, p) is None]
-    with Progress(len(methods) * len(prompts), f"speculative decoding (T={temperature:g}, k={k})",
+    with Progress(len(methods) * len(prompts), f"speculative decoding (T={temperature:g}, k={draft_tokens})",
                   "decodes") as bar:
         bar.update(len(methods) * len(prompts) - len(todo))
         for m in methods:
@@ -84,7 +88,7 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
                     gen = None if temperature <= 0 else \
                         torch.Generator().manual_seed(prompt_seed(seed, p.dataset, p.sample_id, 6))
                     t0 = time.perf_counter()
-                    d, lengths = decode_turns(target, proposer, p, k, p.new_tokens(max_new_tokens), temperature,
+                    d, lengths = decode_turns(target, proposer, p, draft_tokens, eval_max_new_tokens, temperature,
                                               gen, turns)
                     row = {"settings": settings, "method": m.name, "method_fingerprint": m.fingerprint,
                            "kind": m.kind, "dataset": p.dataset, "sample_id": p.sample_id,
@@ -102,19 +106,21 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
     return rows
 
 
-def decoder_report(model, methods: list[Method], prompts: list[HeldoutPrompt], layer_ids: list[int], *, k: int,
-                   max_new_tokens: int, temperatures: list[float], seed: int, draft_cost_ratio: float,
-                   rounds_file: RoundsFile, target_fingerprint: str, turns=None) -> tuple[dict, list[dict]]:
+def decoder_report(model, methods: list[Method], prompts: list[HeldoutPrompt], layer_ids: list[int], *,
+                   draft_tokens: int, eval_max_new_tokens: int, eval_temperatures: list[float], seed: int,
+                   draft_cost_ratio: float, rounds_file: RoundsFile, target_fingerprint: str,
+                   turns=None) -> tuple[dict, list[dict]]:
     """The report's `temperatures` (per temperature: every method's summary and the verdict) and
     the rows they were summed from."""
     by_t, rows = {}, []
     target = Target(model, layer_ids)
     try:
-        for t in temperatures:
-            mine = run_methods(target, methods, prompts, k=k, max_new_tokens=max_new_tokens, temperature=float(t),
-                               seed=seed, rounds_file=rounds_file, target_fingerprint=target_fingerprint, turns=turns)
+        for t in eval_temperatures:
+            mine = run_methods(target, methods, prompts, draft_tokens=draft_tokens,
+                               eval_max_new_tokens=eval_max_new_tokens, temperature=float(t), seed=seed,
+                               rounds_file=rounds_file, target_fingerprint=target_fingerprint, turns=turns)
             rows += mine
-            summary = summarize(mine, methods, k, draft_cost_ratio)
+            summary = summarize(mine, methods, draft_tokens, draft_cost_ratio)
             by_t[f"{float(t):g}"] = {"temperature": float(t), "methods": summary, "verdict": verdict(summary)}
     finally:
         target.close()

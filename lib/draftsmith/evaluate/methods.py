@@ -39,14 +39,14 @@ def export_layer_ids(export_dir: Path) -> list[int]:
     return layers.in_output_convention([int(k) for k in ds["aux_layer_ids"]], ds.get("aux_layer_convention", "output"))
 
 
-def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, device,
-                lookup_max_ngram: int = 3, lookup_min_ngram: int = 1) -> tuple[list[Method], list[int]]:
+def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, device, *,
+                lookup_max_ngram: int, lookup_min_ngram: int) -> tuple[list[Method], list[int]]:
     """The methods of one evaluation: no drafter, prompt lookup, and every export of the drafter
     (loaded from its folder). Returns them and the auxiliary layer ids they share."""
     ms = [Method("none", "none", "none", lambda: None),
           Method("prompt lookup", "prompt_lookup", f"lookup-{lookup_min_ngram}-{lookup_max_ngram}",
-                 lambda: PromptLookup(lookup_max_ngram, lookup_min_ngram),
-                 {"min_ngram": lookup_min_ngram, "max_ngram": lookup_max_ngram})]
+                 lambda: PromptLookup(lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram),
+                 {"lookup_min_ngram": lookup_min_ngram, "lookup_max_ngram": lookup_max_ngram})]
     exports = read_exports(drafter_dir)
     layer_ids = export_layer_ids(exports[-1]["dir"])
     for e in exports:
@@ -63,21 +63,23 @@ def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, 
     return ms, layer_ids
 
 
-def engine_methods_for(methods: list[Method], layer_ids: list[int], k: int, lookup_min_ngram: int,
+def engine_methods_for(methods: list[Method], layer_ids: list[int], *, draft_tokens: int, lookup_min_ngram: int,
                        lookup_max_ngram: int) -> list[dict]:
     """The same methods as vLLM engines: no speculation, vLLM's ngram, and every export written
     for vLLM (`drafter.export.for_engine`), each expected to capture `layer_ids` (output ids)."""
     out = [{"name": "none", "kind": "none", "fingerprint": "vllm-none", "speculative_config": None,
             "expect_layers": None, "info": {}},
            {"name": "ngram", "kind": "ngram", "fingerprint": f"vllm-ngram-{lookup_min_ngram}-{lookup_max_ngram}",
-            "speculative_config": engine.speculative_config("ngram", k, lookup_min=lookup_min_ngram,
-                                                            lookup_max=lookup_max_ngram),
-            "expect_layers": None, "info": {"min_ngram": lookup_min_ngram, "max_ngram": lookup_max_ngram}}]
+            "speculative_config": engine.speculative_config("ngram", draft_tokens, lookup_min_ngram=lookup_min_ngram,
+                                                            lookup_max_ngram=lookup_max_ngram),
+            "expect_layers": None,
+            "info": {"lookup_min_ngram": lookup_min_ngram, "lookup_max_ngram": lookup_max_ngram}}]
     for m in methods:
         if m.kind == "eagle3":
             d = for_engine(m.info["dir"], "vllm")
             out.append({"name": m.name, "kind": "eagle3", "fingerprint": "vllm-" + fingerprint(d),
-                        "hf_fingerprint": m.fingerprint, "speculative_config": engine.speculative_config("eagle3", k, d),
+                        "hf_fingerprint": m.fingerprint,
+                        "speculative_config": engine.speculative_config("eagle3", draft_tokens, d),
                         "expect_layers": layers.engine_layer_ids(layer_ids, "vllm"),
                         "info": {"step": m.info["step"], "fraction": m.info["fraction"], "dir": str(d),
                                  "final": m.info["final"]}})

@@ -79,7 +79,7 @@ def speedup(acceptance_length: float, draft_steps: float, cost_ratio: float) -> 
     return acceptance_length / (1 + draft_steps * cost_ratio)
 
 
-def summarize(rows: list[dict], methods: list, k: int, cost_ratio: float) -> dict:
+def summarize(rows: list[dict], methods: list, draft_tokens: int, draft_cost_ratio: float) -> dict:
     """Per method (`methods.Method`): acceptance overall, per dataset, per position, on text
     before/after the output starts repeating itself, the speed-up estimate; and whether its greedy
     outputs equal the target's (the `none` method's) token for token."""
@@ -92,19 +92,19 @@ def summarize(rows: list[dict], methods: list, k: int, cost_ratio: float) -> dic
         mine = by_method.get(m.name, [])
         if not mine:
             continue
-        total = acceptance([r["rounds"] for r in mine], k)
+        total = acceptance([r["rounds"] for r in mine], draft_tokens)
         datasets = sorted({r["dataset"] for r in mine})
-        per_ds = {ds: acceptance([r["rounds"] for r in mine if r["dataset"] == ds], k) for ds in datasets}
-        novel = acceptance([split_rounds(r["rounds"], r["repeat_start"])[0] for r in mine], k)
-        repeating = acceptance([split_rounds(r["rounds"], r["repeat_start"])[1] for r in mine], k)
+        per_ds = {ds: acceptance([r["rounds"] for r in mine if r["dataset"] == ds], draft_tokens) for ds in datasets}
+        novel = acceptance([split_rounds(r["rounds"], r["repeat_start"])[0] for r in mine], draft_tokens)
+        repeating = acceptance([split_rounds(r["rounds"], r["repeat_start"])[1] for r in mine], draft_tokens)
         greedy = [r for r in mine if r["temperature"] <= 0 and (r["dataset"], r["sample_id"]) in reference]
         mismatches = [r["sample_id"] for r in greedy if r["output"] != reference[(r["dataset"], r["sample_id"])]]
-        draft_steps = 0 if m.kind != "eagle3" else k   # drafter forwards per round (chain of k)
+        draft_steps = 0 if m.kind != "eagle3" else draft_tokens   # drafter forwards per round (a chain)
         out[m.name] = {
             "kind": m.kind, **m.info, **total,
             "per_dataset": per_ds,
             "novel_text": novel, "repeating_text": repeating,
-            "speedup_estimate": speedup(total["acceptance_length"], draft_steps, cost_ratio),
+            "speedup_estimate": speedup(total["acceptance_length"], draft_steps, draft_cost_ratio),
             "draft_forwards_per_round": draft_steps,
             "lossless": None if not greedy else not mismatches, "mismatched_samples": mismatches,
             "seconds": sum(r["seconds"] for r in mine), "prompts": len(mine),

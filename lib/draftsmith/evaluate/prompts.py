@@ -30,13 +30,13 @@ class HeldoutPrompt:
     max_new_tokens: int | None = None
     reserve: int = 0
 
-    def new_tokens(self, default: int) -> int:
+    def new_tokens(self, eval_max_new_tokens: int) -> int:
         """Tokens generated per turn: its own max_new_tokens, else the stage's."""
-        return self.max_new_tokens or default
+        return self.max_new_tokens or eval_max_new_tokens
 
-    def context_needed(self, default: int) -> int:
+    def context_needed(self, eval_max_new_tokens: int) -> int:
         """The longest sequence its decode can reach: every turn's prompt and answers."""
-        return len(self.ids) + (1 + len(self.followups)) * self.new_tokens(default) + self.reserve
+        return len(self.ids) + (1 + len(self.followups)) * self.new_tokens(eval_max_new_tokens) + self.reserve
 
     def job(self) -> dict:
         """What the engine process (`engine_child`) decodes of it."""
@@ -48,9 +48,9 @@ class HeldoutPrompt:
         return out
 
 
-def heldout_prompts(run: Run, drafter_dir: str | os.PathLike, per_dataset: int) -> list[HeldoutPrompt]:
-    """The first `per_dataset` samples of each dataset that stage 05 (in `drafter_dir`) held out of
-    training, in the order it lists them, as prompts."""
+def heldout_prompts(run: Run, drafter_dir: str | os.PathLike, eval_prompts_per_dataset: int) -> list[HeldoutPrompt]:
+    """The first `eval_prompts_per_dataset` samples of each dataset that stage 05 (in `drafter_dir`)
+    held out of training, in the order it lists them, as prompts."""
     held = read_heldout(drafter_dir)
     if not held:
         raise ValueError(f"{drafter_dir}: stage 05 held out no samples (train_holdout_fraction 0?); "
@@ -60,7 +60,7 @@ def heldout_prompts(run: Run, drafter_dir: str | os.PathLike, per_dataset: int) 
     out: list[HeldoutPrompt] = []
     taken: dict[str, int] = {}
     for dataset, sample_id in held:
-        if taken.get(dataset, 0) >= per_dataset:
+        if taken.get(dataset, 0) >= eval_prompts_per_dataset:
             continue
         where = f"{shards.dir}: sample {sample_id!r} of {dataset!r}"
         if (dataset, sample_id) not in where_is:

@@ -11,17 +11,18 @@ import torch
 
 class PromptLookup:
     """N-gram drafting from the context (prompt + output so far): find the most recent earlier
-    occurrence of the longest suffix n-gram (n = max_ngram .. min_ngram) and propose the k tokens
-    that followed it, copying on past the end of the context when the match is recent (a loop of
-    period p is continued, as an overlapping copy). No match: no drafts this round.
+    occurrence of the longest suffix n-gram (n = lookup_max_ngram .. lookup_min_ngram) and propose
+    the k tokens that followed it, copying on past the end of the context when the match is recent
+    (a loop of period p is continued, as an overlapping copy). No match: no drafts this round.
     vLLM's `ngram` (0.32) differs in two details that matter on looping text: it copies
     after the earliest occurrence and never past the end of the context, so it drafts fewer tokens
     near the end of a loop and accepts less there than this one."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, *, lookup_max_ngram: int, lookup_min_ngram: int):
+        if not 1 <= lookup_min_ngram <= lookup_max_ngram:
+            raise ValueError(f"prompt lookup needs 1 <= lookup_min_ngram <= lookup_max_ngram, "
+                             f"got {lookup_min_ngram}, {lookup_max_ngram}")
+        self.lookup_max_ngram, self.lookup_min_ngram = lookup_max_ngram, lookup_min_ngram
         self.ctx: list[int] = []
 
     def reset(self, prompt: list[int]) -> None:
@@ -32,7 +33,7 @@ class PromptLookup:
 
     def propose(self, k: int) -> list[int]:
         ctx, n_ctx = self.ctx, len(self.ctx)
-        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
+        for n in range(min(self.lookup_max_ngram, n_ctx - 1), self.lookup_min_ngram - 1, -1):
             tail = ctx[n_ctx - n:]
             for i in range(n_ctx - n - 1, -1, -1):
                 if ctx[i:i + n] == tail:

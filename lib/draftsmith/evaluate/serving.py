@@ -35,8 +35,8 @@ def write_bench_prompts(run: Run, prompts: list[HeldoutPrompt]) -> tuple[str, in
     return str(outputs.write_bench_prompts(run, rows)), len(rows)
 
 
-def serving_commands(export_dir: str | os.PathLike, target_path: str, k: int, bench_file: str,
-                     tp: int = 8, num_prompts: int = 80, trust_remote_code: bool = False) -> dict[str, str]:
+def serving_commands(export_dir: str | os.PathLike, target_path: str, bench_file: str, *, draft_tokens: int,
+                     eval_tensor_parallel: int, trust_remote_code: bool, num_prompts: int = 80) -> dict[str, str]:
     """Shell commands that serve the export next to the target in SGLang and vLLM (each engine
     gets the export folder written in its own layer-id convention, `drafter.export.for_engine`),
     serve a baseline without speculation, and benchmark both on the held-out prompts."""
@@ -44,11 +44,13 @@ def serving_commands(export_dir: str | os.PathLike, target_path: str, k: int, be
     trust = " --trust-remote-code" if trust_remote_code else ""
     return {
         "sglang_export": str(sglang_dir), "vllm_export": str(vllm_dir),
-        "sglang_server": serving_command("sglang", target_path, sglang_dir, k, trust_remote_code)
-                         + f" --tp {tp} --port 30000",
-        "sglang_baseline": f"python -m sglang.launch_server --model-path {target_path} --tp {tp} --port 30001{trust}",
-        "sglang_ngram": (f"python -m sglang.launch_server --model-path {target_path} --tp {tp} --port 30002 "
-                         f"--speculative-algorithm NGRAM --speculative-num-draft-tokens {k + 1}{trust}"),
+        "sglang_server": serving_command("sglang", target_path, sglang_dir, draft_tokens, trust_remote_code)
+                         + f" --tp {eval_tensor_parallel} --port 30000",
+        "sglang_baseline": (f"python -m sglang.launch_server --model-path {target_path} --tp {eval_tensor_parallel} "
+                            f"--port 30001{trust}"),
+        "sglang_ngram": (f"python -m sglang.launch_server --model-path {target_path} --tp {eval_tensor_parallel} "
+                         f"--port 30002 --speculative-algorithm NGRAM --speculative-num-draft-tokens {draft_tokens + 1}"
+                         f"{trust}"),
         "sglang_bench": (
             f"python -m sglang.bench_serving --backend sglang --port 30000 --dataset-name sharegpt "
             f"--dataset-path {bench_file} --num-prompts {num_prompts} --max-concurrency 1 --apply-chat-template\n"
@@ -62,9 +64,9 @@ def serving_commands(export_dir: str | os.PathLike, target_path: str, k: int, be
             "curl -s localhost:30000/generate -d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 256, "
             "\"temperature\": 0}}' | python -c \"import json, sys; m = json.load(sys.stdin)['meta_info']; "
             "print(m['completion_tokens'] / m['spec_verify_ct'])\""),
-        "vllm_server": serving_command("vllm", target_path, vllm_dir, k, trust_remote_code)
-                       + f" --tensor-parallel-size {tp} --port 8000",
-        "vllm_baseline": f"vllm serve {target_path} --tensor-parallel-size {tp} --port 8001{trust}",
+        "vllm_server": serving_command("vllm", target_path, vllm_dir, draft_tokens, trust_remote_code)
+                       + f" --tensor-parallel-size {eval_tensor_parallel} --port 8000",
+        "vllm_baseline": f"vllm serve {target_path} --tensor-parallel-size {eval_tensor_parallel} --port 8001{trust}",
         "vllm_bench": (
             f"vllm bench serve --backend openai-chat --endpoint /v1/chat/completions --port 8000 "
             f"--model {target_path} --dataset-name sharegpt --dataset-path {bench_file} "

@@ -52,7 +52,7 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
     model = load_target(target_path, "auto") if ours else None
     methods, layer_ids = methods_for(drafter_dir, target_path,
                                      model.get_input_embeddings().weight.device if ours else "cpu",
-                                     lookup_max_ngram, lookup_min_ngram)
+                                     lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram)
     fingerprint = target_identity(target_path, trust_remote_code)["fingerprint"]
     per_ds: dict[str, int] = {}
     for p in prompts:
@@ -62,15 +62,17 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
         f"T = {eval_temperatures}")
     engine_methods = engine_rows = bench_engine_rows = None
     if eval_backend == "vllm":
-        engine_methods = engine_methods_for(methods, layer_ids, draft_tokens, lookup_min_ngram, lookup_max_ngram)
+        engine_methods = engine_methods_for(methods, layer_ids, draft_tokens=draft_tokens,
+                                            lookup_min_ngram=lookup_min_ngram, lookup_max_ngram=lookup_max_ngram)
         # one engine start per method for both prompt sets; a benchmark's own max_new_tokens is a setting
         new_tokens = {"held-out": eval_max_new_tokens,
                       **{s.name: s.max_new_tokens or eval_max_new_tokens for s in specs}} \
             if specs else eval_max_new_tokens
         all_rows = engine.measure(
-            run, target_path, engine_methods, prompts + bench, k=draft_tokens, max_new_tokens=eval_max_new_tokens,
-            temperatures=eval_temperatures, seed=seed, dtype=eval_engine_dtype,
-            tensor_parallel_size=eval_tensor_parallel, trust_remote_code=trust_remote_code,
+            run, target_path, engine_methods, prompts + bench, draft_tokens=draft_tokens,
+            eval_max_new_tokens=eval_max_new_tokens, eval_temperatures=eval_temperatures, seed=seed,
+            eval_engine_dtype=eval_engine_dtype, eval_tensor_parallel=eval_tensor_parallel,
+            trust_remote_code=trust_remote_code,
             settings=engine.settings_key(fingerprint, draft_tokens, new_tokens, seed, eval_engine_dtype), log=log)
         names = {s.name for s in specs}
         engine_rows = [r for r in all_rows if r["dataset"] not in names]
@@ -78,21 +80,22 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
     by_t, hf_rows, bench_by_t, bench_hf_rows = {}, None, {}, None   # our decoder's summaries and rows
     if ours:
         by_t, hf_rows = decoder_report(
-            model, methods, prompts, layer_ids, k=draft_tokens, max_new_tokens=eval_max_new_tokens,
-            temperatures=eval_temperatures, seed=seed, draft_cost_ratio=draft_cost_ratio,
+            model, methods, prompts, layer_ids, draft_tokens=draft_tokens, eval_max_new_tokens=eval_max_new_tokens,
+            eval_temperatures=eval_temperatures, seed=seed, draft_cost_ratio=draft_cost_ratio,
             rounds_file=outputs.RoundsFile(run), target_fingerprint=fingerprint)
         if bench:
             bench_by_t, bench_hf_rows = decoder_report(
-                model, methods, bench, layer_ids, k=draft_tokens, max_new_tokens=eval_max_new_tokens,
-                temperatures=eval_temperatures, seed=seed, draft_cost_ratio=draft_cost_ratio,
+                model, methods, bench, layer_ids, draft_tokens=draft_tokens, eval_max_new_tokens=eval_max_new_tokens,
+                eval_temperatures=eval_temperatures, seed=seed, draft_cost_ratio=draft_cost_ratio,
                 rounds_file=outputs.RoundsFile(run), target_fingerprint=fingerprint, turns=turns)
-    engine_part = engine_summary.engine_report(engine_rows, engine_methods, hf_rows, draft_tokens, eval_temperatures,
-                                               eval_engine_dtype, eval_tensor_parallel) \
+    engine_settings = dict(draft_tokens=draft_tokens, eval_temperatures=eval_temperatures,
+                           eval_engine_dtype=eval_engine_dtype, eval_tensor_parallel=eval_tensor_parallel)
+    engine_part = engine_summary.engine_report(engine_rows, engine_methods, hf_rows, **engine_settings) \
         if eval_backend == "vllm" else None
     final = next(m for m in methods if m.kind == "eagle3" and m.info["final"])
     bench_file, n_bench = write_bench_prompts(run, prompts)
-    serving = {**serving_commands(final.info["dir"], str(target_path), draft_tokens, bench_file,
-                                  tp=eval_tensor_parallel, trust_remote_code=trust_remote_code),
+    serving = {**serving_commands(final.info["dir"], str(target_path), bench_file, draft_tokens=draft_tokens,
+                                  eval_tensor_parallel=eval_tensor_parallel, trust_remote_code=trust_remote_code),
                "bench_prompts": bench_file, "bench_prompts_found": n_bench}
     benchmarks_part = None
     if specs:
@@ -100,21 +103,19 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
             "sets": [{"name": s.name, "source": s.source, "prompts": sum(p.dataset == s.name for p in bench),
                       "turns": 1 + max(len(p.followups) for p in bench if p.dataset == s.name),
                       "max_new_tokens": s.max_new_tokens or eval_max_new_tokens} for s in specs],
-            "engine": engine_summary.engine_report(bench_engine_rows, engine_methods, bench_hf_rows, draft_tokens,
-                                                   eval_temperatures, eval_engine_dtype, eval_tensor_parallel)
+            "engine": engine_summary.engine_report(bench_engine_rows, engine_methods, bench_hf_rows, **engine_settings)
             if eval_backend == "vllm" else None,
             "temperatures": bench_by_t,
             "references": references_for(target_path),
-            "commands": benchmarks.bench_commands(run, bench, specs, eval_max_new_tokens, eval_temperatures,
-                                                  str(target_path)),
+            "commands": benchmarks.bench_commands(run, bench, specs, eval_max_new_tokens=eval_max_new_tokens,
+                                                  eval_temperatures=eval_temperatures, target_path=str(target_path)),
         }
     report = {
         "engine": engine_part, "hf_crosscheck": ours,
         "target": str(target_path), "target_fingerprint": fingerprint, "drafter_dir": str(drafter_dir),
-        "aux_layer_ids": layer_ids, "k": draft_tokens, "max_new_tokens": eval_max_new_tokens, "seed": seed,
-        "prompts": per_ds, "prompt_ids": [[p.dataset, p.sample_id] for p in prompts],
-        "draft_cost_ratio": draft_cost_ratio,
-        "prompt_lookup": {"min_ngram": lookup_min_ngram, "max_ngram": lookup_max_ngram},
+        "aux_layer_ids": layer_ids, "draft_tokens": draft_tokens, "eval_max_new_tokens": eval_max_new_tokens,
+        "seed": seed, "prompts": per_ds, "prompt_ids": [[p.dataset, p.sample_id] for p in prompts],
+        "draft_cost_ratio": draft_cost_ratio, "lookup_min_ngram": lookup_min_ngram, "lookup_max_ngram": lookup_max_ngram,
         "definitions": DEFINITIONS,
         "temperatures": by_t,
         "serving": serving,

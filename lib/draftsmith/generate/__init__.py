@@ -4,7 +4,7 @@ stage.py        `run(run, **params)`, what notebook 02 calls (`run_at`: against 
 The parts:
   options.py      what the stage is told (Options) and what it answers (GenerationResult)
   run_settings.py the settings that shape a run's answers, kept in its manifest; a re-run under others is refused
-  engine.py       the session: slots shared by the datasets, starts, stops, the bare-server case
+  session.py      one start or resume: slots shared by the datasets, starts, stops, the bare-server case
   attempts.py     one sample's attempts (a Sampler given what they use), what its failures and lost answers cost
   counts.py       the session's counters, named as the manifest names them
   money.py        what a money stop says, and when the money-bound tail stops for a top-up

@@ -5,16 +5,16 @@ at the billed cost. A failure is waited out (throttling: no attempt spent, the c
 lowered), retried after a back-off (a real failure, up to `max_attempts`), recorded (permanent, or
 out of attempts) or turned into a stop (the balance, the key, the model or the routing). A
 retryable availability error (the router cannot serve the model just now) is waited out like a
-throttle; the engine's `outage` clock (outage.py) stops the run when nothing but such errors came
+throttle; the session's `outage` clock (outage.py) stops the run when nothing but such errors came
 back for longer than `outage_limit_s`, and a sample that alone meets them for that long starts
 spending attempts (a prompt no provider can serve is not an outage). An answer lost
 after a provider took the request may still be billed: its reservation is held until
 `GET /generation` says what it cost (pricing.generation_cost); without a generation id it is
 counted at its worst case.
 
-The engine gives a session's `Sampler` what the attempts use (the wire, the money, the counts,
+The session gives its `Sampler` what the attempts use (the wire, the money, the counts,
 the controllers, the stop to wait on) and makes the stop a sample returns (`Stop`, `NotSaved`):
-nothing here reads or writes the engine.
+nothing here reads or writes the session.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Wire:
 
 @dataclass(frozen=True)
 class Stop:
-    """The sample ended the session: the engine starts nothing new (`reason` as in the manifest)."""
+    """The sample ended the session: the session starts nothing new (`reason` as in the manifest)."""
     reason: str
     message: str
 
@@ -88,7 +88,7 @@ class NotSaved:
 @dataclass
 class Sampler:
     """One session's attempts, given what they use: the wire, the money (`spend`), the counts, the
-    concurrency controller and the outage clock, the retry settings (`opts`), and from the engine
+    concurrency controller and the outage clock, the retry settings (`opts`), and from the session
     the stop it waits on, the event it sets when money is freed or a bill is learnt, the set of
     bills still being asked, and `reserve` (the dollars of a retry, 0.0 if the session stops)."""
     wire: Wire

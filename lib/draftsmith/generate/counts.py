@@ -1,5 +1,5 @@
 """What one session of stage 02 counted, each field named as its line in the manifest's `sessions`
-names it (outputs.Manifest): the engine and attempts.py add to it, bookkeeping.py writes it."""
+names it (outputs.Manifest): the session and attempts.py add to it, bookkeeping.py writes it."""
 
 from __future__ import annotations
 

@@ -1,18 +1,18 @@
 """When money stops a start: what the stop says (with about how much to add to finish), and the
 money-bound tail, where the run stops for a top-up rather than spend the last of the balance a
 few requests at a time. Which limit binds and the top-up itself are the budget's
-(openrouter/budget.py SpendBudget); the engine records what these return."""
+(openrouter/budget.py SpendBudget); the session records what these return."""
 
 from __future__ import annotations
 
 import math
 
 
-def blocked_message(eng, why: str, worst: float) -> tuple[str, float]:
+def blocked_message(session, why: str, worst: float) -> tuple[str, float]:
     """(the stop's message, the top-up to finish rounded to cents, 0.0 if unknown) for a start of
     worst case `worst` that the `why` limit (balance | spend_limit) refused."""
-    spend = eng.spend
-    top_up = round(_top_up_usd(eng, worst), 2)
+    spend = session.spend
+    top_up = round(_top_up_usd(session, worst), 2)
     if why == "balance":
         floor = f" (balance_floor_usd ${spend.floor:.2f})" if spend.floor else ""
         return (f"the balance ran out: ${spend.balance_left:.4f} left{floor}, less than the next "
@@ -32,45 +32,45 @@ def blocked_message(eng, why: str, worst: float) -> tuple[str, float]:
 # the slots (it started with a small balance) has no such tail: it is all trickle, and stopping it
 # would buy nothing at all, so it spends down to the floor at the concurrency its money allows and
 # ends with the balance stop.
-def _left_to_finish(eng) -> tuple[float, int] | None:
+def _left_to_finish(session) -> tuple[float, int] | None:
     """(expected dollars, requests) to finish every dataset's budget, in flight included, at the
     run's cost and length per response so far; None if unknown (nothing paid yet, or a dataset
     without a budget that still has prompts)."""
-    done = sum(d.budget.done for d in eng.datasets)
-    samples = sum(d.store.totals.samples for d in eng.datasets)
-    if done <= 0 or samples <= 0 or eng.spend.spent <= 0:
+    done = sum(d.budget.done for d in session.datasets)
+    samples = sum(d.store.totals.samples for d in session.datasets)
+    if done <= 0 or samples <= 0 or session.spend.spent <= 0:
         return None
     left = 0
-    for d in eng.datasets:
+    for d in session.datasets:
         if d.spec.output_token_budget is None:
             if d.exhausted:
                 continue
             return None
         left += max(0, d.spec.output_token_budget - d.budget.done)
-    return left * eng.spend.spent / done, math.ceil(left * samples / done)
+    return left * session.spend.spent / done, math.ceil(left * samples / done)
 
 
-def _top_up_usd(eng, worst: float, left: tuple[float, int] | None = None) -> float:
-    left = left or _left_to_finish(eng)
-    return 0.0 if left is None else eng.spend.top_up(*left, eng.opts.concurrency, worst)
+def _top_up_usd(session, worst: float, left: tuple[float, int] | None = None) -> float:
+    left = left or _left_to_finish(session)
+    return 0.0 if left is None else session.spend.top_up(*left, session.opts.concurrency, worst)
 
 
-def wind_down(eng, why: str, worst: float) -> tuple[str, float] | None:
+def wind_down(session, why: str, worst: float) -> tuple[str, float] | None:
     """(the message, the top-up) when the run should stop for a top-up now that `why` refused a
     start of worst case `worst`; None while it should go on."""
-    fraction = eng.opts.money_bound_stop_fraction
-    if (not fraction or not eng.was_full
-            or eng.in_flight >= fraction * min(eng.opts.concurrency, eng.aimd.limit)):
+    fraction = session.opts.money_bound_stop_fraction
+    if (not fraction or not session.was_full
+            or session.in_flight >= fraction * min(session.opts.concurrency, session.aimd.limit)):
         return None
-    left = _left_to_finish(eng)
-    if left is None or left[0] <= eng.spend.left:
+    left = _left_to_finish(session)
+    if left is None or left[0] <= session.spend.left:
         return None
     need = left[0]
-    top_up = _top_up_usd(eng, worst, left)
-    money = (f"${eng.spend.left:.2f} above the balance floor" if why == "balance"
-             else f"${eng.spend.left:.2f} below spend_limit_usd")
+    top_up = _top_up_usd(session, worst, left)
+    money = (f"${session.spend.left:.2f} above the balance floor" if why == "balance"
+             else f"${session.spend.left:.2f} below spend_limit_usd")
     action = "top up" if why == "balance" else "raise spend_limit_usd by"
-    return (f"money keeps only {eng.in_flight} of {eng.opts.concurrency} requests in flight ({money}; each "
+    return (f"money keeps only {session.in_flight} of {session.opts.concurrency} requests in flight ({money}; each "
             f"is reserved at its worst case, ${worst:.4f}) and cannot finish the job (about ${need:,.2f} "
             f"more at the cost per token so far): {action} about ${top_up:,.2f} (what is left, plus a worst "
             f"case per slot it needs, so every slot stays busy) and re-run stage 02 "

@@ -1,4 +1,4 @@
-"""What stage 02 is told (`Options`, the notebook's parameters that shape the engine) and what it
+"""What stage 02 is told (`Options`, the notebook's parameters that shape a session) and what it
 answers (`GenerationResult`; `raise_if_incomplete` makes a stopped run fail its notebook)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from .. import parameters
 
 @dataclass
 class Options:
-    """How the engine behaves: notebook 02's parameters of that name, and the few knobs below
+    """How a session behaves: notebook 02's parameters of that name, and the few knobs below
     that no notebook declares (benchmarks and tests turn them)."""
 
     concurrency: int

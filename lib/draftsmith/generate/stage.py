@@ -18,7 +18,7 @@ from ..imports import answered, parse_imports
 from ..paths import Run, resolve
 from ..providers import outputs as stage_01
 from . import bookkeeping, run_settings
-from .engine import Engine
+from .session import Session
 from .options import GenerationResult, GenerationStopped, Options
 
 
@@ -39,7 +39,7 @@ def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, m
            allow_changed_settings: bool = False, **options) -> GenerationResult:
     """Generate responses for `datasets` into `run.dir("generate")`, resuming whatever is there.
     `options`: the other fields of `Options` (balance_floor_usd, max_attempts, request_timeout_s, ...).
-    Without stage 01's routing, `native_precision` is required: the engine then applies the
+    Without stage 01's routing, `native_precision` is required: the session then applies the
     precision policy itself. Prompts answered by an import file (`imports`, see imports.py) are not
     asked for: they are never paid for twice.
 
@@ -76,31 +76,31 @@ def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, m
     shaping = run_settings.data_settings(settings, policy, opts.target_model_path)
     with outputs.writer_lock(run):
         diff = run_settings.check(run, [s.name for s in specs], shaping, allow_changed_settings)
-        engine = Engine(base_url, api_key, run, specs, settings, opts, config, log, policy)
-        engine.manifest.settings = {**(engine.manifest.settings or {}), **{s.name: shaping for s in specs}}
+        session = Session(base_url, api_key, run, specs, settings, opts, config, log, policy)
+        session.manifest.settings = {**(session.manifest.settings or {}), **{s.name: shaping for s in specs}}
         if diff:
-            engine.entry["settings_changed"] = diff
+            session.entry["settings_changed"] = diff
             log(f"continuing run {run.name!r} with changed settings (allow_changed_settings): {'; '.join(diff)}")
-        for d in engine.datasets:
+        for d in session.datasets:
             d.answered = answered(import_specs, d.name)
             if d.answered:
                 log(f"{d.name}: prompts that an import file answers are skipped (stage 03 reads that file)")
-        _run_with_signals(engine)
-    result = bookkeeping.result(engine)
+        _run_with_signals(session)
+    result = bookkeeping.result(session)
     if result.reason in ("write_error", "no_room"):     # the disk cannot take more: the notebook stops here
         raise GenerationStopped(result.message)
     return result
 
 
-def _run_with_signals(engine: Engine) -> None:
-    """Run the engine's event loop; SIGINT/SIGTERM ask it to stop (a second one: at once)."""
+def _run_with_signals(session: Session) -> None:
+    """Run the session's event loop; SIGINT/SIGTERM ask it to stop (a second one: at once)."""
     state = {"loop": None, "signals": 0}
 
     def stop(loop) -> None:
         if state["signals"] == 1:
-            loop.call_soon_threadsafe(engine.request_stop, "interrupted", f"{state['name']} received")
+            loop.call_soon_threadsafe(session.request_stop, "interrupted", f"{state['name']} received")
         else:
-            loop.call_soon_threadsafe(engine.cancel_all)
+            loop.call_soon_threadsafe(session.cancel_all)
 
     def on_signal(signum, frame=None) -> None:
         state["signals"] += 1
@@ -112,7 +112,7 @@ def _run_with_signals(engine: Engine) -> None:
         state["loop"] = asyncio.get_running_loop()
         if state["signals"]:            # a signal came before the loop did
             stop(state["loop"])
-        await engine.main()
+        await session.main()
 
     old = {}
     if threading.current_thread() is threading.main_thread():

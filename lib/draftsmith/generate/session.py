@@ -1,4 +1,4 @@
-"""The engine of stage 02: one aiohttp session carries up to `concurrency` requests at once, shared
+"""A session of stage 02 (one start or resume of a run): one aiohttp client carries up to `concurrency` requests at once, shared
 by all datasets. A slot freed by one dataset goes to whichever dataset still has budget and
 prompts (round robin), so the run stays full until the last budget is reached; each start
 reserves its worst-case dollars first (openrouter/budget.py). A worker runs one sample's attempts
@@ -47,16 +47,16 @@ STOPPED_PATIENCE_S = 5.0     # after an interrupt or a write error: how long to 
 WRITE_ERROR_GRACE_S = 5.0    # after a write error: how long the requests in flight may come back
 
 
-class Engine:
+class Session:
     """One session (a start or a resume): the slots, the money (`spend`) and the counts (`counts`,
-    counts.py). Only the engine sets its own attributes: a sample's attempts (attempts.Sampler)
-    are given what they use, add to `counts`, settle `spend` and return a stop for the engine to
+    counts.py). Only the session sets its own attributes: a sample's attempts (attempts.Sampler)
+    are given what they use, add to `counts`, settle `spend` and return a stop for the session to
     make; money.py and bookkeeping.py read."""
 
     def __init__(self, base_url: str, api_key, run: Run, specs: list[DatasetSpec], settings: dict,
                  opts: Options, config: dict, log=print, policy: tuple[str, bool] | None = None):
         """`policy`: (native_precision, allow_unknown) when there is no stage-01 routing and the
-        engine must build it from the endpoint list; `settings["provider"]` is then laid over it."""
+        session must build it from the endpoint list; `settings["provider"]` is then laid over it."""
         self.base = base_url.rstrip("/")
         self._headers = {**api_key.header(), "Content-Type": "application/json", "X-Title": "draftsmith"}
         self.opts, self.config, self.log = opts, config, log
@@ -283,10 +283,10 @@ class Engine:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.opts.request_timeout_s)
         background: list[asyncio.Task] = []
         try:
-            async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers) as session:
-                self.http = session
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers) as http:
+                self.http = http
                 try:
-                    self.server = await bare_server.probe(session, self.base, self.model)
+                    self.server = await bare_server.probe(http, self.base, self.model)
                 except ValueError as e:
                     self.reason, self.message = "fatal", str(e)
                     return
@@ -294,7 +294,7 @@ class Engine:
                     await self._bare_main(loop)
                     return
                 try:
-                    eps = await fetch_endpoints(session, self.base, self.model)
+                    eps = await fetch_endpoints(http, self.base, self.model)
                     if self.policy is not None:
                         self._apply_policy(eps)
                     cat = catalogue(eps, self.model, self.provider, self.sent)
@@ -304,9 +304,9 @@ class Engine:
                 self.spend.set_prices(cat.prompt_price, cat.completion_price, cat.request_price)
                 self.check = ContextCheck(cat.context_length, self.max_tokens, self.opts.target_model_path,
                                           self.opts.trust_remote_code)
-                reader = BalanceReader(session, self.base)
+                reader = BalanceReader(http, self.base)
                 self.spend.set_balance(await reader.read())
-                self.sampler = self._sampler(session, "openrouter")
+                self.sampler = self._sampler(http, "openrouter")
                 background = [loop.create_task(self._poll_balance(reader)), loop.create_task(bookkeeping.tick(self))]
                 bookkeeping.save_manifest(self)
                 await self._dispatch()
@@ -345,9 +345,9 @@ class Engine:
             need += outputs.expected_bytes(os.path.getsize(d.spec.path) / lines, tokens / max(1.0, mean), tokens)
         return need
 
-    def _sampler(self, session: aiohttp.ClientSession, source: str) -> attempts.Sampler:
+    def _sampler(self, http: aiohttp.ClientSession, source: str) -> attempts.Sampler:
         """What this session's attempts use (attempts.py), the request settings final."""
-        wire = attempts.Wire(session, self.base, client.BodyMaker(self.settings), bool(self.settings.get("stream")),
+        wire = attempts.Wire(http, self.base, client.BodyMaker(self.settings), bool(self.settings.get("stream")),
                              json.dumps(self.settings, ensure_ascii=False, separators=(",", ":")), source,
                              billed=self.server is None, model=self.model)
         return attempts.Sampler(wire, self.spend, self.counts, self.aimd, self.outage, self.progress, self.opts,
@@ -424,7 +424,7 @@ class Engine:
 
 @contextmanager
 def _fewer_collections():
-    """While a session runs, the cyclic garbage collector costs as much CPU as everything the engine
+    """While a session runs, the cyclic garbage collector costs as much CPU as everything a session
     adds to a bare HTTP loop (bench/bench_generate.py): with thousands of requests in flight, each
     young collection at Python's threshold (700 allocations) walks the live request state again,
     and every full one walks the imported libraries too. So the objects alive at the start are
