@@ -106,6 +106,7 @@ TIERS = {
     "test_runner.py::test_ctrl_c_stops_the_run_with_one_line_and_exit_130": "notebook",
     "test_runner_params.py": "unit",
     "test_runner_signals.py": "notebook",
+    "test_setting_names.py": "unit",
     "test_sources.py": "unit",
     "test_sources.py::test_stage_02_does_not_ask_for_prompts_an_import_answers": "emulator",
     "test_store.py": "unit",

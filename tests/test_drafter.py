@@ -364,7 +364,7 @@ def test_two_gloo_processes_train_like_one_process_with_ddp_and_with_fsdp(hidden
     w1 = export.load_exported(Path(s1["exports"][-1]["dir"]), tiny_target).state_dict()
     r1 = [r["loss"] for r in outputs.read_metrics(tmp_path / "one") if r["split"] == "train"]
     for name, fsdp in (("ddp", False), ("fsdp", True)):
-        s2 = train.launch(replace(one, out_dir=str(tmp_path / name), train_fsdp=fsdp), nproc=2, log=quiet)
+        s2 = train.launch(replace(one, out_dir=str(tmp_path / name), train_fsdp=fsdp), train_nproc=2, log=quiet)
         assert s2["world_size"] == 2 and s2["steps"] == s1["steps"] == 9
         w2 = export.load_exported(Path(s2["exports"][-1]["dir"]), tiny_target).state_dict()
         for k in w1:
@@ -379,7 +379,7 @@ def test_fsdp_scores_a_held_out_split_that_two_ranks_cannot_share_evenly(hidden_
     one = small_config(hidden_dir, tiny_target, tmp_path / "one", train_batch_size=4, train_micro_batch_size=1,
                        train_epochs=1.0, train_holdout_fraction=0.075, export_fractions=[1.0])
     train.train(one, log=quiet)
-    s2 = train.launch(replace(one, out_dir=str(tmp_path / "fsdp"), train_fsdp=True), nproc=2, log=quiet)
+    s2 = train.launch(replace(one, out_dir=str(tmp_path / "fsdp"), train_fsdp=True), train_nproc=2, log=quiet)
     assert s2["world_size"] == 2
     held = [[r for r in outputs.read_metrics(tmp_path / d) if r["split"] == "heldout"] for d in ("one", "fsdp")]
     assert held[0][-1]["count_i"][0] > 0 and held[0][-1]["count_i"] == held[1][-1]["count_i"]

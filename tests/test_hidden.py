@@ -261,7 +261,7 @@ def test_the_check_notebook_04_runs_fails_when_stored_features_are_off(tiny_targ
     extract(tiny_target, files[1:], tmp_path)
     check = verify.check_stored(tiny_target, tmp_path, "cpu")
     assert max(check["aux_rel_err"] + [check["last_rel_err"]]) < 0.02 and check["top1_agreement"] >= 0.98
-    assert verify.check_stored(tiny_target, tmp_path, "cpu", enabled=False) is None
+    assert verify.check_stored(tiny_target, tmp_path, "cpu", verify_with_hf=False) is None
     assert "aux_rel_err" in verify.check_table(check).index and verify.check_table(None).empty
     for path in shards.shard_files(tmp_path):
         tensors = load_file(path)

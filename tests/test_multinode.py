@@ -41,7 +41,7 @@ log = lambda *m: print(*m, flush=True)
 if a["stage"] == "04":
     s = stage.run(Run(a["outputs"], "r"), **a["params"], log=log)
 else:
-    s = train.launch(TrainConfig(**a["config"]), nproc=1, nnodes=2, rdzv_endpoint=a["endpoint"], log=log)
+    s = train.launch(TrainConfig(**a["config"]), train_nproc=1, nnodes=2, rdzv_endpoint=a["endpoint"], log=log)
 print("SUMMARY " + json.dumps(s), flush=True)
 """
 HIDDEN = {"target_backend": "hf", "max_tokens_per_batch": 256, "shard_mb": 0.01}
@@ -247,7 +247,7 @@ LOSS_TOLERANCE = 1e-4  # relative, per step
 
 def test_stage_05_on_two_nodes_trains_like_two_processes_on_one_with_ddp_and_fsdp_and_resumes_after_a_lost_node(
         one_node, tiny_target, tmp_path):
-    one_by_two = train.launch(train_config(one_node, tiny_target, tmp_path / "1x2"), nproc=2, log=lambda *a: None)
+    one_by_two = train.launch(train_config(one_node, tiny_target, tmp_path / "1x2"), train_nproc=2, log=lambda *a: None)
     args = {"stage": "05", "endpoint": f"localhost:{free_port()}",
             "config": asdict(train_config(one_node, tiny_target, tmp_path / "2x1"))}
     results = two_nodes(args, (tmp_path, tmp_path))

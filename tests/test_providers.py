@@ -160,11 +160,11 @@ def test_stage_01_end_to_end_excludes_fp4_and_flags_the_perturbed_provider(tmp_p
 
 def test_paid_tables_are_reused_unless_refreshed_and_their_spend_is_checked(tmp_path):
     run = Run(tmp_path, "r")
-    assert outputs.reuse(run, "pilot", refresh=False) is None and outputs.spent(run) == 0.0
+    assert outputs.reuse(run, "pilot", refresh_providers=False) is None and outputs.spent(run) == 0.0
     outputs.keep_paid(run, "pilot", pd.DataFrame([{"dataset": "d", "provider": "A", "completion_tokens": 10,
                                                    "cost": 0.002}]))
-    assert outputs.reuse(run, "pilot", refresh=False)["cost"].sum() == pytest.approx(0.002)
-    assert outputs.reuse(run, "pilot", refresh=True) is None
+    assert outputs.reuse(run, "pilot", refresh_providers=False)["cost"].sum() == pytest.approx(0.002)
+    assert outputs.reuse(run, "pilot", refresh_providers=True) is None
     assert outputs.spent(run) == pytest.approx(0.002)
     outputs.check_spend(run, 0.003, spend_limit_usd=0.01)
     with pytest.raises(RuntimeError, match="spend_limit_usd"):

@@ -22,4 +22,4 @@ def run(run: Run, *, target_model_path: str, train_nproc: int, nnodes: int, rdzv
     parameters.check_bounds({"train_nproc": train_nproc, "nnodes": nnodes})
     cfg = TrainConfig(hidden_dir=str(hidden_dir(run)), target_path=str(resolve_target(target_model_path)),
                       out_dir=str(outputs.drafter_dir(run)), **settings)
-    return train.launch(cfg, nproc=train_nproc, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, log=log)
+    return train.launch(cfg, train_nproc=train_nproc, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, log=log)

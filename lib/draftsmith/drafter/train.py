@@ -217,17 +217,17 @@ def _vocab_summary(prep: Prepared) -> dict:
             "heldout_coverage": v.coverage(prep.held_counts) if prep.held_counts is not None else None}
 
 
-def launch(cfg: TrainConfig, nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str = "", log=print) -> dict:
-    """Train in this process (nproc 1, one node) or in `nproc` torchrun processes on this node, of
+def launch(cfg: TrainConfig, train_nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str = "", log=print) -> dict:
+    """Train in this process (train_nproc 1, one node) or in `train_nproc` torchrun processes on this node, of
     `nnodes` nodes joined at `rdzv_endpoint` (`draftsmith.distributed`); returns the summary."""
-    if nproc <= 1 and nnodes <= 1:
+    if train_nproc <= 1 and nnodes <= 1:
         return train(cfg, log)
     cfg.check()
     out = Path(cfg.out_dir)
     here = launch_dir(out, nnodes)
     here.mkdir(parents=True, exist_ok=True)
     try:
-        torchrun(nproc, "draftsmith.drafter.train", [str(outputs.write_train_config(here, cfg.to_dict()))],
+        torchrun(train_nproc, "draftsmith.drafter.train", [str(outputs.write_train_config(here, cfg.to_dict()))],
                  nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, log=log)
     finally:
         done_launching(here, nnodes)

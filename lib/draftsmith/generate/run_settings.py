@@ -52,9 +52,9 @@ def chat_template_id(target_model_path: str | None) -> str | None:
     return "sha256:" + hashlib.sha256(template.read_bytes()).hexdigest()[:16]
 
 
-def check(run: Run, datasets: list[str], new: dict, allow: bool) -> list[str]:
+def check(run: Run, datasets: list[str], new: dict, allow_changed_settings: bool) -> list[str]:
     """How `new` differs, per dataset of `datasets` that holds saved answers, from what they were
-    made under (the datasets named); raises SettingsChanged naming the differences, unless `allow`.
+    made under (the datasets named); raises SettingsChanged naming the differences, unless `allow_changed_settings`.
     Datasets of one run may differ from each other (answers from two sources, say)."""
     manifest = outputs.read_manifest(run)
     by_diff: dict[tuple, list[str]] = {}
@@ -66,7 +66,7 @@ def check(run: Run, datasets: list[str], new: dict, allow: bool) -> list[str]:
             if diff:
                 by_diff.setdefault(diff, []).append(name)
     said = [f"{'; '.join(diff)} (dataset{'s' * (len(names) > 1)} {', '.join(names)})" for diff, names in by_diff.items()]
-    if said and not allow:
+    if said and not allow_changed_settings:
         raise refusal(run.name, said)
     return said
 

@@ -15,17 +15,17 @@ from pathlib import Path
 from . import outputs
 
 
-def plan_batches(lengths: list[int], max_tokens: int, max_padding: float = 0.1) -> list[list[int]]:
+def plan_batches(lengths: list[int], max_tokens_per_batch: int, max_padding: float = 0.1) -> list[list[int]]:
     """Indices into `lengths`, longest first (an out-of-memory shows on the first batch), cut so that
-    each padded batch (count x its longest) holds at most `max_tokens` and at most `max_padding` of
-    it is padding; a sample longer than `max_tokens` goes alone."""
+    each padded batch (count x its longest) holds at most `max_tokens_per_batch` and at most
+    `max_padding` of it is padding; a sample longer than that goes alone."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
     real = 0
     for i in order:
         if batches:
             width, n = lengths[batches[-1][0]], len(batches[-1]) + 1
-            if n * width <= max_tokens and real + lengths[i] >= (1 - max_padding) * n * width:
+            if n * width <= max_tokens_per_batch and real + lengths[i] >= (1 - max_padding) * n * width:
                 batches[-1].append(i)
                 real += lengths[i]
                 continue

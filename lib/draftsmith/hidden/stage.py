@@ -62,7 +62,7 @@ def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, 
             summary = extract(target, files, out_dir, log=log, **settings)
         except GpuOnly as e:
             summary = record_gpu_only(out_dir, target, e.line, log=log, **settings)
-    check = verify.check_stored(target, out_dir, device, enabled=verify_with_hf, trust_remote_code=trust_remote_code)
+    check = verify.check_stored(target, out_dir, device, verify_with_hf=verify_with_hf, trust_remote_code=trust_remote_code)
     return {**summary, "check": check}
 
 

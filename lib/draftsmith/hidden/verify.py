@@ -18,12 +18,12 @@ TOLERANCE = {"bf16": (0.02, 0.98), "fp8": (0.06, 0.8)}
 VLLM_TOP1_SLACK = 0.08  # vLLM computes in bf16, the check in float32: near-ties may flip
 
 
-def check_stored(target, hidden_dir, device: str = "auto", enabled: bool = True,
+def check_stored(target, hidden_dir, device: str = "auto", verify_with_hf: bool = True,
                  trust_remote_code: bool = False) -> dict | None:
     """`verify_sample` of sample 0, raising AssertionError (with the numbers) when stored features
-    and the target disagree beyond rounding; None when not `enabled` or when stage 04 stored
+    and the target disagree beyond rounding; None when not `verify_with_hf` or when stage 04 stored
     nothing because its engine is GPU-only here (the index says so)."""
-    if not enabled or outputs.HiddenShards(hidden_dir).index.get("gpu_only"):
+    if not verify_with_hf or outputs.HiddenShards(hidden_dir).index.get("gpu_only"):
         return None
     check = verify_sample(target, hidden_dir, 0, device, trust_remote_code)
     index = outputs.HiddenShards(hidden_dir).index

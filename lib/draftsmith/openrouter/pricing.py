@@ -42,12 +42,13 @@ BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "mxfp8": 8, "int8": 8, "fp
 FAMILIES = {"fp4": {"fp4", "mxfp4", "nvfp4"}, "fp8": {"fp8", "mxfp8"}}
 
 
-def below_native(quantization: str, native: str) -> bool:
-    """True when serving at `quantization` loses precision against `native` weights: fewer bits,
-    or as many bits in another format (int4 QAT weights re-quantized to fp4/nvfp4 lose accuracy)."""
-    if quantization == native or quantization not in BITS:
+def below_native(quantization: str, native_precision: str) -> bool:
+    """True when serving at `quantization` loses precision against weights natively at
+    `native_precision`: fewer bits, or as many bits in another format (int4 QAT weights
+    re-quantized to fp4/nvfp4 lose accuracy)."""
+    if quantization == native_precision or quantization not in BITS:
         return False
-    return BITS[quantization] <= BITS[native]
+    return BITS[quantization] <= BITS[native_precision]
 
 
 def routed(quantizations) -> set[str]:

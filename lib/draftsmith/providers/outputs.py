@@ -78,11 +78,11 @@ def stage_summary(run: Run, balance: tuple[float | None, str], expected_output: 
 
 # ---- the paid tables and what they cost ----------------------------------------------------------
 
-def reuse(run: Run, name: str, refresh: bool) -> pd.DataFrame | None:
+def reuse(run: Run, name: str, refresh_providers: bool) -> pd.DataFrame | None:
     """The `name` table (pilot or probe) of an earlier run of this stage, paid for already, unless
-    `refresh`; None when there is none."""
+    `refresh_providers`; None when there is none."""
     path = run.root / STAGE / f"{name}.csv"
-    if refresh or not path.is_file():
+    if refresh_providers or not path.is_file():
         return None
     print(f"{name}: reusing {path} (paid for by an earlier run of this stage; refresh_providers: true to redo it)")
     return pd.read_csv(path)
