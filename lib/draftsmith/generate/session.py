@@ -166,7 +166,7 @@ class Session:
         while job is not None:
             try:
                 end = await self.sampler.sample(*job)
-            except OSError as e:        # setting aside a failed sample in errors.jsonl
+            except OSError as e:        # a write that sample() does not itself turn into NotSaved
                 end = attempts.NotSaved(e)
             finally:
                 self.in_flight -= 1
