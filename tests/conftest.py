@@ -104,6 +104,7 @@ TIERS = {
     "test_runner.py::test_a_failing_stage_names_the_notebook_and_cell": "notebook",
     "test_runner.py::test_a_failing_stage_points_to_its_traceback_in_the_log_with_the_same_cell_number": "notebook",
     "test_runner.py::test_ctrl_c_stops_the_run_with_one_line_and_exit_130": "notebook",
+    "test_runner.py::test_on_several_nodes_each_node_keeps_its_own_executed_notebook_and_log": "notebook",
     "test_runner_params.py": "unit",
     "test_runner_signals.py": "notebook",
     "test_setting_names.py": "unit",

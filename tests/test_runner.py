@@ -115,6 +115,32 @@ def test_a_failing_stage_names_the_notebook_and_cell(toy_stages, tmp_path):
     assert (tmp_path / "r2" / "notebooks" / "02_second.ipynb").exists()
 
 
+def test_on_several_nodes_each_node_keeps_its_own_executed_notebook_and_log(tmp_path, monkeypatch):
+    """nnodes > 1: the same command on every node, one shared run folder; each node's executed
+    notebook and log carry its host name, and the run's report shows them all."""
+    import socket
+
+    d = tmp_path / "nbs"
+    d.mkdir()
+    make_notebook(d / "03_once.ipynb", 'run_name = "x"\noutputs_dir = "outputs"\n', ["print('once')"])
+    make_notebook(d / "04_nodes.ipynb", 'run_name = "x"\noutputs_dir = "outputs"\nnnodes = 1  # [1, inf) machines\n',
+                  ["import socket\nprint('ran on', socket.gethostname())"])
+    stages = parameters.discover(d)[1:]
+    values = {"run_name": "r", "outputs_dir": str(tmp_path / "out"), "nnodes": 2}
+    for host in ("node-a", "node-b"):
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        run = runner.run_stages(stages, values, echo=False)
+    assert sorted(p.name for p in (run.root / "notebooks").iterdir()) == ["04_nodes@node-a.ipynb", "04_nodes@node-b.ipynb"]
+    assert [p.name for p in sorted((run.root / "logs").iterdir())] == ["04_nodes@node-a.log", "04_nodes@node-b.log"]
+    report = (run.root / "report.html").read_text()
+    assert "04_nodes@node-a" in report and "04_nodes@node-b" in report
+    runner.run_stages(stages, {**values, "run_name": "one", "nnodes": 1}, echo=False)
+    assert [p.name for p in (tmp_path / "out" / "one" / "notebooks").iterdir()] == ["04_nodes.ipynb"]
+    once = parameters.discover(d)[:1]       # a stage that does not run on several nodes keeps its name
+    runner.run_stages(once, {**values, "run_name": "once"}, echo=False)
+    assert [p.name for p in (tmp_path / "out" / "once" / "notebooks").iterdir()] == ["03_once.ipynb"]
+
+
 def test_stage_selection_by_number_name_and_list(toy_stages):
     assert [s.title for s in parameters.select(toy_stages, "2")] == ["02_second"]
     assert [s.title for s in parameters.select(toy_stages, "first,02")] == ["01_first", "02_second"]

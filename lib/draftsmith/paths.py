@@ -53,7 +53,8 @@ class Run:
         return self.dir(f"{stage}/figures") / name
 
     def executed_notebooks(self) -> list[Path]:
-        """The executed copies of the stage notebooks the runner saved here, in stage order."""
+        """The executed copies of the stage notebooks the runner saved here, in stage order (on
+        several nodes, one per node: `04_hidden_states@<host>.ipynb`, runner.node_title)."""
         return sorted((self.root / EXECUTED).glob("[0-9][0-9]_*.ipynb"))
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -57,6 +58,16 @@ def stage_log(run: Run, title: str) -> Path:
     return run.dir("logs") / f"{title}.log"
 
 
+def node_title(stage: Stage, values: dict) -> str:
+    """The name of a stage's executed notebook and log: its title, and for a stage that runs on
+    several nodes (it declares `nnodes`, and it is > 1: the same command on each, one shared run
+    folder) this node's host name too, `04_hidden_states@node-a`, so that no node's record
+    overwrites another's."""
+    if "nnodes" in stage.params and int(values.get("nnodes") or 1) > 1:
+        return f"{stage.title}@{socket.gethostname()}"
+    return stage.title
+
+
 def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
     """Execute the stages in order, then (re)write the run's report.html from every executed
     notebook of the run, also when a stage failed. Raise StageFailed naming the notebook and cell."""
@@ -95,7 +106,8 @@ def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None
     logger.setLevel(logging.INFO)
     for stage in stages:
         params = {k: v for k, v in values.items() if k in stage.params}
-        out_nb, log_path = nb_dir / stage.path.name, stage_log(run, stage.title)
+        title = node_title(stage, values)
+        out_nb, log_path = nb_dir / f"{title}.ipynb", stage_log(run, title)
         log_path.write_text("")  # every writer below appends: papermill, the kernel, the failure
         handlers = [logging.FileHandler(log_path, mode="a", encoding="utf-8")]
         if echo:
