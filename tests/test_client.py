@@ -35,6 +35,18 @@ def test_length_finish_is_a_result_not_a_retry():
     assert isinstance(client.parse_completion(json.dumps(body).encode()), client.Reply)
 
 
+def test_a_billed_answer_all_in_withheld_reasoning_is_kept_for_stage_03_to_name():
+    """max_tokens ran out inside the reasoning and the provider did not return it: no text, but a
+    full-length answer billed. It is kept (paid work; asking again would pay twice), and stage 03
+    names it dropped_reasoning against its provider; an empty body with nothing billed is retried."""
+    body = json.loads(json.dumps(OK))
+    body["choices"][0].update(finish_reason="length", message={"role": "assistant", "content": ""})
+    body["usage"].update(completion_tokens=32, completion_tokens_details={"reasoning_tokens": 32})
+    r = client.parse_completion(json.dumps(body).encode())
+    assert isinstance(r, client.Reply) and (r.content, r.reasoning, r.finish_reason) == ("", None, "length")
+    assert r.usage["completion_tokens"] == 32
+
+
 @pytest.mark.parametrize("mutate,kind", [
     (lambda b: b.update(error={"code": 502, "message": "Provider returned error"}) or b.pop("choices"), "error_in_200"),
     (lambda b: b["choices"][0].update(finish_reason="error"), "finish_error"),

@@ -77,7 +77,10 @@ def assert_whole_and_unique(rows: list[dict]) -> None:
     for r in rows:
         assert CONTRACT <= set(r), CONTRACT - set(r)
         assert r["finish_reason"] in ("stop", "length"), r["finish_reason"]
-        assert r["content"] or r["reasoning"], "an empty or error body was kept as data"
+        # no text at all is kept only as a billed full-length answer: max_tokens ran out inside reasoning
+        # the provider withheld (the emulator's SiliconFlow drops it; test_client pins the rule)
+        assert r["content"] or r["reasoning"] or (r["finish_reason"] == "length" and r["usage"]["completion_tokens"]), \
+            "an empty or error body was kept as data"
         assert set(r["usage"]) >= {"prompt_tokens", "completion_tokens", "reasoning_tokens", "cost"}
 
 
