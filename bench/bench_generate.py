@@ -5,7 +5,7 @@ its own process so that its CPU is not counted as the client's).
    responses, served as fast as the emulator can):
      floor            a bare aiohttp loop doing only POST + json.loads
      floor, gc        the same loop under stage 02's garbage-collector setting (session.py
-                      _fewer_collections): what stage 02 itself adds, apart from the collector
+                      fewer_collections): what stage 02 itself adds, apart from the collector
      draftsmith       the whole of stage 02: budgets, resume file, manifest, progress and all
      openai+aiohttp   AsyncOpenAI with DefaultAioHttpClient
      openai default   AsyncOpenAI with its default httpx transport
@@ -118,8 +118,8 @@ async def run_floor(base, n, conc, path, gc_like_stage_02=False):
     import aiohttp
 
     if gc_like_stage_02:
-        from draftsmith.generate.session import _fewer_collections
-        with _fewer_collections():
+        from draftsmith.generate.session import fewer_collections
+        with fewer_collections():
             return await run_floor(base, n, conc, path)
 
     url, headers = base + "/chat/completions", {"Authorization": f"Bearer {KEY}"}

@@ -252,7 +252,7 @@ def test_bad_key_or_unroutable_provider_stops_with_the_reason(shared_emu, tmp_pa
 
 def test_a_session_runs_fewer_garbage_collections_and_gives_the_collector_back_as_it_was(shared_emu, tmp_path):
     """While stage 02 runs, what was alive at its start is frozen and young collections are rarer
-    (session._fewer_collections); after it, the process's collector is as it was, even when the
+    (session.fewer_collections); after it, the process's collector is as it was, even when the
     session ends on a stop."""
     import gc
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import copy
 import difflib
+import functools
 import json
 import os
 import re
@@ -150,22 +151,26 @@ def read_parameters(path: Path) -> dict[str, Param]:
         if bound is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
             raise ParamError(f"{path.name}: parameter {node.targets[0].id!r}: a bound is for numbers, "
                              f"its default is {value!r}")
-        out[node.targets[0].id] = Param(node.targets[0].id, value, help_, path.name, bound)
-        if bound is not None and out[node.targets[0].id].problem(value):
-            raise ParamError(f"{path.name}: {out[node.targets[0].id].problem(value)} (its own default)")
+        param = out[node.targets[0].id] = Param(node.targets[0].id, value, help_, path.name, bound)
+        problem = param.problem(value)
+        if problem:
+            raise ParamError(f"{path.name}: {problem} (its own default)")
     return out
 
 
-_DECLARED: dict[str, Param] = {}
+@functools.cache
+def _shipped() -> tuple[list[Stage], dict[str, Param]]:
+    """The repository's stages and every setting they declare, read once per process."""
+    stages = discover()
+    return stages, declared(stages)
 
 
 def declaration(name: str) -> Param:
     """The one declaration of setting `name` (the notebooks' parameters cells, read once)."""
-    if not _DECLARED:
-        _DECLARED.update(declared(discover()))
-    if name not in _DECLARED:
+    params = _shipped()[1]
+    if name not in params:
         raise KeyError(f"no notebook declares {name!r}")
-    return _DECLARED[name]
+    return params[name]
 
 
 def default_field(name: str):
@@ -187,7 +192,7 @@ def check_bounds(values: dict) -> None:
 def given(number: str, namespace: dict) -> dict:
     """Notebook `number`'s parameters (their current values in `namespace`, the notebook's
     globals), without the two that name the run folder: what its stage's `run(run, **params)` takes."""
-    stage = next(s for s in discover() if s.number == number)
+    stage = next(s for s in _shipped()[0] if s.number == number)
     return {name: namespace[name] for name in stage.params if name not in ("run_name", "outputs_dir")}
 
 

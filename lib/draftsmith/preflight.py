@@ -28,8 +28,8 @@ def check(stages, values: dict, sources: dict[str, str]) -> list[str]:
     declared = {name for s in stages for name in s.params}
     where = lambda k: sources.get(k, "default")  # noqa: E731
     params = parameters.declared(stages)
-    problems = [f"{where(name)}: {params[name].problem(values.get(name))}" for name in sorted(declared)
-                if params[name].problem(values.get(name))]
+    said = ((name, params[name].problem(values.get(name))) for name in sorted(declared))
+    problems = [f"{where(name)}: {problem}" for name, problem in said if problem]
     problems += _names(values, "datasets" in declared, where)
     if "nnodes" in declared and isinstance(values.get("nnodes"), int) and values["nnodes"] > 1:
         try:

@@ -79,15 +79,12 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
         bench_engine_rows = [r for r in all_rows if r.get("gpu_only") or (r["dataset"], r["sample_id"]) in bench_keys]
     by_t, hf_rows, bench_by_t, bench_hf_rows = {}, None, {}, None   # our decoder's summaries and rows
     if ours:
-        by_t, hf_rows = decoder_report(
-            model, methods, prompts, layer_ids, draft_tokens=draft_tokens, eval_max_new_tokens=eval_max_new_tokens,
-            eval_temperatures=eval_temperatures, seed=seed, draft_cost_ratio=draft_cost_ratio,
-            rounds_file=outputs.RoundsFile(run), target_fingerprint=fingerprint)
+        decoder = dict(draft_tokens=draft_tokens, eval_max_new_tokens=eval_max_new_tokens,
+                       eval_temperatures=eval_temperatures, seed=seed, draft_cost_ratio=draft_cost_ratio,
+                       rounds_file=outputs.RoundsFile(run), target_fingerprint=fingerprint)   # rounds.jsonl read once
+        by_t, hf_rows = decoder_report(model, methods, prompts, layer_ids, **decoder)
         if bench:
-            bench_by_t, bench_hf_rows = decoder_report(
-                model, methods, bench, layer_ids, draft_tokens=draft_tokens, eval_max_new_tokens=eval_max_new_tokens,
-                eval_temperatures=eval_temperatures, seed=seed, draft_cost_ratio=draft_cost_ratio,
-                rounds_file=outputs.RoundsFile(run), target_fingerprint=fingerprint, turns=turns)
+            bench_by_t, bench_hf_rows = decoder_report(model, methods, bench, layer_ids, turns=turns, **decoder)
     engine_settings = dict(draft_tokens=draft_tokens, eval_temperatures=eval_temperatures,
                            eval_engine_dtype=eval_engine_dtype, eval_tensor_parallel=eval_tensor_parallel)
     engine_part = engine_summary.engine_report(engine_rows, engine_methods, hf_rows, **engine_settings) \

@@ -20,6 +20,7 @@ nothing here reads or writes the session.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -65,7 +66,7 @@ class Wire:
     billed: bool
     model: str
 
-    @property
+    @functools.cached_property
     def url(self) -> str:
         return self.base + "/chat/completions"
 

@@ -103,7 +103,7 @@ def result(session) -> GenerationResult:
     stage_01 = ", stage 01 included" if session.stage_01_usd else ""
     c = session.counts
     lost = c.failed_attempts_cost + c.abandoned_reserved_usd + c.unsaved_cost
-    spent = (f"spent ${c.cost + c.failed_attempts_cost + c.abandoned_reserved_usd + c.unsaved_cost:.4f} this session, "
+    spent = (f"spent ${c.cost + lost:.4f} this session, "
              f"${session.spend.spent:.4f} in this run{stage_01} (limit ${session.spend.limit:.2f})")
     if lost > 0:
         unknown = (f", of which ${c.abandoned_reserved_usd:.4f} is counted at its worst case for "

@@ -56,8 +56,8 @@ def _top_up_usd(session, worst: float, left: tuple[float, int] | None = None) ->
 
 
 def wind_down(session, why: str, worst: float) -> tuple[str, float] | None:
-    """(the message, the top-up) when the run should stop for a top-up now that `why` refused a
-    start of worst case `worst`; None while it should go on."""
+    """(the message, the top-up rounded to cents) when the run should stop for a top-up now that
+    `why` refused a start of worst case `worst`; None while it should go on."""
     fraction = session.opts.money_bound_stop_fraction
     if (not fraction or not session.was_full
             or session.in_flight >= fraction * min(session.opts.concurrency, session.aimd.limit)):
@@ -66,7 +66,7 @@ def wind_down(session, why: str, worst: float) -> tuple[str, float] | None:
     if left is None or left[0] <= session.spend.left:
         return None
     need = left[0]
-    top_up = _top_up_usd(session, worst, left)
+    top_up = round(_top_up_usd(session, worst, left), 2)
     money = (f"${session.spend.left:.2f} above the balance floor" if why == "balance"
              else f"${session.spend.left:.2f} below spend_limit_usd")
     action = "top up" if why == "balance" else "raise spend_limit_usd by"

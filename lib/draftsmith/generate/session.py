@@ -1,5 +1,5 @@
-"""A session of stage 02 (one start or resume of a run): one aiohttp client carries up to `concurrency` requests at once, shared
-by all datasets. A slot freed by one dataset goes to whichever dataset still has budget and
+"""A session of stage 02 (one start or resume of a run): one aiohttp client carries up to
+`concurrency` requests at once, shared by all datasets. A slot freed by one dataset goes to whichever dataset still has budget and
 prompts (round robin), so the run stays full until the last budget is reached; each start
 reserves its worst-case dollars first (openrouter/budget.py). A worker runs one sample's attempts
 (attempts.py) and takes the next job itself.
@@ -224,7 +224,7 @@ class Session:
             return
         message, top_up = stop
         self.winding_down = (self.blocked[0], message)
-        self.entry["top_up_usd"] = round(top_up, 2)
+        self.entry["top_up_usd"] = top_up
         self.log(f"winding down: {message}; starting nothing new, letting the {self.in_flight} requests in flight finish")
 
     def request_stop(self, reason: str, message: str = "") -> None:
@@ -258,7 +258,7 @@ class Session:
 
     # -- the whole session -------------------------------------------------------------------
     async def main(self) -> None:
-        with _fewer_collections():
+        with fewer_collections():
             await self._main()
 
     async def _main(self) -> None:
@@ -423,7 +423,7 @@ class Session:
 
 
 @contextmanager
-def _fewer_collections():
+def fewer_collections():
     """While a session runs, the cyclic garbage collector costs as much CPU as everything a session
     adds to a bare HTTP loop (bench/bench_generate.py): with thousands of requests in flight, each
     young collection at Python's threshold (700 allocations) walks the live request state again,

@@ -182,28 +182,23 @@ class SpendBudget:
     the two limits binds, and what to add to finish."""
 
     def __init__(self, limit_usd: float, floor_usd: float = 0.0, spent: float = 0.0):
-        parameters.check_bounds({"spend_limit_usd": limit_usd, "balance_floor_usd": floor_usd})
         if limit_usd is None:
             raise ValueError("spend_limit_usd is required")
+        parameters.check_bounds({"spend_limit_usd": limit_usd, "balance_floor_usd": floor_usd})
         self.limit = float(limit_usd)
         self.floor = float(floor_usd or 0.0)
         self.spent = float(spent)       # the run's known spend, all sessions
         self.reserved = 0.0
         self.balance: float | None = None   # account balance at the last poll (None: unknown / uncapped)
         self._spent_at_poll = 0.0
-        self.prompt_price = 0.0         # worst USD per token
-        self.completion_price = 0.0
-        self.request_price = 0.0        # worst USD per request
-        self._prices = Prices(0.0, 0.0, 0.0)
+        self.prices = Prices(0.0, 0.0, 0.0)    # the worst USD per token and per request
 
     def set_prices(self, prompt: float, completion: float, request: float | None = None) -> None:
-        self.prompt_price, self.completion_price = float(prompt), float(completion)
-        if request is not None:
-            self.request_price = float(request)
-        self._prices = Prices(self.prompt_price, self.completion_price, self.request_price)
+        self.prices = Prices(float(prompt), float(completion),
+                             self.prices.request if request is None else float(request))
 
     def worst_cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return self._prices.cost(prompt_tokens, completion_tokens)
+        return self.prices.cost(prompt_tokens, completion_tokens)
 
     def set_balance(self, balance: float | None) -> None:
         self.balance = balance
@@ -257,11 +252,12 @@ class SpendBudget:
         self.reserved = max(0.0, self.reserved - reserved)
         self.spent += cost
         if prompt_tokens is not None and completion_tokens is not None and cost > 0:
-            priced = self.worst_cost(prompt_tokens, completion_tokens) - self.request_price
-            if cost - self.request_price > priced * 1.0001:
-                scale = (cost - self.request_price) / priced if priced > 0 else None
+            p = self.prices
+            priced = self.worst_cost(prompt_tokens, completion_tokens) - p.request
+            if cost - p.request > priced * 1.0001:
+                scale = (cost - p.request) / priced if priced > 0 else None
                 if scale:
-                    self.set_prices(self.prompt_price * scale, self.completion_price * scale)
+                    self.set_prices(p.prompt * scale, p.completion * scale)
                 else:
                     per = cost / max(1, prompt_tokens + completion_tokens)
-                    self.set_prices(max(self.prompt_price, per), max(self.completion_price, per))
+                    self.set_prices(max(p.prompt, per), max(p.completion, per))
