@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--model", action="store_true", help="also time the model backend as the demo uses it")
     args = ap.parse_args()
     if args.model:
-        from draftsmith.target.checkpoint import resolve_target
+        from draftsmith.targets.checkpoint import resolve_target
 
         resolve_target("tiny")  # built (once) before timing
         r = run_scenario("model-demo", MODEL_SCENARIO, args.seconds)

@@ -30,8 +30,8 @@ from safetensors import safe_open
 from draftsmith.hidden.extract import extract
 from draftsmith.hidden.plan import plan_batches
 from draftsmith.hidden.outputs import HiddenShards
-from draftsmith.target.checkpoint import load_target, resolve_target
-from draftsmith.target.hf import pad_batch
+from draftsmith.targets.checkpoint import load_target, resolve_target
+from draftsmith.targets.hf import pad_batch
 from draftsmith.tokens import read_tokens
 
 

@@ -30,9 +30,9 @@ from bench_hidden import print_disk_table, raw_tensor_bytes, synthetic_tokens
 from draftsmith import layers
 from draftsmith.hidden.extract import extract
 from draftsmith.hidden.outputs import HiddenShards
-from draftsmith.target.checkpoint import resolve_target, target_config
-from draftsmith.target.vllm import VllmCapture, vllm_env
-from draftsmith.target.vllm_capture import engine_kwargs
+from draftsmith.targets.checkpoint import resolve_target, target_config
+from draftsmith.targets.vllm import VllmCapture, vllm_env
+from draftsmith.targets.vllm_capture import engine_kwargs
 from draftsmith.tokens import read_tokens
 
 

@@ -5,7 +5,7 @@ The texts are whole conversations as the target saw them (prompt with its templa
 reasoning model's responses. Two targets in one run: the built-in `tiny-test` (a fast tokenizer,
 tokenizers' Rust BPE) and a Kimi-style checkpoint (remote-code tokenizer over tiktoken:
 `--kimi PATH`, a checkpoint folder; default: the tokenizer files of
-`draftsmith.target.kimi_tokenizer` written to a temporary folder). Each method runs `--repeat` times, interleaved, best time kept (the machine is
+`draftsmith.targets.kimi_tokenizer` written to a temporary folder). Each method runs `--repeat` times, interleaved, best time kept (the machine is
 shared). Rows per target:
   bare encode              the reference: one batched call of the tokenizer library itself on the
                            full texts (tokenizers `encode_batch_fast` / tiktoken `encode_batch`)
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from draftsmith import parameters, tokens
-from draftsmith.target.checkpoint import resolve_target
-from draftsmith.target.corpus import stdlib_docstrings
+from draftsmith.targets.checkpoint import resolve_target
+from draftsmith.targets.corpus import stdlib_docstrings
 from draftsmith.tokens import Response, Thresholds
 from draftsmith.tokens.outputs import check_row, ids_line
 
@@ -60,7 +60,7 @@ def kimi_reconstructor(folder: str | None, tmp: str) -> tokens.Reconstructor:
     written to `tmp` (the rebuild needs nothing else of a checkpoint)."""
     from transformers import AutoTokenizer
 
-    from draftsmith.target.kimi_tokenizer import write_tokenizer_files
+    from draftsmith.targets.kimi_tokenizer import write_tokenizer_files
 
     if folder is None:
         folder = Path(tmp) / "kimi-tokenizer"

@@ -29,7 +29,7 @@ from draftsmith.hidden.extract import extract
 from draftsmith.drafter.objective import TTTObjective, build_drafter, step_weights
 from draftsmith.drafter.prepare import prepare
 from draftsmith.hidden.outputs import HiddenShards
-from draftsmith.target.checkpoint import resolve_target, target_config, target_tensors
+from draftsmith.targets.checkpoint import resolve_target, target_config, target_tensors
 
 WORDS = ("the function returns a list of values from the given file path and raises an error when the "
          "object is not found so the caller can retry with another name or default").split()

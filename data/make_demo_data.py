@@ -14,7 +14,7 @@ import random
 import sys
 from pathlib import Path
 
-from draftsmith.target.corpus import stdlib_docstrings
+from draftsmith.targets.corpus import stdlib_docstrings
 
 OUT = Path(__file__).resolve().parent / "demo"
 SYSTEMS = ["You are a concise Python expert.", "Answer in plain English, briefly.",

@@ -169,7 +169,7 @@ def pytest_collection_finish(session):
     names = dict.fromkeys(n for tier in tiers for n in TARGETS.get(tier, TARGETS["unit"]))
     if not names:
         return
-    from draftsmith.target.checkpoint import resolve_target
+    from draftsmith.targets.checkpoint import resolve_target
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     write = reporter.write_line if reporter else print
@@ -180,7 +180,7 @@ def pytest_collection_finish(session):
 @pytest.fixture(scope="session")
 def tiny_target() -> Path:
     """Folder of the `tiny-test` target (same architecture as the demo target, built in seconds)."""
-    from draftsmith.target.checkpoint import resolve_target
+    from draftsmith.targets.checkpoint import resolve_target
 
     return resolve_target("tiny-test", log=lambda *a: None)
 
@@ -189,7 +189,7 @@ def tiny_target() -> Path:
 def kimi_mini_targets() -> dict[str, Path]:
     """Folders of the Kimi-K2.5-shaped built-in targets, {"kimi-mini": INT4 experts, "kimi-mini-bf16":
     bf16 experts} (one build writes both, about two minutes; cached like tiny-test's)."""
-    from draftsmith.target.checkpoint import resolve_target
+    from draftsmith.targets.checkpoint import resolve_target
 
     return {name: resolve_target(name, log=lambda *a: None) for name in ("kimi-mini", "kimi-mini-bf16")}
 
@@ -275,7 +275,7 @@ def stage_05_run(run: Path, target: Path, tok, *, epochs: float, export_fraction
     from draftsmith.drafter.config import TrainConfig
     from draftsmith.drafter.train import train
     from draftsmith.hidden.extract import extract
-    from draftsmith.target.corpus import chat_examples
+    from draftsmith.targets.corpus import chat_examples
 
     tokens = run / "tokens"
     tokens.mkdir(parents=True)

@@ -9,7 +9,7 @@ import torch
 from draftsmith.evaluate import benchmarks, published
 from draftsmith.evaluate.measure import decode_turns
 from draftsmith.evaluate.target_cache import Target
-from draftsmith.target.checkpoint import load_target
+from draftsmith.targets.checkpoint import load_target
 
 
 def quiet(*a, **k):

@@ -325,7 +325,7 @@ def test_resume_from_a_checkpoint_continues_identically(hidden_dir, tiny_target,
 
 def test_a_checkpoint_written_under_the_old_setting_names_still_resumes(hidden_dir, tiny_target, tmp_path):
     from draftsmith.drafter.config import OLD_NAMES
-    from draftsmith.target.checkpoint import target_config
+    from draftsmith.targets.checkpoint import target_config
 
     cfg = small_config(hidden_dir, tiny_target, tmp_path / "d", stop_at=3)
     train.train(cfg, log=quiet)

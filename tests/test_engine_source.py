@@ -27,7 +27,7 @@ from draftsmith.drafter.config import TrainConfig
 from draftsmith.emulator import running
 from draftsmith.paths import Run
 from draftsmith.hidden.outputs import HiddenShards
-from draftsmith.target.vllm import vllm_env
+from draftsmith.targets.vllm import vllm_env
 
 from conftest import free_port, get_json
 

@@ -20,8 +20,8 @@ from draftsmith.drafter.model import DrafterConfig
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.vocab import DraftVocab
 from draftsmith.evaluate import engine
-from draftsmith.target import vllm_fixes
-from draftsmith.target.checkpoint import target_config, target_tensors
+from draftsmith.targets import vllm_fixes
+from draftsmith.targets.checkpoint import target_config, target_tensors
 
 from conftest import stage_05_run
 

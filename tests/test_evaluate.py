@@ -16,9 +16,9 @@ from draftsmith.evaluate import decode, metrics, prompts as heldout, outputs, se
 from draftsmith.evaluate.proposers import Eagle3Proposer, PromptLookup
 from draftsmith.evaluate.target_cache import Target
 from draftsmith.paths import Run
-from draftsmith.target.checkpoint import load_target, target_config, target_tensors
-from draftsmith.target.corpus import chat_examples
-from draftsmith.target.hf import Capture
+from draftsmith.targets.checkpoint import load_target, target_config, target_tensors
+from draftsmith.targets.corpus import chat_examples
+from draftsmith.targets.hf import Capture
 from draftsmith.tokens import Sample
 
 from conftest import notebook_params, stage_05_run

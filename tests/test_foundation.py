@@ -9,8 +9,8 @@ from draftsmith.openrouter import apikey
 from draftsmith import datasets, progress
 from draftsmith.datasets import DatasetReader, DatasetSpec
 from draftsmith.paths import REPO_ROOT as REPO
-from draftsmith.target import tiny
-from draftsmith.target.checkpoint import resolve_target
+from draftsmith.targets import tiny
+from draftsmith.targets.checkpoint import resolve_target
 
 
 def write_jsonl(path, rows):
@@ -257,7 +257,7 @@ def test_a_target_path_without_a_checkpoint_is_named_before_any_stage_starts(tmp
 
 def test_a_checkpoint_fingerprint_follows_its_config_and_weights(tmp_path):
     """The one fingerprint (the target's identity in stage 04's index, an export's in stage 06)."""
-    from draftsmith.target.identity import fingerprint
+    from draftsmith.targets.identity import fingerprint
 
     (tmp_path / "config.json").write_text('{"hidden_size": 4}')
     (tmp_path / "model.safetensors").write_bytes(b"w" * 100)

@@ -20,7 +20,7 @@ from draftsmith.hidden import plan, resume, stage, verify
 from draftsmith.hidden.extract import extract as extract_hidden
 from draftsmith.paths import Run
 from draftsmith.hidden.outputs import INDEX, HiddenShards
-from draftsmith.target.checkpoint import load_target
+from draftsmith.targets.checkpoint import load_target
 
 from conftest import notebook_params
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith.target.checkpoint import load_target, target_config, target_tensors
+from draftsmith.targets.checkpoint import load_target, target_config, target_tensors
 
 # The first test to ask for the targets builds them when the cache has none (minutes on two cores),
 # and the chain's first test runs the whole chain: pytest-timeout counts fixtures in the test's time.

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.target.kimi_tokenizer import NAMED_TOKENS, NUM_RANKS, VOCAB_SIZE, write_tokenizer_files
+from draftsmith.targets.kimi_tokenizer import NAMED_TOKENS, NUM_RANKS, VOCAB_SIZE, write_tokenizer_files
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_kimi_pattern_splits_han_runs_and_letter_case(kimi_tok):
 
 
 def test_encode_cuts_long_runs_and_specials_typed_as_text_stay_text_only_when_asked(kimi_tok):
-    from draftsmith.target.kimi_remote.tokenization_kimi import MAX_RUN_CHARS, split_long_runs
+    from draftsmith.targets.kimi_remote.tokenization_kimi import MAX_RUN_CHARS, split_long_runs
 
     long = "a" * (2 * MAX_RUN_CHARS + 7) + "  b"
     assert [len(p) for p in split_long_runs(long)] == [MAX_RUN_CHARS, MAX_RUN_CHARS, 10]
@@ -125,7 +125,7 @@ def test_a_remote_code_tokenizer_without_trust_remote_code_is_refused_naming_the
     f = _params(tmp_path, kimi_dir, trust_remote_code=True)
     assert cli.main(["run", "03", "-f", str(f), "--check"]) == 0
     # the library call refuses it as well, instead of transformers' generic conversion
-    from draftsmith.target.checkpoint import load_tokenizer
+    from draftsmith.targets.checkpoint import load_tokenizer
 
     with pytest.raises(ValueError, match="trust_remote_code is false"):
         load_tokenizer(kimi_dir)
@@ -153,7 +153,7 @@ def test_check_loads_the_tokenizer_and_bridges_the_moved_bytes_to_unicode_import
     assert cli.main(["run", "03", "-f", str(f), "--check"]) == 0
     err = capsys.readouterr().err
     assert "compatibility: tokenization_kimi.py imports bytes_to_unicode from transformers.models.gpt2." in err
-    from draftsmith.target.checkpoint import load_tokenizer
+    from draftsmith.targets.checkpoint import load_tokenizer
 
     assert load_tokenizer(old_import_dir, trust_remote_code=True, log=lambda m: None).encode("<|im_end|>") == [163586]
 
@@ -274,7 +274,7 @@ def test_emulator_refuses_an_end_of_turn_the_tokenizer_does_not_have(kimi_tok):
     import copy
 
     from draftsmith.emulator.backends import Vocab
-    from draftsmith.target import tiny
+    from draftsmith.targets import tiny
 
     vocab = Vocab(kimi_tok)
     assert (vocab.eos, vocab.end_think) == (163586, 163607)  # <|im_end|> and </think>, from the template

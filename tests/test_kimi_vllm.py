@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.target import vllm_fixes, vllm_limits
+from draftsmith.targets import vllm_fixes, vllm_limits
 
 REPO = Path(__file__).resolve().parents[1]
 IM_END = 163586
@@ -195,7 +195,7 @@ def kimi_export(target: Path, out: Path, layer_ids: list[int]) -> Path:
     from draftsmith.drafter.model import DrafterConfig
     from draftsmith.drafter.objective import build_drafter
     from draftsmith.drafter.vocab import DraftVocab
-    from draftsmith.target.checkpoint import target_config, target_tensors
+    from draftsmith.targets.checkpoint import target_config, target_tensors
 
     cfg = DrafterConfig.from_target(target_config(target), 512)
     counts = torch.zeros(cfg.vocab_size, dtype=torch.int64)

@@ -23,7 +23,7 @@ from draftsmith.drafter.config import TrainConfig
 from draftsmith.hidden.extract import extract
 from draftsmith.paths import Run
 from draftsmith.hidden.outputs import HiddenShards
-from draftsmith.target.corpus import chat_examples
+from draftsmith.targets.corpus import chat_examples
 
 from conftest import free_port, notebook_params, write_token_rows
 

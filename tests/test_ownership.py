@@ -32,10 +32,10 @@ OWNERS = {
     "supervision.safetensors": {"drafter/outputs.py"}, "train_config.json": {"drafter/outputs.py"},
     # an export folder in the engines' format; a target checkpoint in Hugging Face's
     "model.safetensors": {"drafter/export.py"},
-    "config.json": {"drafter/export.py", "target/checkpoint.py", "target/identity.py",
-                    "target/tiny.py", "local.py"},
-    "tokenizer_config.json": {"target/checkpoint.py", "target/kimi_tokenizer.py"},
-    "draftsmith_target.json": {"target/tiny.py"},
+    "config.json": {"drafter/export.py", "targets/checkpoint.py", "targets/identity.py",
+                    "targets/tiny.py", "local.py"},
+    "tokenizer_config.json": {"targets/checkpoint.py", "targets/kimi_tokenizer.py"},
+    "draftsmith_target.json": {"targets/tiny.py"},
     # stage 06
     "rounds.jsonl": {"evaluate/outputs.py"}, "engine_rounds.jsonl": {"evaluate/outputs.py"},
     "engine_job.json": {"evaluate/outputs.py"}, "bench_prompts_sharegpt.json": {"evaluate/outputs.py"},

@@ -13,7 +13,7 @@ from test_generate_e2e import emu_config, generate, prompts_file
 
 from draftsmith.emulator import running
 from draftsmith.progress import Progress
-from draftsmith.target import tiny
+from draftsmith.targets import tiny
 
 
 def notebook_bars(monkeypatch) -> list:
@@ -60,7 +60,7 @@ def test_ctrl_c_while_waiting_for_another_target_build_is_one_clean_keyboard_int
     with open(tmp_path / f".{out.name}.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another process, mid-build
         child = subprocess.Popen(
-            [sys.executable, "-u", "-c", "from draftsmith.target import tiny; import sys; "
+            [sys.executable, "-u", "-c", "from draftsmith.targets import tiny; import sys; "
              f"tiny.build_tiny_target('tiny-test', root=sys.argv[1])", str(tmp_path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         first = child.stdout.readline()

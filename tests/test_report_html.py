@@ -8,7 +8,7 @@ import nbformat
 
 from draftsmith.paths import REPO_ROOT, Run
 from draftsmith.report import write_report
-from draftsmith.target.tiny import BUILD_LOG
+from draftsmith.targets.tiny import BUILD_LOG
 
 
 def executed(run: Run, outputs: list) -> None:

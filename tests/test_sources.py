@@ -11,7 +11,7 @@ import pytest
 
 from draftsmith import tokens
 from draftsmith.hidden.extract import extract
-from draftsmith.target.corpus import chat_examples
+from draftsmith.targets.corpus import chat_examples
 from draftsmith.drafter import train
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.imports import parse_imports

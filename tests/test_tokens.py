@@ -4,8 +4,8 @@ the response format; the loss mask's first response position; the Kimi-K2.5 temp
 import pytest
 
 from draftsmith import tokens
-from draftsmith.target import tiny
-from draftsmith.target.corpus import chat_examples
+from draftsmith.targets import tiny
+from draftsmith.targets.corpus import chat_examples
 from draftsmith.templates import KIMI_K25_CHAT_TEMPLATE, load_chat_template, response_layout
 from draftsmith.tokens import Reconstructor, Response, Thresholds
 

@@ -11,7 +11,7 @@ import pytest
 
 from draftsmith import tokens
 from draftsmith.tokens import stage
-from draftsmith.target.corpus import chat_examples
+from draftsmith.targets.corpus import chat_examples
 from draftsmith.paths import Run
 
 from conftest import notebook_params

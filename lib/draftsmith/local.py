@@ -40,7 +40,7 @@ def open_api(api_base: str, api_key_file: str | None, run: Run, target_model_pat
         return
     from .emulator import KEY_ENV, new_key
     from .emulator.config import load_config
-    from .target.checkpoint import resolve_target
+    from .targets.checkpoint import resolve_target
 
     if api_key_file or os.environ.get(ENV_VAR, "").strip():
         key = read_api_key(api_key_file)

@@ -297,7 +297,7 @@ def _check_known(key, known: dict[str, Param], source: str) -> None:
 def absolutize(values: dict, base: Path) -> dict:
     """Relative paths (keys ending in _dir/_file/_path, datasets[].path, imports[].path,
     eval_benchmarks[].path) made absolute; a built-in target's name stays a name."""
-    from .target.checkpoint import BUILT_IN_TARGETS as VARIANTS
+    from .targets.checkpoint import BUILT_IN_TARGETS as VARIANTS
 
     def fix(v):
         if isinstance(v, str) and v and v not in VARIANTS and not os.path.isabs(os.path.expanduser(v)):

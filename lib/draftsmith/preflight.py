@@ -149,7 +149,7 @@ def _no_answer(spec: ImportSpec) -> str | None:
 
 
 def _target(path: str, where: str) -> list[str]:
-    from .target.checkpoint import checkpoint_problem
+    from .targets.checkpoint import checkpoint_problem
 
     problem = checkpoint_problem(path)
     return [f"{where}: {problem}"] if problem else []
@@ -161,12 +161,12 @@ def _tokenizer(path: str, trust_remote_code: bool, where) -> list[str]:
     that moved, ...) shows now, before anything runs or pays. Built-in targets are left to their build."""
     import sys
 
-    from .target.checkpoint import BUILT_IN_TARGETS, checkpoint_problem, load_tokenizer, remote_code_refusal, \
+    from .targets.checkpoint import BUILT_IN_TARGETS, checkpoint_problem, load_tokenizer, remote_code_refusal, \
         tokenizer_code
 
     if str(path) in BUILT_IN_TARGETS:  # known without building: the Kimi-shaped ones ship tokenizer code
-        from .target import kimi_mini
-        from .target.kimi_tokenizer import tokenizer_config
+        from .targets import kimi_mini
+        from .targets.kimi_tokenizer import tokenizer_config
 
         if str(path) in kimi_mini.VARIANTS and not trust_remote_code:
             code = tokenizer_config()["auto_map"]["AutoTokenizer"][0]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .files import write_text_atomic
 from .paths import REPO_ROOT, Run
-from .target.tiny import BUILD_LOG
+from .targets.tiny import BUILD_LOG
 
 # Appended to the exporter's own styles: nothing may be wider than the page. A wide table or code
 # block (a serving command) scrolls sideways in its own box, its lines kept whole; printed text

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import layers
-from ..target.checkpoint import target_tensors
+from ..targets.checkpoint import target_tensors
 from .model import DrafterConfig, Eagle3Drafter
 from .vocab import used_ids
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from .. import parameters
 from ..hidden.outputs import hidden_dir
 from ..paths import Run
-from ..target.checkpoint import resolve_target
+from ..targets.checkpoint import resolve_target
 from . import outputs, train
 from .config import TrainConfig
 

@@ -30,7 +30,7 @@ from .. import layers
 from ..distributed import Dist, init_dist
 from ..progress import Progress
 from ..hidden.outputs import HiddenShards
-from ..target.checkpoint import target_config, target_tensors
+from ..targets.checkpoint import target_config, target_tensors
 from ..distributed import done_launching, launch_dir, torchrun
 from . import outputs, checkpoints, data
 from .config import TrainConfig

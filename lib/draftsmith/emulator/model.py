@@ -352,7 +352,7 @@ class ModelBackend:
 
     def __init__(self, model_path, vocab: Vocab, max_batch: int = 64, threads: int = 1, canonical: bool = True,
                  seed: int = 0):
-        from ..target.checkpoint import load_target
+        from ..targets.checkpoint import load_target
 
         self.vocab, self.max_batch, self.canonical, self.seed = vocab, max_batch, canonical, seed
         self.threads = threads

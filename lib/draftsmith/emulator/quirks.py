@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from ..target.tiny import tokenizer_json_path
+from ..targets.tiny import tokenizer_json_path
 
 TRUNCATE_CHARS = 40  # a truncated reasoning stops after this many characters
 

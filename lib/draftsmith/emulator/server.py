@@ -34,8 +34,8 @@ def _tokenizer(target_model_path: str | None):
     provider, which runs the tokenizer code a checkpoint ships (Kimi-K2.5's): it trusts that code.
     The runner never gets here with such a checkpoint unless the user set trust_remote_code
     (`draftsmith.preflight`)."""
-    from ..target.checkpoint import load_tokenizer
-    from ..target.tiny import make_tokenizer
+    from ..targets.checkpoint import load_tokenizer
+    from ..targets.tiny import make_tokenizer
 
     if not target_model_path:
         return make_tokenizer()
@@ -71,7 +71,7 @@ class Emulator:
         if self.cfg.backend == "model":
             if not self.cfg.target_model_path:
                 raise ValueError("emulator config: backend 'model' needs target_model_path")
-            from ..target.checkpoint import resolve_target
+            from ..targets.checkpoint import resolve_target
             from .model import ModelBackend
 
             return ModelBackend(resolve_target(self.cfg.target_model_path, log=lambda *a: None), self.vocab,

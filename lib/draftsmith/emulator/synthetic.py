@@ -18,8 +18,8 @@ import re
 import sys
 from functools import lru_cache
 
-from ..target.corpus import stdlib_docstrings
-from ..target.tiny import cache_dir
+from ..targets.corpus import stdlib_docstrings
+from ..targets.tiny import cache_dir
 from .backends import Job, Vocab
 from .faults import uniform
 

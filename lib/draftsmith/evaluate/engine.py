@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 from ..paths import Run
-from ..target.vllm import die_with_parent, vllm_env
+from ..targets.vllm import die_with_parent, vllm_env
 from . import outputs
 
 VLLM_VERSION = "0.32.0"

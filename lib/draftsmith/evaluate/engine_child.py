@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..target.vllm_fixes import apply_fixes
-from ..target.vllm_limits import gpu_only_line
+from ..targets.vllm_fixes import apply_fixes
+from ..targets.vllm_limits import gpu_only_line
 from .prompts import prompt_seed
 from .outputs import append_row
 

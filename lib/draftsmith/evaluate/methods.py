@@ -14,7 +14,7 @@ from .. import layers
 from ..drafter import load_exported
 from ..drafter.outputs import read_exports
 from ..drafter.export import for_engine, read_export_config
-from ..target.identity import fingerprint
+from ..targets.identity import fingerprint
 from . import engine
 from .proposers import Eagle3Proposer, PromptLookup
 

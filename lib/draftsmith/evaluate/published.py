@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ..target.checkpoint import target_config
+from ..targets.checkpoint import target_config
 
 SETTING_314 = "chain of 3 drafts, top-k 1, 4 draft tokens per verification (3-1-4)"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from .. import parameters
 from ..paths import Run
-from ..target.checkpoint import load_target, resolve_target
-from ..target.identity import target_identity
+from ..targets.checkpoint import load_target, resolve_target
+from ..targets.identity import target_identity
 from . import benchmarks, engine, engine_summary, outputs
 from .measure import decoder_report
 from .methods import engine_methods_for, methods_for

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..target.hooks import LayerOutputs
+from ..targets.hooks import LayerOutputs
 
 
 class Target:

@@ -39,7 +39,7 @@ class ContextCheck:
     def _count(self, messages: list[dict]) -> int | None:
         if self._tok is None and self.path:
             try:
-                from ..target.checkpoint import load_tokenizer
+                from ..targets.checkpoint import load_tokenizer
 
                 self._tok = load_tokenizer(self.path, self.trust_remote_code, log=lambda *a: None)
             except Exception as e:  # noqa: BLE001 - any failure means: let the API decide

@@ -4,7 +4,7 @@ For every token of every sample: the outputs of the three auxiliary decoder laye
 side) and the final hidden state after the final norm (`last`: the decoder's `last_hidden_state`,
 what the lm_head reads). Layer ids are kept in the OUTPUT convention (`draftsmith.layers`): id k is
 the output of decoder layer k, Hugging Face `output_hidden_states[k + 1]`. The shards and their
-index are `draftsmith.hidden.outputs`'; the target and its engines are `draftsmith.target`'s.
+index are `draftsmith.hidden.outputs`'; the target and its engines are `draftsmith.targets`'s.
 
   stage.py    the entry notebook 04 calls (`run`): here, or as torchrun ranks (`launch`)
   extract.py  the extraction itself (`extract`, `Settings`): one rank's shards, the index at the end

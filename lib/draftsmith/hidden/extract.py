@@ -29,10 +29,10 @@ from .. import layers, parameters
 from . import outputs
 from ..distributed import init_dist
 from ..progress import Progress
-from ..target.checkpoint import load_target
-from ..target.hf import Capture
-from ..target.vllm import VllmCapture
-from ..target.identity import target_identity
+from ..targets.checkpoint import load_target
+from ..targets.hf import Capture
+from ..targets.vllm import VllmCapture
+from ..targets.identity import target_identity
 from ..tokens.outputs import Sample, read_tokens
 from .resume import SCRATCH, fingerprint_samples, lock, prepare, shard_entry
 

@@ -24,9 +24,9 @@ from . import outputs, verify
 from ..files import write_json_atomic
 from ..paths import Run
 from ..tokens.outputs import token_files
-from ..target.checkpoint import resolve_target
-from ..target.identity import target_identity
-from ..target.vllm_limits import GpuOnly
+from ..targets.checkpoint import resolve_target
+from ..targets.identity import target_identity
+from ..targets.vllm_limits import GpuOnly
 from ..distributed import done_launching, launch_dir, torchrun
 from .extract import Settings, extract
 
@@ -110,7 +110,7 @@ def launch(nproc: int, target, files, out_dir, *, nnodes: int = 1, rdzv_endpoint
 
 def main(argv: list[str] | None = None) -> int:
     """`[torchrun ...] python -m draftsmith.hidden CONFIG.json` (a config `write_config` wrote)."""
-    from ..target.checkpoint import resolve_target
+    from ..targets.checkpoint import resolve_target
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import outputs
-from ..target.checkpoint import load_target
+from ..targets.checkpoint import load_target
 
 # (largest relative error of a stored tensor, smallest top-1 agreement of lm_head(last)) per dtype
 TOLERANCE = {"bf16": (0.02, 0.98), "fp8": (0.06, 0.8)}

@@ -12,7 +12,7 @@ from ..local import open_api
 from ..openrouter import client, endpoints
 from ..openrouter.api import Api
 from ..paths import Run
-from ..target.checkpoint import load_tokenizer
+from ..targets.checkpoint import load_tokenizer
 from . import cost_plan, outputs, pilot, probe
 
 

@@ -61,7 +61,7 @@ class Reconstructor:
 
     @classmethod
     def from_pretrained(cls, path, chat_template_file=None, trust_remote_code: bool = False) -> "Reconstructor":
-        from ..target.checkpoint import load_tokenizer
+        from ..targets.checkpoint import load_tokenizer
 
         tok = load_tokenizer(path, trust_remote_code, log=lambda *a: None)
         return cls(tok, load_chat_template(chat_template_file), source=str(path))

@@ -85,7 +85,7 @@ def run(run: Run, *, datasets: list[dict], imports: list[dict], target_model_pat
     """Stage 03 end to end, with notebook 03's parameters under its names: rebuild every dataset
     from stage 02's responses and the files in `imports` (see `draftsmith.imports`), analyse, write
     outputs and report.json (returned)."""
-    from ..target.checkpoint import resolve_target
+    from ..targets.checkpoint import resolve_target
 
     parameters.check_bounds({"sample_tolerance": sample_tolerance, "min_clean_rate": min_clean_rate,
                              "max_relative_error": max_relative_error})

@@ -8,7 +8,7 @@ targets' 128,000 tokens as raw bytes; DeepSeek's own three special tokens among 
 byte-level and become padding), padded with never-matching entries to 163,584 ranks so the
 special tokens sit at Kimi's ids. `write_tokenizer_files(folder)` writes:
 
-    tokenization_kimi.py    the tokenizer class (draftsmith.target.kimi_remote)
+    tokenization_kimi.py    the tokenizer class (draftsmith.targets.kimi_remote)
     tiktoken.model          one "base64(token) rank" line per rank
     tokenizer_config.json   auto_map, the named special and added tokens
     chat_template.jinja     Kimi-K2.5's chat layout (draftsmith.templates)

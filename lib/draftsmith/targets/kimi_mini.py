@@ -15,13 +15,13 @@ config structure, weight names and dtypes at tiny widths:
                          [out, in/32], `weight_shape` int64 [2]) or bf16; `mlp.gate.
                          e_score_correction_bias` float32; everything else bf16
   preprocessor_config.json  the image processor settings vLLM reads to build the model
-  tokenizer files        `draftsmith.target.kimi_tokenizer` (loads with `trust_remote_code`)
+  tokenizer files        `draftsmith.targets.kimi_tokenizer` (loads with `trust_remote_code`)
 
 Widths are tiny, but kv_lora_rank 512 and qk_rope_head_dim 64 are Kimi's (vLLM's CPU MLA runs only
 512 + 64), as are the head dims 128. Two variants share one trained set of weights: `kimi-mini`
 (routed experts INT4, as shipped) and `kimi-mini-bf16` (those INT4 experts dequantized to bf16, for
 engines without an INT4 MoE kernel, e.g. vLLM on CPU). The text model is trained like the tiny
-target (`draftsmith.target.tiny`, whose cheap exact softmax it reuses) on the same corpus, for 40
+target (`draftsmith.targets.tiny`, whose cheap exact softmax it reuses) on the same corpus, for 40
 steps: enough to learn the chat template's markers and the common words (loss ~7 nats), so stage
 05/06 figures are not those of noise. The vision tower and projector are random (no stage sends an
 image).

