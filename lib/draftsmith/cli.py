@@ -52,18 +52,16 @@ def main(argv: list[str] | None = None) -> int:
             raise parameters.ParamError("give a params file with -f params/X.yaml, or --defaults to run the "
                                     "notebooks' own defaults (the demo) on purpose" if not args.file else
                                     "give -f or --defaults, not both")
+        from . import preflight
+
         chosen = parameters.select(stages, args.stage)
         sources: dict[str, str] = {}
-        values = parameters.prepare(stages, chosen, args.file, [tuple(p) for p in args.param], sources=sources)
-        from .preflight import warnings
-
-        for line in warnings(chosen, values, sources):
+        values = preflight.prepare(stages, chosen, args.file, [tuple(p) for p in args.param], sources=sources)
+        for line in preflight.warnings(chosen, values, sources):
             print(f"draftsmith: warning: {line}", file=sys.stderr)
         if args.check:
-            from .preflight import dataset_summaries
-
             if any("api_base" in s.params for s in chosen):
-                for line in dataset_summaries(values):
+                for line in preflight.dataset_summaries(values):
                     print(line)
             for name in dict.fromkeys(k for s in chosen for k in s.params):
                 print(f"    {name} = {values[name]!r}  # {sources[name]}")

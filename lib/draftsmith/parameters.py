@@ -10,8 +10,8 @@ notebook's namespace).
 A params file (and `-p` overrides) hold only what differs: they are merged over the defaults, a
 key that no notebook declares or a value of the wrong type is rejected (naming the file and key),
 relative paths (`datasets` and `imports` entries too) become absolute, relative to where
-`draftsmith` is run, and `prepare` runs every value check of the chosen stages (`preflight`)
-before anything starts or pays.
+`draftsmith` is run (`effective_params`); `preflight.prepare` then checks every value of the
+chosen stages before anything starts or pays.
 """
 
 from __future__ import annotations
@@ -328,22 +328,3 @@ def effective_params(stages_all: list[Stage], file: str | None, overrides: list[
     if not values.get("run_name"):
         raise ParamError(f"{given.get('run_name', file or '-p')}: run_name is required")
     return absolutize(values, base or Path.cwd())
-
-
-def prepare(stages_all: list[Stage], chosen: list[Stage], file: str | None,
-            overrides: list[tuple[str, str]], base: Path | None = None,
-            sources: dict[str, str] | None = None) -> dict:
-    """`effective_params`, then every value check of the chosen stages and a writable run folder:
-    one ParamError listing every problem, before anything starts or pays. `sources`, when given,
-    maps each key to where its value came from."""
-    from . import preflight
-
-    sources = {} if sources is None else sources
-    values = effective_params(stages_all, file, overrides, base, sources)
-    problems = preflight.check(chosen, values, sources)
-    if not problems:
-        problem = preflight.check_outputs(values, sources.get("outputs_dir", "outputs_dir"))
-        problems = [problem] if problem else []
-    if problems:
-        raise ParamError("\n  ".join([f"{len(problems)} problem(s), nothing was run:"] + problems))
-    return values

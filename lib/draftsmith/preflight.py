@@ -7,7 +7,8 @@ the API key each api_base needs (a key file given with `api_base: local` is read
 that exists and whose tokenizer loads (one shipped as code only with trust_remote_code), an
 outputs folder that can be written. Only the parameters the selected stages
 declare are checked, and each problem is one line naming where the value came from (the params
-file, `-p KEY`, or a notebook's default). `warnings` names what is allowed but likely a mistake.
+file, `-p KEY`, or a notebook's default). `prepare` gives a run its values with every check made;
+`warnings` names what is allowed but likely a mistake.
 """
 
 from __future__ import annotations
@@ -22,6 +23,24 @@ from .imports import ImportSpec, answered, parse_imports, to_raw
 from . import parameters
 from .paths import Run, check_name
 from .distributed import rendezvous_args
+
+
+def prepare(stages_all: list[parameters.Stage], chosen: list[parameters.Stage], file: str | None,
+            overrides: list[tuple[str, str]], base: Path | None = None,
+            sources: dict[str, str] | None = None) -> dict:
+    """`parameters.effective_params`, then every value check of the chosen stages and a writable run
+    folder: one ParamError listing every problem, before anything starts or pays. `sources`, when
+    given, maps each key to where its value came from."""
+    sources = {} if sources is None else sources
+    values = parameters.effective_params(stages_all, file, overrides, base, sources)
+    problems = check(chosen, values, sources)
+    if not problems:
+        problem = check_outputs(values, sources.get("outputs_dir", "outputs_dir"))
+        problems = [problem] if problem else []
+    if problems:
+        raise parameters.ParamError("\n  ".join([f"{len(problems)} problem(s), nothing was run:"] + problems))
+    return values
+
 
 def check(stages, values: dict, sources: dict[str, str]) -> list[str]:
     """Every problem of the selected stages' parameters, one line each (empty: all good)."""
