@@ -5,7 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.targets.kimi_tokenizer import NAMED_TOKENS, NUM_RANKS, VOCAB_SIZE, write_tokenizer_files
+from draftsmith.targets.kimi_tokenizer import (ADDITIONAL_SPECIAL_TOKENS, NAMED_TOKENS, NUM_RANKS, VOCAB_SIZE,
+                                               write_tokenizer_files)
+
+MARKERS = set(range(163595, 163600))  # the tool-call markers
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,27 @@ def test_autotokenizer_loads_the_remote_code_tokenizer_with_kimis_ids(kimi_dir, 
     assert 163597 not in kimi_tok.all_special_ids and 163586 in kimi_tok.all_special_ids
     text = "Hello 世界 <|tool_call_begin|>x"
     assert kimi_tok.decode(kimi_tok.encode(text), skip_special_tokens=True) == text
+
+
+def test_config_is_laid_out_as_kimi_k25s_so_transformers_knows_only_twelve_of_its_tokens(kimi_dir, kimi_tok):
+    from draftsmith.targets.kimi_remote import tokenization_kimi
+
+    cfg = json.loads((kimi_dir / "tokenizer_config.json").read_text())
+    assert cfg["additional_special_tokens"] == ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
+                                                "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>"]
+    assert tuple(cfg["additional_special_tokens"]) == tokenization_kimi.ADDITIONAL_SPECIAL_TOKENS  # the code's default
+    assert "extra_special_tokens" not in cfg
+    listed = {int(i): t for i, t in cfg["added_tokens_decoder"].items()}
+    for i in (*MARKERS, 163606, 163607):  # tool-call markers, <think>, </think>: named there only, not special
+        assert not listed[i]["special"] and listed[i]["content"] not in cfg["additional_special_tokens"]
+    # the code keeps added_tokens_decoder for its own table; transformers hears of bos/eos/unk/pad and the 8
+    assert sorted(t.content for t in kimi_tok.added_tokens_decoder.values()) == sorted(
+        [*ADDITIONAL_SPECIAL_TOKENS, "[BOS]", "[EOS]", "[UNK]", "[PAD]"])
+    # ...while its own encode makes every one of the 256 special and reserved strings its single id
+    table = kimi_tok.special_tokens
+    assert sorted(table.values()) == list(range(NUM_RANKS, VOCAB_SIZE))
+    assert table["<|reserved_token_163592|>"] == 163592 and table["<|tool_call_begin|>"] == 163597
+    assert all(kimi_tok.encode(t, allow_special_tokens=True) == [i] for t, i in table.items())
 
 
 def test_kimi_pattern_splits_han_runs_and_letter_case(kimi_tok):
@@ -84,6 +108,21 @@ def test_tiktoken_fast_path_encodes_as_the_checkpoints_own_code(kimi_tok):
     assert enc.one_id("<|im_end|>", "end-of-turn") == 163586
     with pytest.raises(ValueError, match="end-of-turn '<｜end▁of▁sentence｜>' is .* not one token"):
         enc.one_id("<｜end▁of▁sentence｜>", "end-of-turn")
+
+
+def test_cuts_fall_where_the_remote_codes_character_loop_cuts_windows_included():
+    import random
+
+    from draftsmith.encoding import windows
+    from draftsmith.targets.kimi_remote import tokenization_kimi
+
+    rng = random.Random(0)
+    for n in range(6):
+        runs = [rng.choice(" \n\tab字") * rng.choice([1, 7, 24_999, 25_000, 25_001, 26_000, 50_001, 80_000])
+                for _ in range(12 + 8 * n)]
+        text = "".join(runs)
+        assert windows(text) == list(tokenization_kimi.windows(text)), n
+    assert len(text) > 400_000  # the last text crosses a window boundary
 
 
 def test_encoder_self_test_refuses_a_tokenizer_whose_plain_text_makes_special_tokens(kimi_tok):
@@ -195,12 +234,14 @@ def _stage_03(tmp_path, target, rows, **kw) -> dict:
 
 
 def test_tool_call_markers_in_returned_text_are_rebuilt_as_their_single_ids(tmp_path, kimi_dir, kimi_tok):
+    # as with Kimi-K2.5's files: transformers' table lacks the markers, the tokenizer's own encode has them
+    assert not {t.content for t in kimi_tok.added_tokens_decoder.values()} & {NAMED_TOKENS[i][0] for i in MARKERS}
     calls = "".join(f"<|tool_call_begin|>functions.lookup:{i}<|tool_call_argument_begin|>{{\"q\": \"{i}\"}}"
                     "<|tool_call_end|>" for i in range(5))
     section = "<|tool_calls_section_begin|>" + calls + "<|tool_calls_section_end|>"
     content = "Looking it up." + section + " Once more." + section  # 2 sections of 5 calls: 34 markers
     typed = "He wrote <|im_end|> in his answer."  # a special token typed as text stays text
-    markers = set(range(163595, 163600))
+    markers = MARKERS
     emitted = kimi_tok.encode("I should call the tool.</think>" + content + "<|im_end|>")  # as the model sampled it
     assert sum(i in markers for i in emitted) == 34
     typed_ids = kimi_tok.encode("I should call the tool.</think>", allow_special_tokens=True) + \
@@ -211,6 +252,8 @@ def test_tool_call_markers_in_returned_text_are_rebuilt_as_their_single_ids(tmp_
     assert sum(i in markers for i in rows["calls"]["output_ids"]) == 34
     assert rows["typed"]["output_ids"] == typed_ids and 163586 not in rows["typed"]["output_ids"][:-1]
     assert report["target"]["tokenizer_kind"] == "tiktoken" and report["target"]["vocab_size"] == VOCAB_SIZE
+    assert report["target"]["tool_call_tokens"] == {NAMED_TOKENS[i][0]: i for i in sorted(MARKERS)}
+    assert report["target"]["tool_call_opening"] == "<|tool_calls_section_begin|>"
     assert report["totals"]["flagged"] == 0
 
 
@@ -229,6 +272,101 @@ def test_a_tool_calls_field_is_rendered_through_the_template_or_the_sample_is_fl
     report, rows = _stage_03(tmp_path / "tiny", tiny_target, [_raw("field", "Sure.", 10, tool_calls=[CALL])])
     checks = rows["field"]["checks"]
     assert "tool_calls_not_rendered" in checks["issues"] and checks["cause"] == "tool_calls_not_rendered"
+
+
+# ---- stage 03: each case against the remote code's own encode ------------------------------------
+
+REASONING = "I should call the tool."
+SECTION = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>"
+           '{"q": "x"}<|tool_call_end|><|tool_calls_section_end|>')  # CALL as the template renders it
+
+
+def kimi_cases(tok) -> tuple[list[dict], dict[str, tuple[list[int], list[int], str, str]]]:
+    """Stage 02 lines, one per case, billed as an honest provider bills what the model wrote; and
+    per sample what the remote code's own `encode` makes of that: (prompt ids, output ids, layout,
+    what decides the layout)."""
+    enc = tok.encode
+    asked = [{"role": "user", "content": "Look it up."}]
+    typed = [{"role": "user", "content": "What is <|tool_call_begin|> for? And <|im_end|>?"}]
+    long_prompt = [{"role": "user", "content": "a" + " " * 26_000 + "z" * 26_000 + " b"}]
+    answer_typed = "It opens a call; <|im_end|> ends a turn."
+    # sample: (prompt, reasoning, content, tool_calls, what the model wrote, layout, decided by)
+    cases = {
+        "section_in_content": (asked, REASONING, "Looking it up." + SECTION, None,
+                               REASONING + "</think>Looking it up." + SECTION, "reasoning_tool_calls", "text"),
+        "tool_calls_field": (asked, REASONING, "Sure.", [CALL], REASONING + "</think>Sure." + SECTION,
+                             "reasoning_tool_calls", "text"),
+        "reasoning_then_think_end_then_tool_calls": (asked, REASONING, "", [CALL], REASONING + "</think>" + SECTION,
+                                                     "reasoning_tool_calls", "billed_count"),
+        "reasoning_into_tool_calls": (asked, REASONING, "", [CALL], REASONING + SECTION, "reasoning_into_tool_calls",
+                                      "billed_count"),
+        "reasoning_into_tool_calls_in_content": (asked, REASONING, SECTION, None, REASONING + SECTION,
+                                                 "reasoning_into_tool_calls", "billed_count"),
+        "marker_typed_by_user": (typed, REASONING, answer_typed, None, None, "reasoning_answer", "text"),
+        "run_of_25000_spaces": (asked, REASONING, "a" + " " * 25_000 + "b", None, None, "reasoning_answer", "text"),
+        "run_of_26000_spaces": (asked, REASONING, "a" + " " * 26_000 + "b", None, None, "reasoning_answer", "text"),
+        "run_of_25000_characters": (asked, REASONING, "z" * 25_000, None, None, "reasoning_answer", "text"),
+        "run_of_26000_characters": (asked, REASONING, "z" * 26_000, None, None, "reasoning_answer", "text"),
+        "run_cut_inside_a_marker": (asked, REASONING, "z" * 24_975 + SECTION, None, None, "reasoning_tool_calls",
+                                    "text"),
+        "run_of_26000_spaces_in_reasoning": (asked, "x" + " " * 26_000 + "y", "Done.", None, None, "reasoning_answer",
+                                             "text"),
+        "runs_of_26000_in_the_prompt": (long_prompt, REASONING, "Done.", None, None, "reasoning_answer", "text"),
+    }
+    rows, expected = [], {}
+    for sid, (messages, reasoning, content, calls, wrote, layout, by) in cases.items():
+        prompt = enc(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        if sid == "marker_typed_by_user":  # the answer's typed <|im_end|> is text; the prompt's markers are tokens
+            output = enc(reasoning + "</think>") + enc(content, allow_special_tokens=False) + [163586]
+        elif sid == "run_cut_inside_a_marker":  # the 25,000th character of "tool.</think>zz..." is inside the
+            # section's opening marker: encode cuts it into text, the model emitted it as its id
+            opening = "<|tool_calls_section_begin|>"
+            output = enc(reasoning + "</think>" + "z" * 24_975) + [163595] + enc(SECTION[len(opening):] + "<|im_end|>")
+        else:
+            output = enc((wrote or reasoning + "</think>" + content) + "<|im_end|>")
+        row = {"sample_id": sid, "dataset": "d", "messages": messages, "content": content, "reasoning": reasoning,
+               "finish_reason": "tool_calls" if calls else "stop", "native_finish_reason": "stop", "provider": "P",
+               "model": "moonshotai/kimi-k2.5", "generation_id": f"gen-{sid}",
+               "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(output)}, "request": {},
+               "attempts": 1, "latency_s": 0.1}
+        rows.append({**row, "tool_calls": calls} if calls else row)
+        expected[sid] = prompt, output, layout, by
+    # the engine's own ids saved: they are the truth, and the layout is read off them
+    ids = enc(REASONING + SECTION + "<|im_end|>")
+    rows.append({**rows[3], "sample_id": "saved_ids", "generation_id": "gen-saved", "output_ids": ids})
+    expected["saved_ids"] = expected["reasoning_into_tool_calls"][:2] + ("reasoning_into_tool_calls", "saved_ids")
+    return rows, expected
+
+
+def test_every_case_rebuilds_the_ids_the_remote_codes_own_encode_gives(tmp_path, kimi_dir, kimi_tok):
+    rows, expected = kimi_cases(kimi_tok)
+    report, out = _stage_03(tmp_path, kimi_dir, rows, trust_remote_code=True)
+    for sid, (prompt, output, layout, by) in expected.items():
+        row = out[sid]
+        assert row["output_ids"] == output, sid
+        assert row["input_ids"] == prompt + output, sid
+        assert (row["checks"]["layout"], row["checks"]["layout_by"]) == (layout, by), sid
+        assert not row["flagged"] and row["checks"]["issues"] == [], (sid, row["checks"]["issues"])
+    assert sum(i in MARKERS for i in out["marker_typed_by_user"]["input_ids"]) == 1  # the user's, in the prompt
+    cut = REASONING[-5:] + "</think>" + "z" * 24_975 + SECTION + "<|im_end|>"
+    assert kimi_tok.encode(cut).count(163595) == 0  # encode of the whole text spells the cut marker as text
+    assert out["saved_ids"]["checks"]["saved_ids"]["output_agree"]
+    assert not report["flagged_providers"] and report["totals"]["flagged"] == 0
+    layouts = report["totals"]["layouts"]
+    assert layouts["reasoning_into_tool_calls"] == 3 and layouts["reasoning_tool_calls"] == 4
+    assert sum(layouts.values()) == len(expected) == report["totals"]["samples"]
+    assert report["totals"]["layout_decided_by"] == {"text": 10, "billed_count": 3, "saved_ids": 1}
+
+
+def test_without_a_count_reasoning_that_meets_a_tool_call_is_taken_as_closed_and_says_so(kimi_tok):
+    from draftsmith.tokens import Reconstructor, Response
+
+    rec = Reconstructor(kimi_tok)
+    r = Response("s", "d", "P", None, [{"role": "user", "content": "Look it up."}], REASONING, "", "tool_calls",
+                 None, None, None, False, False, tool_calls=[CALL])
+    b = rec.rebuild([r])[0]
+    assert b.output_ids == kimi_tok.encode(REASONING + "</think>" + SECTION + "<|im_end|>")
+    assert (b.layout, b.layout_by) == ("reasoning_tool_calls", "assumed")
 
 
 # ---- the emulator bills with it; stage 03 rebuilds what it served ---------------------------------

@@ -174,9 +174,15 @@ def test_a_response_that_ends_inside_its_reasoning(rec):
     _, b, checks = rebuild(rec, raw(reasoning="Thinking and then", content="", completion_tokens=len(r_ids) + 1))
     assert b.output_ids == r_ids + [EOS] and checks["completion_delta"] == 0
     assert checks["issues"] == ["empty_content"]
+    assert (checks["layout"], checks["layout_by"]) == ("reasoning_unclosed", "billed_count")
     # an empty answer after closed reasoning
     _, b, checks = rebuild(rec, raw(reasoning="Thinking and then", content="", completion_tokens=len(r_ids) + 2))
     assert b.output_ids == r_ids + [END_THINK, EOS] and checks["completion_delta"] == 0
+    assert (checks["layout"], checks["layout_by"]) == ("reasoning_answer", "billed_count")
+    # no count to tell: the template's layout, and the sample says it was assumed
+    r = Response.parse(raw(reasoning="Thinking and then", content=""))
+    b = rec.rebuild([r])[0]
+    assert b.output_ids == r_ids + [END_THINK, EOS] and (b.layout, b.layout_by) == ("reasoning_answer", "assumed")
 
 
 def test_reasoning_turned_off_is_closed_in_the_prompt(rec):
@@ -185,6 +191,7 @@ def test_reasoning_turned_off_is_closed_in_the_prompt(rec):
     p = len(b.prompt_ids)
     assert b.prompt_ids[-2:] == [THINK, END_THINK] and b.loss_mask[p - 1] == 0 and b.loss_mask[p] == 1
     assert b.output_ids == rec.encoder.plain(["Just the answer."])[0] + [EOS] and checks["issues"] == []
+    assert (checks["layout"], checks["layout_by"]) == ("answer", "text")
 
 
 def test_chat_template_file_or_built_in_name(tmp_path):

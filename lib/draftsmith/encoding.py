@@ -1,19 +1,25 @@
 """Batched text <-> ids for the target's tokenizer, whatever its kind: the one layer the emulator
 and stage 03 both encode and decode through.
 
-Three kinds of tokenizer reach here. `fast` (a tokenizers-backed one, the built-in targets): Rust
-batch calls on its backend, plus a copy of the backend without its added tokens for plain text.
-`tiktoken` (Kimi-K2.5's remote-code tokenizer, a slow tokenizer whose `model` is a
-`tiktoken.Encoding`): straight to the Encoding, batched, windowed exactly as that tokenizer's own
-`encode` windows a text (400,000-character windows, runs of more than 25,000 whitespace or
-non-whitespace characters cut) but without its per-character Python loop. `slow`: any other
-transformers tokenizer, through its own calls.
+Three kinds of tokenizer reach here. `fast` (a tokenizers-backed one, the built-in tiny targets):
+Rust batch calls on its backend, plus a copy of the backend without its added tokens for plain
+text. `tiktoken` (Kimi-K2.5's remote-code tokenizer, a slow tokenizer whose `model` is a
+`tiktoken.Encoding`): straight to the Encoding, batched, cut exactly where that tokenizer's own
+`encode` cuts a text (every 400,000 characters, and 25,000 characters into any longer run of
+whitespace or non-whitespace, then every 25,000) but without its per-character Python loop.
+`slow`: any other transformers tokenizer, through its own calls.
 
-Two ways to encode: `template` turns added-token strings into their tokens (the chat template's
-markup, prompts as serving engines tokenize them); `plain` keeps every character text, except the
-added tokens named in `tokens` (e.g. tool-call markers, which a model emits as single ids and an
-API returns as text). A self-test at load checks that an added-token string given as plain text
-stays text, so a user who types "<|im_end|>" never gets the real token.
+The added tokens (`added`) are read the way the tokenizer itself encodes them: the backend's added
+tokens (fast), the Encoding's special tokens (tiktoken: Kimi's code builds that table from the
+config itself and tells transformers of a few only), transformers' table (slow).
+
+Three ways to encode: `template` turns added-token strings into their tokens (the chat template's
+markup, prompts as serving engines tokenize them); `plain` keeps every character text; `compose`
+encodes a text given in parts, as the tokenizer encodes the joined text, with only the parts marked
+as markup (the reasoning delimiter, tool-call markers, the end of turn: what a model emits as single
+ids and an API returns as text) becoming their tokens. A self-test at load checks that an
+added-token string given as plain text stays text, so a user who types "<|im_end|>" never gets the
+real token.
 """
 
 from __future__ import annotations
@@ -26,23 +32,76 @@ WINDOW_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 # tiktoken's batch calls run a thread pool (8 threads by default); more threads than cores only cost
 _THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
+# a run longer than MAX_RUN_CHARS, matched from its first character only (no rescan inside a run)
+_LONG_RUN = re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
+
+
+def cuts(text: str) -> list[int]:
+    """Offsets where Kimi's tokenizer cuts `text` before tiktoken sees it: every 400,000 characters,
+    and inside each such window 25,000 characters into any longer run of whitespace (or of
+    non-whitespace), then every 25,000 characters of that run."""
+    if len(text) <= MAX_RUN_CHARS:
+        return []
+    out = []
+    for w in range(0, len(text), WINDOW_CHARS):
+        if w:
+            out.append(w)
+        for m in _LONG_RUN.finditer(text[w:w + WINDOW_CHARS]):
+            out.extend(range(w + m.start() + MAX_RUN_CHARS, w + m.end(), MAX_RUN_CHARS))
+    return out
 
 
 def windows(text: str) -> list[str]:
-    """The pieces Kimi's tokenizer hands tiktoken for `text`: 400,000-character windows, each cut
-    inside any run of whitespace (or of non-whitespace) every 25,000 characters of that run."""
-    if len(text) <= MAX_RUN_CHARS:
+    """The pieces Kimi's tokenizer hands tiktoken one at a time for `text`."""
+    at = cuts(text)
+    if not at:
         return [text]
-    out = []
-    for w in range(0, len(text), WINDOW_CHARS):
-        window = text[w:w + WINDOW_CHARS]
-        start = 0
-        for m in _LONG_RUN.finditer(window):
-            for cut in range(m.start() + MAX_RUN_CHARS, m.end(), MAX_RUN_CHARS):
-                out.append(window[start:cut])
-                start = cut
-        out.append(window[start:])
+    bounds = [0, *at, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _cut_parts(parts: list[tuple[str, bool]]) -> list:
+    """`parts` with a None wherever Kimi's tokenizer cuts their joined text. A cut inside a markup
+    part is dropped: a model emits the markup as its tokens (where that tokenizer, encoding the
+    joined text, would spell the two halves as text)."""
+    joined = "".join(t for t, _ in parts)
+    at = cuts(joined)
+    if not at:
+        return parts
+    out, pos, k = [], 0, 0
+    for text, markup in parts:
+        end = pos + len(text)
+        while k < len(at) and at[k] <= pos:
+            out.append(None)
+            k += 1
+        j = k
+        while j < len(at) and at[j] < end:
+            j += 1
+        if markup:
+            out.append((text, True))
+        else:
+            bounds = [pos, *at[k:j], end]
+            for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                out += [None, (joined[a:b], False)] if n else [(joined[a:b], False)]
+        k, pos = j, end
+    return out
+
+
+def _segments(parts: list) -> list[tuple[str, bool]]:
+    """Plain text that meets plain text joined (a None between them keeps them apart); empty text dropped."""
+    out, buf = [], []
+    for part in parts:
+        if part is not None and not part[1]:
+            if part[0]:
+                buf.append(part[0])
+            continue
+        if buf:
+            out.append(("".join(buf), False))
+            buf = []
+        if part is not None:
+            out.append(part)
+    if buf:
+        out.append(("".join(buf), False))
     return out
 
 
@@ -62,7 +121,6 @@ class Encoding:
         self.tokenizer = tokenizer
         self.source = source
         self.vocab_size = len(tokenizer)
-        self.added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()}
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._tiktoken = None if backend is not None else _tiktoken_encoding(tokenizer)
         self.kind = "fast" if backend is not None else "tiktoken" if self._tiktoken is not None else "slow"
@@ -72,15 +130,19 @@ class Encoding:
             spec = json.loads(backend.to_str())
             spec["added_tokens"] = []
             self._backend, self._bare = backend, Tokenizer.from_str(json.dumps(spec))
+            decoder = backend.get_added_tokens_decoder()
+        elif self.kind == "tiktoken":
+            decoder = {self._tiktoken.encode_single_token(t): t for t in self._tiktoken.special_tokens_set}
+        else:
+            decoder = tokenizer.added_tokens_decoder
+        self.added = {getattr(t, "content", t): i for i, t in sorted(decoder.items())}
+        self._markup: dict[str, list[int]] = {}
         self._self_test()
 
     @property
     def special_ids(self) -> set[int]:
-        """Ids of every added token, and of the tiktoken Encoding's reserved special tokens."""
-        ids = set(self.added.values())
-        if self._tiktoken is not None:
-            ids |= {self._tiktoken.encode_single_token(t) for t in self._tiktoken.special_tokens_set}
-        return ids
+        """Ids of every added token (for tiktoken: every special and reserved token)."""
+        return set(self.added.values())
 
     def describe(self) -> dict:
         return {"kind": self.kind, "class": type(self.tokenizer).__name__, "vocab_size": self.vocab_size}
@@ -98,32 +160,57 @@ class Encoding:
                                                                                 allowed_special="all"))
         return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
-    def plain(self, texts: list[str], tokens: dict[str, int] | None = None) -> list[list[int]]:
-        """Ids of each text, every character text, except the strings of `tokens` (-> their id)."""
-        if not tokens:
-            return self._plain(texts)
-        marker = re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
-        pieces = [marker.split(t) for t in texts]
-        found = [marker.findall(t) for t in texts]
-        flat = self._plain([p for ps in pieces for p in ps])
-        out, k = [], 0
-        for ps, ms in zip(pieces, found):
-            ids = []
-            for j in range(len(ps)):
-                ids += flat[k + j]
-                if j < len(ms):
-                    ids.append(tokens[ms[j]])
-            k += len(ps)
-            out.append(ids)
+    def plain(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text, every character text."""
+        if self.kind == "tiktoken":
+            return self._windowed(texts, self._bare_batch)
+        return self._bare_batch(texts)
+
+    def compose(self, items: list[list[tuple[str, bool]]]) -> list[tuple[list[int], int]]:
+        """Ids of each item, a list of (text, markup) parts read as one text: encoded as the tokenizer
+        encodes the joined text (runs counted across parts, cut where it cuts them), but only the
+        markup parts become their tokens, always; the rest is text, added-token strings included.
+        With each item's ids, how many come before its first markup part."""
+        flat: list[str] = []
+        plans = []
+        for parts in items:
+            if self.kind == "tiktoken" and sum(len(t) for t, _ in parts) > MAX_RUN_CHARS:
+                parts = _cut_parts(parts)
+            plan = []
+            for text, markup in _segments(parts):
+                if markup:
+                    plan.append(self._markup_ids(text))
+                else:
+                    plan.append(len(flat))
+                    flat.append(text)
+            plans.append(plan)
+        encoded = self._bare_batch(flat)
+        out = []
+        for plan in plans:
+            ids, lead = [], None
+            for p in plan:
+                if type(p) is int:
+                    ids += encoded[p]
+                else:
+                    lead = len(ids) if lead is None else lead
+                    ids += p
+            out.append((ids, len(ids) if lead is None else lead))
         return out
 
-    def _plain(self, texts: list[str]) -> list[list[int]]:
+    def _markup_ids(self, text: str) -> list[int]:
+        ids = self._markup.get(text)
+        if ids is None:
+            ids = self._markup[text] = self.template([text])[0]
+        return ids
+
+    def _bare_batch(self, texts: list[str]) -> list[list[int]]:
+        """Plain ids of each text as it is (tiktoken: the caller has cut it)."""
         if not texts:
             return []
         if self.kind == "fast":
             return _ids(self._bare, texts)
         if self.kind == "tiktoken":
-            return self._windowed(texts, lambda ps: self._tiktoken.encode_ordinary_batch(ps, num_threads=_THREADS))
+            return self._tiktoken.encode_ordinary_batch(texts, num_threads=_THREADS)
         return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def _windowed(self, texts: list[str], encode_batch) -> list[list[int]]:
@@ -176,7 +263,7 @@ class Encoding:
     # ---- load-time check --------------------------------------------------------------------------
 
     def _self_test(self) -> None:
-        probe = [t for t in self.added if t.strip()][:64]
+        probe = [t for t in self.added if t.strip()][:512]
         if not probe:
             return
         typed = self.plain(probe)

@@ -10,7 +10,7 @@ special tokens sit at Kimi's ids. `write_tokenizer_files(folder)` writes:
 
     tokenization_kimi.py    the tokenizer class (draftsmith.targets.kimi_remote)
     tiktoken.model          one "base64(token) rank" line per rank
-    tokenizer_config.json   auto_map, the named special and added tokens
+    tokenizer_config.json   auto_map, the named tokens, laid out as Kimi-K2.5's (`tokenizer_config`)
     chat_template.jinja     Kimi-K2.5's chat layout (draftsmith.templates)
 """
 
@@ -29,8 +29,8 @@ VOCAB_SIZE = NUM_RANKS + 256
 
 # id -> (token, special). Tool-call markers and the reasoning delimiters are added tokens that are
 # not special: they stay in decoded text. Ids other than the documented ones (im_end 163586,
-# tool-call markers 163595-163599) follow Kimi-K2's tokenizer as remembered; names not listed here
-# become <|reserved_token_N|>.
+# tool-call markers 163595-163599) follow Kimi-K2's tokenizer as remembered; an id not listed here
+# is <|reserved_token_{id}|>.
 NAMED_TOKENS = {
     163584: ("[BOS]", True),
     163585: ("[EOS]", True),
@@ -56,6 +56,11 @@ NAMED_TOKENS = {
     163838: ("[UNK]", True),
     163839: ("[PAD]", True),
 }
+
+# The chat markup's special tokens, the only ones the config lists in `additional_special_tokens`
+# (the tokenizer's code has the same eight as its default).
+ADDITIONAL_SPECIAL_TOKENS = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
+                             "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>")
 
 # Padding ranks start with 0xFF, a byte no UTF-8 text contains, so tiktoken never produces them.
 _PAD_PREFIX = b"\xff\xfe"
@@ -84,6 +89,9 @@ def mergeable_ranks() -> dict[bytes, int]:
 
 
 def tokenizer_config() -> dict:
+    """tokenizer_config.json laid out as Kimi-K2.5's: every named token in `added_tokens_decoder`
+    (which the tokenizer's code reads for itself), and only the chat markup's eight in
+    `additional_special_tokens` (which is all transformers is told of, besides bos/eos/unk/pad)."""
     added = {str(i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
                       "single_word": False, "special": special}
              for i, (token, special) in sorted(NAMED_TOKENS.items())}
@@ -94,8 +102,7 @@ def tokenizer_config() -> dict:
         "model_max_length": 262144,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": added,
-        "extra_special_tokens": [token for token, special in NAMED_TOKENS.values()
-                                 if special and token not in ("[BOS]", "[EOS]", "[UNK]", "[PAD]")],
+        "additional_special_tokens": list(ADDITIONAL_SPECIAL_TOKENS),
     }
 
 

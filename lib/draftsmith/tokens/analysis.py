@@ -145,4 +145,6 @@ def totals(rows: list[dict]) -> dict:
         "response_tokens_kept": sum(r["reconstructed_completion_tokens"] for r in kept),
         "issues": dict(Counter(i for r in rows for i in r["checks"]["issues"])),
         "causes": dict(Counter(r["checks"]["cause"] for r in rows if r["checks"]["cause"])),
+        "layouts": dict(Counter(r["checks"]["layout"] for r in rows)),
+        "layout_decided_by": dict(Counter(r["checks"]["layout_by"] for r in rows)),
     }

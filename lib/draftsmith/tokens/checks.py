@@ -38,9 +38,9 @@ def check(r: Response, b: Rebuilt, layout: Layout, thresholds: Thresholds) -> di
         issues.append("no_output")  # nothing to train on: always left out
     if r.billed_completion is None and r.expects_usage:
         issues.append("no_usage")
-    if r.finish_reason not in ("stop", "length"):
+    if r.finish_reason not in ("stop", "length", "tool_calls"):
         issues.append(f"finish_reason:{r.finish_reason}")
-    if not r.content and r.finish_reason == "stop":
+    if not r.content and not r.tool_calls and r.finish_reason == "stop":
         issues.append("empty_content")
     if layout.thinking and not r.reasoning and not r.reasoning_disabled:
         if r.reasoning_excluded:
@@ -65,6 +65,8 @@ def check(r: Response, b: Rebuilt, layout: Layout, thresholds: Thresholds) -> di
         "issues": issues,
         "cause": _local_cause(issues, dc, dp, dr, r.billed_reasoning, thresholds),
         "edges": _edges(r),
+        "layout": b.layout,
+        "layout_by": b.layout_by,
         "saved_ids": _agreement(b) if r.output_ids is not None else None,
     }
 

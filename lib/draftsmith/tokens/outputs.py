@@ -30,7 +30,7 @@ from ..progress import Progress
 from .rebuild import Rebuilt
 from .responses import Response
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: check rows carry the layout a sample took
 REPORT = "report.json"
 
 

@@ -3,24 +3,54 @@
 Prompt ids: the chat template with the generation prompt, tokenized the way serving engines do
 (template text through the tokenizer: a special-token string typed in a user message becomes that
 token, as it did for the target). Output ids: reasoning, think_end, content, end_of_turn
-(`templates.response_layout`); what the model wrote is encoded as plain text, so a literal
-"<think>" or "<|im_end|>" in an answer is text, never a special token. The one exception is the
-template's tool-call markup: a model emits each tool-call marker as one id and the API returns it
-as text, so those strings map back to their ids; a response's `tool_calls` field is rendered after
-the content the way the template renders an assistant turn's tool calls. No end-of-turn when the
-response stopped on `length`. Where the engine's sampled ids were saved, they are the truth and the
-text's rebuild is kept beside them. Encoding goes through `draftsmith.encoding` (batched: one
-Rust or tiktoken call per batch), so 60M tokens take minutes (bench/bench_tokens.py).
+(`templates.response_layout`), encoded as the tokenizer encodes that whole text
+(`Encoding.compose`: Kimi's tokenizer counts a run of 25,000 characters across all of it); what
+the model wrote is text, so a literal "<think>" or "<|im_end|>" in an answer is text, never a
+special token. The one exception is the template's tool-call markup: a model emits each tool-call
+marker as one id and the API returns it as text, so those strings map back to their ids; a
+response's `tool_calls` field is rendered after the content the way the template renders an
+assistant turn's tool calls. No end-of-turn when the response stopped on `length`.
+
+Whether the model wrote think_end is not always in the text. Kimi-K2.5's reasoning parsers end the
+reasoning at the first of `</think>` and the tool-call section's opening marker, so a model that
+goes from its reasoning straight into a tool call returns the same reasoning and calls as one that
+closed its reasoning first; and an empty answer hides whether the reasoning was closed. There the
+billed count (or the count of the engine's saved ids) decides; without one the template's layout
+is assumed. Each sample records the layout it took (`LAYOUTS`) and what decided it (`DECIDED_BY`).
+
+Where the engine's sampled ids were saved, they are the truth and the text's rebuild is kept beside
+them. Encoding goes through `draftsmith.encoding` (batched: one Rust or tiktoken call per batch),
+so 60M tokens take minutes (bench/bench_tokens.py).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 from ..encoding import Encoding
 from ..templates import Layout, load_chat_template, response_layout, tool_calls_text
 from .responses import Response
+
+
+# What the model wrote after the prompt: no reasoning block (a template without one, or reasoning
+# turned off), or reasoning closed by think_end, or reasoning that ran straight into the tool-call
+# section, or reasoning never closed (cut off, or the turn ended inside it); then an answer with or
+# without tool calls.
+LAYOUTS = ("answer", "tool_calls", "reasoning_answer", "reasoning_tool_calls", "reasoning_into_tool_calls",
+           "reasoning_unclosed")
+# text: the returned text settles it; billed_count / saved_ids: that count chose between with and
+# without think_end; assumed: it could not, and the template's layout was taken
+DECIDED_BY = ("text", "billed_count", "saved_ids", "assumed")
+
+
+def layout_name(reasoning_block: bool, think_end: bool, tool_calls: bool) -> str:
+    if not reasoning_block:
+        return "tool_calls" if tool_calls else "answer"
+    if think_end:
+        return "reasoning_tool_calls" if tool_calls else "reasoning_answer"
+    return "reasoning_into_tool_calls" if tool_calls else "reasoning_unclosed"
 
 
 @dataclass
@@ -31,6 +61,8 @@ class Rebuilt:
     text_prompt_ids: list[int] | None = None  # where the engine's ids are saved: the ids rebuilt from the text
     text_output_ids: list[int] | None = None
     tool_calls_dropped: bool = False  # the response made tool calls the template does not render
+    layout: str = "reasoning_answer"  # one of LAYOUTS
+    layout_by: str = "text"  # one of DECIDED_BY
 
     @property
     def input_ids(self) -> list[int]:
@@ -56,8 +88,18 @@ class Reconstructor:
         self.think_end_ids = self.encoder.template([self.layout.think_end])[0] if self.layout.thinking else []
         self.end_of_turn_ids = self.encoder.template([self.layout.end_of_turn])[0]
         markup = self._tool_calls_text([_PROBE_CALL])
-        # the added tokens of the template's tool-call markup: returned as text, emitted as one id each
-        self.tool_tokens = {t: i for t, i in self.encoder.added.items() if t in markup}
+        # the added tokens of the template's tool-call markup, as the tokenizer encodes that markup:
+        # returned as text, emitted as one id each
+        in_markup = self.encoder.template([markup])[0] if markup else []
+        marked = set(in_markup)
+        self.tool_tokens = {t: i for t, i in self.encoder.added.items() if i in marked}
+        opening = next((i for i in in_markup if i in self.tool_tokens.values()), None)
+        self.tool_open = next((t for t, i in self.tool_tokens.items() if i == opening), None)
+        # an answer that opens with this ends a reasoning block that may or may not have been closed
+        self._tool_lead = markup[:markup.index(self.tool_open)] + self.tool_open if self.tool_open else None
+        self._markers = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.tool_tokens, key=len,
+                                                                                reverse=True)) + ")") \
+            if self.tool_tokens else None
 
     @classmethod
     def from_pretrained(cls, path, chat_template_file=None, trust_remote_code: bool = False) -> "Reconstructor":
@@ -85,46 +127,107 @@ class Reconstructor:
             return ""
 
     def rebuild(self, responses: list[Response]) -> list[Rebuilt]:
-        """Ids of a batch of responses: two batched tokenizer calls (prompts, then the texts)."""
+        """Ids of a batch of responses: two batched tokenizer calls (prompts, then the outputs)."""
         prompts = self.encoder.template([r.prompt if r.prompt is not None else self.prompt_text(r.messages)
                                          for r in responses])
         answers = [self.output_content(r) for r in responses]
-        texts = self.encoder.plain([t for r, a in zip(responses, answers) for t in (r.reasoning, a)], self.tool_tokens)
-        out = [self._assemble(r, p, texts[2 * i], texts[2 * i + 1]) for i, (r, p) in enumerate(zip(responses, prompts))]
-        out = [self._saved(r, b) if r.output_ids is not None else b for r, b in zip(responses, out)]
-        for r, a, b in zip(responses, answers, out):
+        plans = [self._plan(r, a) for r, a in zip(responses, answers)]
+        items = [self._parts(r, a, think) for r, a, plan in zip(responses, answers, plans) for think in plan[0]]
+        encoded = iter(self.encoder.compose(items))
+        out = []
+        for r, a, prompt, (options, default, count) in zip(responses, answers, prompts, plans):
+            found = {think: next(encoded) for think in options}
+            matching = [t for t, (ids, _) in found.items() if len(ids) == count]
+            think = matching[0] if len(matching) == 1 else default
+            by = "text" if len(options) == 1 else "assumed" if len(matching) != 1 else \
+                "saved_ids" if r.output_ids is not None else "billed_count"
+            b = self._assemble(r, a, prompt, think, *found[think])
+            b.layout_by = by
+            if r.output_ids is not None:
+                b = self._saved(r, b)
             b.tool_calls_dropped = bool(r.tool_calls) and a == r.content
+            out.append(b)
+        return out
+
+    def _reasoning_block(self, r: Response) -> bool:
+        return self.layout.thinking and not r.reasoning_disabled
+
+    def _plan(self, r: Response, answer: str) -> tuple[tuple[bool, ...], bool, int | None]:
+        """(whether think_end was written: the options to encode, the one taken when no count
+        chooses, the count that chooses, if any). The text settles it unless the answer is empty or
+        opens with the tool-call section."""
+        if not self._reasoning_block(r):
+            return (False,), False, None
+        if answer and not (self._tool_lead and answer.startswith(self._tool_lead)):
+            return (True,), True, None
+        default = bool(answer) or r.finish_reason != "length"
+        count = len(self._saved_output(r)) if r.output_ids is not None else r.billed_completion
+        return (default, not default), default, count
+
+    def _parts(self, r: Response, answer: str, think: bool) -> list[tuple[str, bool]]:
+        """The output as (text, markup) parts: reasoning, think_end, the answer split at its
+        tool-call markers, the end of turn."""
+        parts = []
+        if self._reasoning_block(r):
+            parts.append((r.reasoning, False))
+            if think:
+                parts.append((self.layout.think_end, True))
+        elif r.reasoning and not self.layout.thinking:  # unexpected: text on its own (empty markup keeps it apart)
+            parts += [(r.reasoning, False), ("", True)]
+        if self._markers is not None and answer:
+            parts += [(t, bool(k % 2)) for k, t in enumerate(self._markers.split(answer))]
+        else:
+            parts.append((answer, False))
+        if r.finish_reason != "length":
+            parts.append((self.layout.end_of_turn, True))
+        return parts
+
+    def _assemble(self, r: Response, answer: str, prompt: list[int], think: bool, output: list[int],
+                  lead: int) -> Rebuilt:
+        calls = bool(self.tool_open) and self.tool_open in answer
+        if self._reasoning_block(r):
+            return Rebuilt(prompt, output, lead, layout=layout_name(True, think, calls))
+        if r.reasoning_disabled:  # the provider closed the reasoning in the prompt
+            return Rebuilt(prompt + self.think_end_ids, output, 0, layout=layout_name(False, False, calls))
+        return Rebuilt(prompt, output, lead if r.reasoning else 0, layout=layout_name(False, False, calls))
+
+    def _saved_output(self, r: Response) -> list[int]:
+        """The engine's output ids; engines differ on returning the token they stopped on, so a
+        turn that ended (`stop`, `tool_calls`) without the end-of-turn gets it appended."""
+        out = list(r.output_ids)
+        eot = self.end_of_turn_ids
+        if r.finish_reason in ("stop", "tool_calls") and out[-len(eot):] != eot:
+            out += eot
         return out
 
     def _saved(self, r: Response, text: Rebuilt) -> Rebuilt:
-        """The engine's own ids, with the text's rebuild kept beside them for the agreement check.
-        Engines differ on returning the token they stopped on: a `stop` without the end-of-turn
-        gets it appended."""
-        out = list(r.output_ids)
-        eot = self.end_of_turn_ids
-        if r.finish_reason == "stop" and out[-len(eot):] != eot:
-            out += eot
+        """The engine's own ids, with the text's rebuild kept beside them for the agreement check;
+        the layout is read off the ids."""
+        out = self._saved_output(r)
         prompt = list(r.prompt_ids) if r.prompt_ids is not None else text.prompt_ids
-        return Rebuilt(prompt, out, text.reasoning_tokens, text.prompt_ids, text.output_ids)
+        return Rebuilt(prompt, out, text.reasoning_tokens, text.prompt_ids, text.output_ids,
+                       layout=self._layout_of(r, out), layout_by="saved_ids")
 
-    def _assemble(self, r: Response, prompt: list[int], reasoning: list[int], content: list[int]) -> Rebuilt:
-        truncated = r.finish_reason == "length"
-        eot = [] if truncated else self.end_of_turn_ids
-        if r.reasoning_disabled:  # the provider closed the reasoning in the prompt
-            return Rebuilt(prompt + self.think_end_ids, content + eot, 0)
-        out = list(reasoning)
-        if self.layout.thinking:
-            # With no answer the text cannot say whether the model closed its reasoning (cut off
-            # or ended inside it) or gave an empty answer; the billed count can.
-            closed = bool(r.content) or not truncated
-            if not r.content and r.billed_completion is not None:
-                if r.billed_completion == len(reasoning) + len(eot):
-                    closed = False
-                elif r.billed_completion == len(reasoning) + len(self.think_end_ids) + len(eot):
-                    closed = True
-            if closed:
-                out += self.think_end_ids
-        return Rebuilt(prompt, out + content + eot, len(reasoning))
+    def _layout_of(self, r: Response, ids: list[int]) -> str:
+        """The layout of engine ids: reasoning ends at the first think_end or tool-call opening."""
+        opening = self.tool_tokens.get(self.tool_open) if self.tool_open else None
+        q = ids.index(opening) if opening is not None and opening in ids else len(ids)
+        p = _find(ids, self.think_end_ids) if self._reasoning_block(r) else len(ids)
+        return layout_name(self._reasoning_block(r), p < q, q < len(ids))
+
+
+def _find(ids: list[int], sub: list[int]) -> int:
+    """Index of the first occurrence of `sub` in `ids`, len(ids) when none."""
+    if not sub:
+        return len(ids)
+    k = -1
+    while True:
+        try:
+            k = ids.index(sub[0], k + 1)
+        except ValueError:
+            return len(ids)
+        if ids[k:k + len(sub)] == sub:
+            return k
 
 
 _PROBE_CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}

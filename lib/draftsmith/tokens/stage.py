@@ -117,6 +117,7 @@ def run(run: Run, *, datasets: list[dict], imports: list[dict], target_model_pat
         "target": {"tokenizer": rec.source, "chat_template": rec.template_origin,
                    "tokenizer_kind": rec.encoder.kind, "tokenizer_class": type(rec.tokenizer).__name__,
                    "vocab_size": rec.encoder.vocab_size, "tool_call_tokens": rec.tool_tokens,
+                   "tool_call_opening": rec.tool_open,
                    "think_end": rec.layout.think_end, "think_end_ids": rec.think_end_ids,
                    "end_of_turn": rec.layout.end_of_turn, "end_of_turn_ids": rec.end_of_turn_ids},
         "thresholds": asdict(thresholds),

@@ -7,6 +7,11 @@ of that tokenizer: the byte-level BPE ranks of `tiktoken.model`, Kimi's split pa
 their own, letter runs split by case), 256 special/reserved ids after the ranks, and `encode`
 windowing a text at 400,000 characters and cutting runs of more than 25,000 whitespace or
 non-whitespace characters before tiktoken sees them.
+
+Its constructor takes the config's `added_tokens_decoder` for its own table of special tokens (the
+names of ids after the ranks; an id without one is `<|reserved_token_{id}|>`) and hands transformers
+only bos/eos/unk/pad and `additional_special_tokens`, as Kimi's does: transformers' own added-token
+table then lacks the tool-call markers and `<think>`, while `encode` still makes each of them one id.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ PATTERN = "|".join([
 NUM_SPECIAL_IDS = 256          # ids after the ranks: named special tokens, the rest reserved
 WINDOW_CHARS = 400_000         # texts reach tiktoken in windows of at most this many characters
 MAX_RUN_CHARS = 25_000         # a longer run of whitespace (or of non-whitespace) is cut
+# the special tokens transformers is told of when the config names none
+ADDITIONAL_SPECIAL_TOKENS = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
+                             "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>")
 
 
 def split_long_runs(text: str, limit: int = MAX_RUN_CHARS):
@@ -62,13 +70,21 @@ class TikTokenTokenizer(PreTrainedTokenizer):
     vocab_files_names = {"vocab_file": "tiktoken.model"}
     model_input_names = ["input_ids", "attention_mask"]
 
-    def __init__(self, vocab_file, bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", pad_token="[PAD]",
-                 added_tokens_decoder=None, **kwargs):
+    def __init__(self, vocab_file, bos_token="[BOS]", eos_token="[EOS]", unk_token=None, pad_token=None,
+                 additional_special_tokens=None, added_tokens_decoder=None, **kwargs):
+        if not os.path.isfile(vocab_file):
+            raise FileNotFoundError(f"tiktoken rank file not found: {vocab_file}")
+        if additional_special_tokens is None:
+            additional_special_tokens = list(ADDITIONAL_SPECIAL_TOKENS)
         ranks = load_tiktoken_bpe(vocab_file)
         named = {int(i): getattr(t, "content", t) for i, t in (added_tokens_decoder or {}).items()}
         base = len(ranks)
-        self.special_tokens = {named.get(i, f"<|reserved_token_{i - base}|>"): i
-                               for i in range(base, base + NUM_SPECIAL_IDS)}
+        self.special_tokens = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + NUM_SPECIAL_IDS)}
+        for name, token in (("bos_token", bos_token), ("eos_token", eos_token), ("unk_token", unk_token),
+                            ("pad_token", pad_token)):
+            if str(token) not in self.special_tokens:
+                raise ValueError(f"{name} {str(token)!r} is not one of the special tokens after the "
+                                 f"{base} ranks of {vocab_file}")
         self.vocab_file = vocab_file
         self.model = tiktoken.Encoding(name=os.path.basename(vocab_file), pat_str=PATTERN,
                                        mergeable_ranks=ranks, special_tokens=self.special_tokens)
@@ -77,8 +93,9 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         self.decoder = {i: "".join(self.byte_encoder[b] for b in token) for token, i in ranks.items()}
         self.decoder.update({i: s for s, i in self.special_tokens.items()})
         self.encoder = {s: i for i, s in self.decoder.items()}
+        # added_tokens_decoder stays here: transformers learns only these special tokens
         super().__init__(bos_token=bos_token, eos_token=eos_token, unk_token=unk_token, pad_token=pad_token,
-                         added_tokens_decoder=added_tokens_decoder, **kwargs)
+                         additional_special_tokens=additional_special_tokens, **kwargs)
 
     # ---- Kimi's own entry points ------------------------------------------------------------------
 
