@@ -6,6 +6,7 @@ import os
 import secrets
 import socket
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -77,6 +78,7 @@ TIERS = {
     "test_hidden.py::test_a_failed_torchrun_says_what_the_ranks_said_not_only_torchruns_own_traceback": "engine",
     "test_hidden.py::test_kill_mid_run_then_rerun_has_every_sample_once_and_no_torn_shard": "crash",
     "test_hidden.py::test_notebook_04_extracts_checks_and_plots": "notebook",
+    "test_hidden_check.py": "engine",
     "test_hidden_vllm.py": "engine",
     "test_import_sglang.py": "unit",
     "test_kimi_mini.py": "engine",
@@ -302,5 +304,37 @@ def free_port() -> int:
 
 
 def get_json(url: str):
-    with urllib.request.urlopen(url, timeout=5) as r:
+    with urllib.request.urlopen(url, timeout=60) as r:
         return json.loads(r.read())
+
+
+def wait_until(read, done=bool, *, what: str, timeout_s: float = 30.0, proc=None, interval_s: float = 0.05):
+    """Polls `read()` until `done(value)` holds, and returns that value. What a server, a thread or a
+    child process does comes in its own time (seconds late on a loaded box), so a test waits for it:
+    up to `timeout_s`, then fails naming `what` and the last value seen; at once if `proc` (a child
+    that should run meanwhile) exits without it, with the child's output."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if done(value):
+            return value
+        if proc is not None and proc.poll() is not None:
+            value = read()  # it may have done it just before it ended
+            if done(value):
+                return value
+            pytest.fail(f"{what}: never came, the child exited ({proc.returncode}) first; last seen: "
+                        f"{_last(value)}\n{_output(proc)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not there after {timeout_s:g} s; last seen: {_last(value)}")
+        time.sleep(interval_s)
+
+
+def _last(value, n: int = 2000) -> str:
+    text = repr(value)
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def _output(proc, n: int = 3000) -> str:
+    """The end of what an exited child wrote to its pipes (nothing when it wrote to files)."""
+    parts = [p.decode(errors="replace") if isinstance(p, bytes) else p for p in proc.communicate() if p]
+    return "".join(parts)[-n:]

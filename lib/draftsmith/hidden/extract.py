@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 from .. import layers, parameters
-from . import outputs
+from . import check, outputs
 from ..distributed import init_dist
+from ..files import write_json_atomic
 from ..progress import Progress
-from ..targets.checkpoint import load_target
+from ..targets.checkpoint import final_norm, load_target
 from ..targets.hf import Capture
 from ..targets.vllm import VllmCapture
 from ..targets.identity import target_identity
@@ -63,10 +64,12 @@ class Settings:
     shard_mb: float = parameters.default_field("shard_mb")
     device: str = parameters.default_field("device")                      # hf: auto, cpu, cuda, cuda:0, ...
     target_backend: str = parameters.default_field("target_backend")      # hf or vllm
+    check_samples: int = parameters.default_field("check_samples")        # stage 04's own check (check.py); 0: off
     engine_options: dict = field(default_factory=dict)     # vllm: `VllmCapture`'s keyword arguments
 
     def check(self) -> None:
-        parameters.check_bounds({"max_tokens_per_batch": self.max_tokens_per_batch, "shard_mb": self.shard_mb})
+        parameters.check_bounds({"max_tokens_per_batch": self.max_tokens_per_batch, "shard_mb": self.shard_mb,
+                                 "check_samples": self.check_samples})
         if self.target_backend not in BACKENDS:
             raise ValueError(f"target_backend must be one of {BACKENDS}, got {self.target_backend!r}")
         if self.hidden_dtype not in outputs.DTYPES:
@@ -114,6 +117,7 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
                 held = lock(out_dir)
                 plan = prepare(out_dir, samples, identity, layer_ids, s.hidden_dtype, s.max_tokens_per_batch,
                                s.shard_mb, s.target_backend, say)
+                say(_start_line(out_dir, plan))
             except Exception as e:  # tell the other ranks, so they stop too instead of waiting
                 d.broadcast({"error": f"{type(e).__name__}: {e}"})
                 raise
@@ -124,10 +128,18 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
             raise RuntimeError(f"rank {d.rank} read different samples than rank 0 from {token_files}")
         mine = plan["shards"][d.rank::d.world]
         engine_log = out_dir / (ENGINE_LOG if d.world == 1 else ENGINE_LOG.replace(".log", f".rank{d.rank}.log"))
-        written, seconds = _capture_shards(target, capture, samples, mine, layer_ids, s, plan["settings"], out_dir,
-                                           engine_log, f"hidden {d.rank}/{d.world}" if d.world > 1 else "hidden",
-                                           say)
-        results = d.gather({"written": written, "seconds": seconds})
+        # every rank checks its own engine on the same first samples, before any shard
+        order = [i for _, p in plan["shards"] for b in p for i in b]
+        to_check = check.check_samples_of(samples, order, s.check_samples)
+        try:
+            written, seconds, checked = _capture_shards(
+                target, capture, samples, mine, to_check, layer_ids, s, plan["settings"], out_dir, engine_log,
+                f"hidden {d.rank}/{d.world}" if d.world > 1 else "hidden", say)
+        except check.CheckFailed as e:
+            if d.main:
+                _record_failed_check(out_dir, e.record, identity, layer_ids, s)
+            raise
+        results = d.gather({"written": written, "seconds": seconds, "check": checked})
         summary = None
         if d.main:
             try:
@@ -145,38 +157,54 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         d.close()
 
 
-def _capture_shards(target, capture, samples, mine, layer_ids, s: Settings, settings, out_dir, engine_log, desc,
-                    log):
-    """This rank's shards through `capture`, or through one opened here (and closed) for them."""
+def _capture_shards(target, capture, samples, mine, to_check, layer_ids, s: Settings, settings, out_dir, engine_log,
+                    desc, log):
+    """This rank's shards through `capture`, or through one opened here (and closed) for them, after
+    stage 04's own check of `to_check` on the same engine."""
     if capture is not None and getattr(capture, "ids", layer_ids) != layer_ids:
         raise ValueError(f"capture keeps layers {capture.ids}, this run wants {layer_ids}")
+    work = dict(target=target, to_check=to_check, layer_ids=layer_ids, dtype=s.hidden_dtype, settings=settings,
+                out_dir=out_dir, desc=desc, log=log)
     if capture is not None or not mine:
-        return _run_shards(capture, samples, mine, layer_ids, s.hidden_dtype, settings, out_dir, desc, log)
+        return _run_shards(capture, samples, mine, **work)
     opts = dict(s.engine_options)
     if s.target_backend == "vllm":
         longest = max(len(samples[i]) for _, p in mine for b in p for i in b)
         opts = {"max_model_len": longest + 1, "log_file": engine_log, **opts}
     opened = open_capture(s.target_backend, target, layer_ids, device=s.device, log=log, **opts)
     try:
-        return _run_shards(opened, samples, mine, layer_ids, s.hidden_dtype, settings, out_dir, desc, log)
+        return _run_shards(opened, samples, mine, **work)
     finally:
         opened.close()
 
 
-def _run_shards(capture, samples, mine, layer_ids, dtype, settings, out_dir, desc, log) -> tuple[list, float]:
-    """Extract this rank's shards; writing a shard overlaps computing the next one."""
+def _run_shards(capture, samples, mine, *, target, to_check, layer_ids, dtype, settings, out_dir, desc,
+                log) -> tuple[list, float, dict | None]:
+    """Stage 04's own check, then this rank's shards (writing one overlaps computing the next);
+    returns (shard entries, seconds, the check's record)."""
     if not mine:
-        return [], 0.0
+        return [], 0.0, None
     # one scratch folder per process: ranks on several nodes share out_dir, and each engine numbers
     # its feature files from 0 (a shared folder mixed two ranks' files, and one rank's cleanup
     # removed the files another was waiting for)
     capture.scratch_dir = out_dir / SCRATCH / f"{socket.gethostname()}-{os.getpid()}"
+    norm_weight = final_norm(target)[0]
     total = sum(len(samples[i]) for _, plan in mine for b in plan for i in b)
-    log(f"extracting {total:,} tokens into {len(mine)} shard(s), layers {layer_ids} (output convention), "
-        f"{dtype}, on {capture.device}")
-    written, pending = [], None
+    written, pending, checked = [], None, None
     t0 = time.perf_counter()
     try:
+        if to_check:
+            checked = check.run_check(capture, to_check, target=target, layer_ids=layer_ids, dtype=dtype,
+                                      work_dir=capture.scratch_dir, log=log)
+            if not checked["passed"]:
+                raise check.CheckFailed(check.failure_line(checked), checked)
+            log(f"stage 04's own check passed on {checked['samples']} samples ({checked['positions']} positions, "
+                f"{checked['seconds']} s): next-token logprob error mean {checked['logprob_mean_abs_err']:.2g}, "
+                f"max {checked['logprob_max_abs_err']:.2g}, top-1 agreement {checked['top1_agreement']:.3f}")
+        else:
+            log("stage 04's own check is off (check_samples 0): nothing proves these features")
+        log(f"extracting {total:,} tokens into {len(mine)} shard(s), layers {layer_ids} (output convention), "
+            f"{dtype}, on {capture.device}")
         with ThreadPoolExecutor(max_workers=1) as writer, Progress(total=total, desc=desc, unit="tok") as bar:
             for name, plan in mine:
                 aux, last, order = [], [], []
@@ -190,7 +218,7 @@ def _run_shards(capture, samples, mine, layer_ids, dtype, settings, out_dir, des
                 if pending is not None:
                     written.append(pending.result())  # at most one shard waits for the disk
                 pending = writer.submit(_write, out_dir / name, torch.cat(aux), torch.cat(last), order, dtype,
-                                        settings)
+                                        settings, layer_ids, norm_weight)
                 bar.set(shards=len(written) + 1)
             if pending is not None:
                 written.append(pending.result())
@@ -200,25 +228,45 @@ def _run_shards(capture, samples, mine, layer_ids, dtype, settings, out_dir, des
             capture.scratch_dir.parent.rmdir()  # the last rank out removes the shared parent
         except OSError:
             pass
-    return written, time.perf_counter() - t0
+    return written, time.perf_counter() - t0, checked
 
 
-def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dict) -> dict:
+def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dict, layer_ids, norm_weight) -> dict:
     lengths = [len(s) for s in order]
     offsets = torch.tensor([0] + lengths).cumsum(0)
     rows = [[s.dataset, s.sample_id, len(s), s.digest] for s in order]
+    health = check.health(aux, last, layer_ids, norm_weight)
     size = outputs.write_shard(path, aux, last, torch.cat([s.input_ids for s in order]),
                               torch.cat([s.loss_mask for s in order]), offsets, dtype,
-                              metadata={"settings": json.dumps(settings), "samples": json.dumps(rows)})
+                              metadata={"settings": json.dumps(settings), "samples": json.dumps(rows),
+                                        "health": json.dumps(health)})
     samples = [{"sample_id": s.sample_id, "dataset": s.dataset, "source": s.source, "offset": int(o), "length": len(s)}
                for s, o in zip(order, offsets)]
-    return shard_entry(path.name, samples, size)
+    return shard_entry(path.name, samples, size, health)
+
+
+def _record_failed_check(out_dir: Path, record: dict, identity: dict, layer_ids: list[int], s: Settings) -> None:
+    """A failed check: `check.json`, and an index that lists no shard and says why (readers refuse it)."""
+    write_json_atomic(out_dir / check.CHECK_FILE, record)
+    outputs.write_index(out_dir, {"dtype": s.hidden_dtype, "hidden_size": identity["hidden_size"],
+                                  "layer_ids": layer_ids, "layer_convention": "output", "backend": s.target_backend,
+                                  "target": identity, "check": record, "num_samples": 0, "num_tokens": 0,
+                                  "bytes": 0, "shards": []})
 
 
 def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) -> dict:
-    """Rank 0: merge every rank's shards with the kept ones into index.json."""
+    """Rank 0: merge every rank's shards with the kept ones into index.json, leaving out (and
+    renaming, so a re-run extracts their samples again) the shards whose health fails."""
     entries = plan["keep"] + [e for r in results for e in r["written"]]
     entries.sort(key=lambda e: e["file"])
+    entries, rejected = check.judge_shards(entries)
+    for e in rejected:
+        name = e["file"].replace("shard-", "rejected-", 1)
+        os.replace(out_dir / e["file"], out_dir / name)
+        log(f"{e['file']} rejected ({'; '.join(e['problems'])}): renamed {name}, its {len(e['samples'])} samples "
+            f"left out; re-running stage 04 extracts them again")
+        e["file"] = name
+    checked = _this_runs_check(out_dir, [r["check"] for r in results])
     missing = [e["file"] for e in entries if not (out_dir / e["file"]).is_file()]
     if missing:
         raise FileNotFoundError(f"{out_dir}: shards {missing[:3]} written by other ranks are not visible here; "
@@ -230,8 +278,8 @@ def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) ->
     index = {"dtype": dtype, "hidden_size": identity["hidden_size"], "layer_ids": layer_ids,
              "layer_convention": "output", "hf_hidden_state_indices": layers.hf_hidden_state_indices(layer_ids),
              "last": "final hidden state after the final norm (input of lm_head)",
-             "backend": backend, "target": identity, "num_samples": len(keys), "num_tokens": tokens,
-             "bytes": sum(e["bytes"] for e in entries), "shards": entries}
+             "backend": backend, "target": identity, "check": checked, "num_samples": len(keys), "num_tokens": tokens,
+             "bytes": sum(e["bytes"] for e in entries), "shards": entries, "rejected_shards": rejected}
     outputs.write_index(out_dir, index)
     new_tokens = sum(e["tokens"] for r in results for e in r["written"])
     seconds = max(r["seconds"] for r in results)
@@ -240,8 +288,33 @@ def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) ->
                "extract_s": round(seconds, 3), "tokens_per_s": round(new_tokens / seconds, 1) if seconds else None,
                "bytes": index["bytes"], "bytes_per_token": round(index["bytes"] / tokens, 1) if tokens else None,
                "dtype": dtype, "layer_ids": layer_ids, "backend": backend, "ranks": len(results),
-               "hidden_dir": str(out_dir)}
+               "shards_rejected": len(rejected), "hidden_dir": str(out_dir), "check": checked}
     outputs.write_summary(out_dir, summary)
     log(f"{summary['samples']:,} samples, {tokens:,} tokens in {len(entries)} shard(s) "
         f"({summary['shards_kept']} kept from an earlier run), {index['bytes'] / 2**20:,.1f} MiB")
     return summary
+
+
+def _this_runs_check(out_dir: Path, records: list[dict | None]) -> dict | None:
+    """The check of this run (rank 0's record, with every rank's verdict when there are several),
+    saved as `check.json`; when this run extracted nothing, the one saved by the run that did."""
+    records = [r for r in records if r]
+    path = out_dir / check.CHECK_FILE
+    if not records:
+        return json.loads(path.read_text()) if path.is_file() else None
+    record = {**records[0], "ranks_checked": len(records), "passed": all(r["passed"] for r in records)}
+    write_json_atomic(path, record)
+    return record
+
+
+def _start_line(out_dir: Path, plan: dict) -> str:
+    """Whether this run resumes or starts clean, and what the last run's check said."""
+    path = out_dir / check.CHECK_FILE
+    last = json.loads(path.read_text()) if path.is_file() else None
+    said = ("" if last is None else "; the last run's check passed" if last.get("passed")
+            else f"; the last run's check FAILED ({'; '.join(last.get('problems', []))}), and no shard was kept from it")
+    if plan["keep"]:
+        tokens = sum(e["tokens"] for e in plan["keep"])
+        return (f"resuming: {len(plan['keep'])} whole shard(s) ({tokens:,} tokens) kept from an earlier run, "
+                f"{len(plan['shards'])} to extract{said}")
+    return f"starting clean: {len(plan['shards'])} shard(s) to extract{said}"

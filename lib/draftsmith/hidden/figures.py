@@ -1,4 +1,5 @@
-"""Stage 04's figure: activation norms by layer, the stored layers on the target's own curve."""
+"""Stage 04's figures: activation norms by layer (the stored layers on the target's own curve), each
+shard's health."""
 
 from __future__ import annotations
 
@@ -29,5 +30,39 @@ def plot_norms(check: dict, norms):
     b.boxplot([norms[c] for c in norms.columns], showfliers=False)
     b.set_xticks(range(1, len(norms.columns) + 1), norms.columns, rotation=15)
     b.set(ylabel="token L2 norm", title=f"stored tensors, {len(norms):,} tokens")
+    fig.tight_layout()
+    return fig
+
+
+def health_figures(hidden_dir) -> dict:
+    """{"health": Figure} of every shard's health record in the index (kept and rejected shards),
+    else {} (a folder without shards, or shards written before health was recorded)."""
+    import json
+    from pathlib import Path
+
+    from .outputs import INDEX
+
+    index = json.loads((Path(hidden_dir) / INDEX).read_text())
+    entries = sorted([e for e in index.get("shards", []) + index.get("rejected_shards", []) if e.get("health")],
+                     key=lambda e: e["file"].split("-")[-1])
+    return {"health": plot_health(entries)} if entries else {}
+
+
+def plot_health(entries: list[dict]):
+    """Left: each stored layer's RMS per shard (rejected shards marked). Right: NaN/inf values per shard."""
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [3, 1]})
+    x = list(range(len(entries)))
+    for name in entries[0]["health"]["rms"]:
+        a.plot(x, [e["health"]["rms"].get(name) for e in entries], "o-", ms=3, label=name)
+    bad = [i for i, e in enumerate(entries) if e.get("problems")]
+    for i in bad:
+        a.axvline(i, color="C3", alpha=0.3)
+    a.set(xlabel="shard", ylabel="RMS", yscale="log",
+          title=f"stored layers' RMS per shard ({len(bad)} rejected)" if bad else "stored layers' RMS per shard")
+    a.legend(fontsize=8)
+    b.bar(x, [sum(e["health"]["nonfinite"].values()) for e in entries], color="C3")
+    b.set(xlabel="shard", ylabel="values", title="NaN/inf")
     fig.tight_layout()
     return fig

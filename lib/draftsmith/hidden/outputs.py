@@ -11,7 +11,8 @@ A shard is one safetensors file holding the tokens of many samples concatenated:
 It is written to a temporary name and renamed when whole, so a shard on disk is never torn.
 `index.json` beside the shards lists them with their samples and records the layer ids, their
 convention, the dtype and the target's identity (see `draftsmith.hidden`); `summary.json` holds
-the last extraction's figures. This module is the one that knows these names: stage 04 writes
+the last extraction's figures, `check.json` stage 04's own check (`draftsmith.hidden.check`: an
+index whose check failed lists no shard, and `HiddenShards` refuses it). This module is the one that knows these names: stage 04 writes
 through it, and every reader (stages 05, 06, benches) opens the folder with `HiddenShards` or asks
 for the summary here.
 
@@ -151,6 +152,11 @@ class HiddenShards:
         self.index = json.loads(path.read_text())
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{path}: format {self.index.get('format')!r}, expected {FORMAT!r}")
+        check = self.index.get("check")
+        if check and not check.get("passed"):
+            raise ValueError(f"{path}: stage 04's own check failed ({'; '.join(check.get('problems', []))}; likely "
+                             f"cause: {check.get('cause')}): these features are not to be trained on; fix the cause "
+                             f"and run stage 04 again")
         self.samples: list[SampleRef] = []
         for si, shard in enumerate(self.index["shards"]):
             for row, s in enumerate(shard["samples"]):
@@ -183,15 +189,27 @@ class HiddenShards:
         f = self._handle(ref.shard)
         off = self._offsets[ref.shard]
         a, b = int(off[ref.row]), int(off[ref.row + 1])
-        keys = set(f.keys())
-        out = {}
-        for name in fields:
-            if name in ("aux", "last"):
-                q = f.get_slice(name)[a:b]
-                s = f.get_slice(f"{name}_scale")[a:b] if f"{name}_scale" in keys else None
-                out[name] = dequantize(q, s)
-            elif name in ("input_ids", "loss_mask"):
-                out[name] = f.get_slice(name)[a:b]
-            else:
-                raise ValueError(f"unknown field {name!r}; fields are {FIELDS}")
-        return out
+        return read_rows(f, a, b, fields)
+
+
+def read_rows(f, a: int, b: int, fields: tuple[str, ...] = FIELDS) -> dict[str, torch.Tensor]:
+    """Rows a:b of an open shard `f` (safe_open), aux and last dequantized to float32."""
+    keys = set(f.keys())
+    out = {}
+    for name in fields:
+        if name in ("aux", "last"):
+            q = f.get_slice(name)[a:b]
+            s = f.get_slice(f"{name}_scale")[a:b] if f"{name}_scale" in keys else None
+            out[name] = dequantize(q, s)
+        elif name in ("input_ids", "loss_mask"):
+            out[name] = f.get_slice(name)[a:b]
+        else:
+            raise ValueError(f"unknown field {name!r}; fields are {FIELDS}")
+    return out
+
+
+def read_shard(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every row of one shard file, as `HiddenShards.sample` reads them (stage 04's own check reads
+    its features back this way)."""
+    with safe_open(str(path), framework="pt") as f:
+        return read_rows(f, 0, f.get_slice("input_ids").get_shape()[0])

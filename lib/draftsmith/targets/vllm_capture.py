@@ -15,7 +15,9 @@ How features leave the engine
   slots, copy them to the host, and write one safetensors file per request (temporary name, then
   rename) at the path the request names. The caller reads each file, checks its token ids, and
   deletes it.
-- Each request is a prefill with `max_tokens=1`: the prompt is the sample's tokens.
+- Each request is a prefill with `max_tokens=1`: the prompt is the sample's tokens. For stage 04's
+  own check the same requests also ask for `prompt_logprobs=1`: the engine's logprob of every
+  prompt token and its top-1, from the same forward pass.
 
 vLLM internals used (what breaks if they move)
 - `ExampleHiddenStatesConnector` (vllm.distributed.kv_transfer.kv_connector.v1.
@@ -196,14 +198,32 @@ def serve(config: dict, requests, replies) -> None:
     for line in requests:
         job = json.loads(line)
         try:
+            # `reference`: the same requests also return the engine's own logprob of every prompt
+            # token and its top-1 (stage 04's own check), from the forward pass that captured them
+            reference = bool(job.get("reference"))
             params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                     prompt_logprobs=1 if reference else None,
                                      extra_args={"kv_transfer_params": {"hidden_states_path": p}})
                       for p in job["paths"]]
-            llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
             _wait_for(llm, job["paths"], in_process, float(config.get("write_timeout_s", 600)))
-            reply({"ok": len(job["paths"])})
+            answer = {"ok": len(job["paths"])}
+            if reference:
+                answer["reference"] = [_prompt_logprobs(o.prompt_logprobs, ids) for o, ids in zip(outs, job["prompts"])]
+            reply(answer)
         except Exception:
             reply({"error": traceback.format_exc(limit=6)})
+
+
+def _prompt_logprobs(entries, ids: list[int]) -> dict:
+    """vLLM's `prompt_logprobs` (None, then per position {token: Logprob(logprob, rank)}) as the
+    logprob of each next token and the top-1 token, positions 1.. of the prompt."""
+    chosen, top1 = [], []
+    for pos in range(1, len(ids)):
+        entry = entries[pos]
+        chosen.append(float(entry[ids[pos]].logprob))
+        top1.append(int(next(t for t, lp in entry.items() if lp.rank == 1)))
+    return {"chosen": chosen, "top1": top1}
 
 
 def _vllm_version() -> str:

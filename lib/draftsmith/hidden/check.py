@@ -1,0 +1,284 @@
+"""Stage 04's own check: its stored features proven against the engine that captured them.
+
+No second model is needed, so it runs at any scale (a 1T target on tensor parallel 8 included):
+- Early check, before any shard is written. The first `check_samples` samples (each cut to its
+  first `CHECK_TOKENS` tokens) pass through the capture once more, and the same engine also gives
+  its own prompt logprobs of the same ids (vLLM `prompt_logprobs`; `hf`: the model's own logits).
+  The features go through the shard writer and are read back as stage 05 reads them. Then
+  log_softmax(lm_head(stored last)) must give the engine's logprob of every next token and its
+  top-1. The lm_head comes from the checkpoint's safetensors, without building the model.
+  Because the final state is captured through the same layer numbering as the aux layers, a wrong
+  numbering shows up here too.
+- Health of every shard (`health`, `judge_shards`): NaN/inf counts, each stored layer's RMS, how
+  far apart the layers are (a duplicated layer, or a dropped one whose neighbour slid into its
+  column, is as close as a copy), and the RMS drift from the first shard. A shard that fails is
+  not listed in the index, so stage 05 never reads it.
+
+A failed early check stops stage 04 with one line (`CheckFailed`): the figures, the tolerance, the
+likely cause and the setting to look at. The index then lists no shard and records the failed
+check, and every reader refuses it (`outputs.HiddenShards`). Tolerances are all in `TOLERANCE`,
+`ROUNDTRIP`, `MIN_LAYER_DISTANCE` and `RMS_DRIFT`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from . import outputs
+
+CHECK_TOKENS = 128  # tokens of each checked sample (its first ones: the features of a prefix are the prefix's)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest mean and largest single |our logprob - the engine's| of the next token, and the
+    smallest top-1 agreement, that rounding explains."""
+
+    mean_abs: float
+    max_abs: float
+    min_top1: float
+
+
+# (storage dtype, engine dtype) -> Tolerance. A bf16 engine rounds its logits to 8 significant bits
+# (a logit of 20 to within 0.06); our side computes in float32 from the stored state. Measured on
+# the built-in targets (docs/gpu.md, "Stage 04's own check"), each bound sits well above the clean
+# figures and well below the faults the field has shipped (vLLM's Kimi capture bug: mean 0.11,
+# top-1 0.96).
+TOLERANCE = {
+    ("bf16", "float32"): Tolerance(0.02, 0.25, 0.98),
+    ("bf16", "bfloat16"): Tolerance(0.04, 0.5, 0.97),
+    ("fp8", "float32"): Tolerance(0.06, 1.0, 0.94),
+    ("fp8", "bfloat16"): Tolerance(0.07, 1.0, 0.93),
+}
+ROUNDTRIP = {"bf16": 0.005, "fp8": 0.05}  # largest relative error, stored vs captured, of one tensor
+MIN_LAYER_DISTANCE = 0.01  # two stored layers (RMS-normalised) closer than this are one layer twice
+RMS_DRIFT = (0.5, 2.0)     # a shard's layer RMS over the first shard's, each layer
+
+
+class CheckFailed(RuntimeError):
+    """Stage 04's early check failed: the message is the one line the user reads; `record` the figures."""
+
+    def __init__(self, line: str, record: dict):
+        super().__init__(line)
+        self.record = record
+
+
+def engine_dtype(capture) -> str:
+    return str(getattr(capture, "dtype", torch.bfloat16)).removeprefix("torch.")
+
+
+def tolerance_for(storage: str, engine: str) -> Tolerance:
+    return TOLERANCE[(storage, "bfloat16" if engine not in ("float32", "float64") else "float32")]
+
+
+# ---- the next-token logprobs of the stored final state ---------------------------------------
+
+def next_token_logprobs(states: torch.Tensor, next_ids: torch.Tensor, head: torch.Tensor, chunk: int = 16384):
+    """log_softmax(states @ head.T) at `next_ids` (the token that follows each state), and the
+    argmax: ([P] float32, [P] int64). The vocabulary goes in chunks, so the host never holds [P, V]
+    float32 logits of a 163,840-token vocabulary."""
+    x = states.float()
+    nxt = next_ids.long()
+    t = x.shape[0]
+    lse = torch.full((t,), -float("inf"))
+    top = torch.full((t,), -float("inf"))
+    best = torch.zeros(t, dtype=torch.long)
+    chosen = torch.zeros(t)
+    rows = torch.arange(t)
+    for start in range(0, head.shape[0], chunk):
+        logits = x @ head[start:start + chunk].float().T
+        lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
+        m, arg = logits.max(dim=-1)
+        best = torch.where(m > top, arg + start, best)
+        top = torch.maximum(top, m)
+        inside = (nxt >= start) & (nxt < start + logits.shape[1])
+        chosen[inside] = logits[rows[inside], nxt[inside] - start]
+    return chosen - lse, best
+
+
+# ---- health of stored features ----------------------------------------------------------------
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).clamp_min(1e-30))
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def health(aux: torch.Tensor, last: torch.Tensor, layer_ids: list[int], norm_weight: torch.Tensor) -> dict:
+    """NaN/inf counts, RMS of each stored layer and of `last`, and the smallest distance between two
+    of them: aux layers pairwise after RMS normalisation, and each aux layer after the target's
+    final norm against `last` (an aux column that holds the final state reads 0 there)."""
+    h = last.shape[1]
+    names = [f"aux {k}" for k in layer_ids] + ["last"]
+    parts = [aux[:, j * h:(j + 1) * h] for j in range(len(layer_ids))] + [last]
+    finite = [torch.isfinite(p) for p in parts]
+    unit = [_unit(torch.where(f, p.float(), 0.0)) for p, f in zip(parts[:-1], finite)]
+    pairs = {f"{names[i]} ~ {names[j]}": _distance(unit[i], unit[j])
+             for i in range(len(unit)) for j in range(i + 1, len(unit))}
+    clean_last = torch.where(finite[-1], last.float(), 0.0)
+    pairs |= {f"{names[i]} ~ last": _distance(u * norm_weight, clean_last) for i, u in enumerate(unit)}
+    closest = min(pairs, key=pairs.get)
+    return {"nonfinite": {n: int((~f).sum()) for n, f in zip(names, finite)},
+            "rms": {n: float(torch.where(f, p.float(), 0.0).pow(2).mean().sqrt()) for n, p, f in zip(names, parts, finite)},
+            "closest_layers": closest, "min_layer_distance": round(pairs[closest], 6)}
+
+
+def health_problems(record: dict, first: dict | None = None) -> list[str]:
+    """What is wrong with a shard's `health` record; `first`: the first shard's, for the drift."""
+    problems = [f"{n}: {c:,} NaN/inf values" for n, c in record["nonfinite"].items() if c]
+    if record["min_layer_distance"] < MIN_LAYER_DISTANCE:
+        problems.append(f"{record['closest_layers']} are the same tensor (distance {record['min_layer_distance']:.2g} "
+                        f"< {MIN_LAYER_DISTANCE}): a duplicated or dropped layer")
+    if first is not None:
+        lo, hi = RMS_DRIFT
+        for n, rms in record["rms"].items():
+            ref = first["rms"].get(n)
+            if ref and not lo <= rms / ref <= hi:
+                problems.append(f"{n}: RMS {rms:.4g} is {rms / ref:.2f}x the first shard's {ref:.4g} "
+                                f"(allowed {lo}-{hi}x)")
+    return problems
+
+
+def judge_shards(entries: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(healthy, rejected) shard entries, in order; a rejected one gets its `problems`. The drift is
+    measured against the first shard (by name) with a health record."""
+    first = next((e["health"] for e in entries if e.get("health")), None)
+    good, bad = [], []
+    for e in entries:
+        problems = health_problems(e["health"], None if e["health"] is first else first) if e.get("health") else []
+        (bad if problems else good).append({**e, "problems": problems} if problems else e)
+    return good, bad
+
+
+# ---- the early check --------------------------------------------------------------------------
+
+def check_samples_of(samples: list, order: list[int], n: int) -> list:
+    """The first `n` samples in extraction order, each cut to its first CHECK_TOKENS tokens."""
+    out = []
+    for i in order[:n]:
+        s = samples[i]
+        cut = min(len(s), CHECK_TOKENS)
+        out.append(replace(s, input_ids=s.input_ids[:cut], loss_mask=s.loss_mask[:cut]))
+    return out
+
+
+def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str, work_dir: Path, log=print) -> dict:
+    """Capture `batch` with the engine's reference logprobs, store and read it back as a shard, and
+    compare (module docstring). Returns the record (`passed`, figures, tolerance, `problems`, and
+    `cause` when it failed); raises nothing itself."""
+    from ..targets.checkpoint import final_norm, lm_head_weight
+    from ..targets.vllm import rms_norm
+
+    t0 = time.perf_counter()
+    aux, last, refs = capture(batch, reference=True)
+    lengths = [len(s) for s in batch]
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    ids = torch.cat([s.input_ids for s in batch])
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / "check.safetensors"
+    outputs.write_shard(path, aux, last, ids, torch.cat([s.loss_mask for s in batch]), offsets, dtype)
+    stored = outputs.read_shard(path)
+    path.unlink()
+    head = lm_head_weight(target)
+    norm_weight, eps = final_norm(target)
+    engine = engine_dtype(capture)
+    tol = tolerance_for(dtype, engine)
+
+    # every position but each sample's last predicts the token after it
+    pos = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1]) - 1) for i in range(len(batch))])
+    ref_chosen = torch.cat([r["chosen"] for r in refs]).float()
+    chosen, top1 = next_token_logprobs(stored["last"][pos], ids[pos + 1], head)
+    err = (chosen - ref_chosen).abs()
+    agree = top1 == torch.cat([r["top1"] for r in refs])
+    roundtrip = {"aux": _distance(stored["aux"], aux.float()), "last": _distance(stored["last"], last.float())}
+    h = health(stored["aux"], stored["last"], layer_ids, norm_weight)
+    record = {"samples": len(batch), "positions": int(err.numel()), "engine": capture.backend,
+              "engine_dtype": engine, "storage_dtype": dtype,
+              "logprob_mean_abs_err": round(float(err.mean()), 6), "logprob_max_abs_err": round(float(err.max()), 6),
+              "top1_agreement": round(float(agree.float().mean()), 6),
+              "roundtrip_rel_err": {k: round(v, 6) for k, v in roundtrip.items()}, "health": h,
+              "tolerance": {**asdict(tol), "roundtrip_rel_err": ROUNDTRIP[dtype],
+                            "min_layer_distance": MIN_LAYER_DISTANCE}}
+    problems = _problems(record, tol)
+    record["problems"] = problems
+    record["passed"] = not problems
+    if problems:
+        # would the stored state match once the final norm is applied? (a pre-norm state stored)
+        normed = next_token_logprobs(rms_norm(stored["last"][pos], norm_weight, eps), ids[pos + 1], head)[0]
+        record["cause"] = likely_cause(record, float((normed - ref_chosen).abs().mean()), tol)
+    record["seconds"] = round(time.perf_counter() - t0, 2)
+    return record
+
+
+def _problems(r: dict, tol: Tolerance) -> list[str]:
+    out = []
+    if r["logprob_mean_abs_err"] > tol.mean_abs:
+        out.append(f"next-token logprob error mean {r['logprob_mean_abs_err']:.3g} > {tol.mean_abs}")
+    if r["logprob_max_abs_err"] > tol.max_abs:
+        out.append(f"max {r['logprob_max_abs_err']:.3g} > {tol.max_abs}")
+    if r["top1_agreement"] < tol.min_top1:
+        out.append(f"top-1 agreement {r['top1_agreement']:.4f} < {tol.min_top1}")
+    limit = ROUNDTRIP[r["storage_dtype"]]
+    out += [f"{k} read back from its shard differs from what the engine gave by {v:.3g} (> {limit})"
+            for k, v in r["roundtrip_rel_err"].items() if not v <= limit]
+    return out + health_problems(r["health"])
+
+
+def likely_cause(r: dict, mean_err_if_normed: float, tol: Tolerance) -> str:
+    """The fault the figures point to, and the setting to look at."""
+    h = r["health"]
+    if any(h["nonfinite"].values()):
+        return ("NaN/inf in the stored features: an engine overflow or broken scales (hidden_dtype; try bf16, and "
+                "look at the engine log)")
+    if any(not v <= ROUNDTRIP[r["storage_dtype"]] for v in r["roundtrip_rel_err"].values()):
+        return (f"the stored {r['storage_dtype']} values do not read back as written: wrong scales in the shard "
+                f"writer or reader (hidden_dtype; draftsmith.hidden.outputs)")
+    if h["min_layer_distance"] < MIN_LAYER_DISTANCE:
+        how = ("an aux column holds the final state: a layer id the engine dropped (e.g. one equal to "
+               "num_hidden_layers) shifted the columns" if h["closest_layers"].endswith("~ last")
+               else "one layer stored twice: a duplicated (or dropped) layer id")
+        return f"{how} (layer_ids, layer_convention, the engine version)"
+    if mean_err_if_normed <= tol.mean_abs:
+        return ("the stored final state is before the final norm (pre-norm stored as post-norm): the engine's "
+                "last state needs the target's final RMSNorm (target_backend, the engine version)")
+    return ("the stored final state is not the one the engine's lm_head reads: a layer-numbering offset "
+            "(layer_convention, layer_ids), the state of one layer early, or the engine's capture numbering "
+            "(its version); target_backend hf with verify_with_hf cross-checks a target transformers can hold")
+
+
+def failure_line(r: dict) -> str:
+    return (f"stage 04's own check failed on {r['samples']} samples ({r['positions']} positions, {r['engine']} "
+            f"{r['engine_dtype']}, {r['storage_dtype']} storage): {'; '.join(r['problems'])}. Likely cause: "
+            f"{r['cause']}. No shard was kept from this run; see hidden/{CHECK_FILE}")
+
+
+CHECK_FILE = "check.json"
+
+
+def check_table(record: dict | None):
+    """The early check's figures beside their tolerances, one row each (empty when none ran)."""
+    import pandas as pd
+
+    if not record:
+        return pd.DataFrame(columns=["value", "tolerance", "ok"])
+    tol, h, rt = record["tolerance"], record["health"], record["roundtrip_rel_err"]
+    rows = {"logprob mean |error| (nat)": (record["logprob_mean_abs_err"], "<=", tol["mean_abs"]),
+            "logprob max |error| (nat)": (record["logprob_max_abs_err"], "<=", tol["max_abs"]),
+            "top-1 agreement": (record["top1_agreement"], ">=", tol["min_top1"]),
+            "aux read back (relative error)": (rt["aux"], "<=", tol["roundtrip_rel_err"]),
+            "last read back (relative error)": (rt["last"], "<=", tol["roundtrip_rel_err"]),
+            f"closest layers ({h['closest_layers']})": (h["min_layer_distance"], ">=", tol["min_layer_distance"]),
+            "NaN/inf values": (sum(h["nonfinite"].values()), "<=", 0)}
+    table = pd.DataFrame([{"value": v, "tolerance": f"{op} {bound}", "ok": v <= bound if op == "<=" else v >= bound}
+                          for v, op, bound in rows.values()], index=list(rows))
+    table.attrs["caption"] = (f"{record['samples']} samples, {record['positions']} positions, {record['engine']} "
+                              f"({record['engine_dtype']}), {record['storage_dtype']} storage, "
+                              f"{record['seconds']} s: {'passed' if record['passed'] else 'FAILED'}")
+    return table

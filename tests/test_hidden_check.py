@@ -1,0 +1,167 @@
+"""Stage 04's own check catches each silent capture fault the field has shipped, on `tiny-test` and
+`kimi-mini-bf16`, in vLLM (CPU build) and in transformers.
+
+Each fault is planted in what the engine hands back: `Planted` wraps a real capture of every layer
+of the target, on the engine itself (so the reference logprobs are that engine's own), and returns
+the tensors a faulty capture would. The wrong fp8 scales are planted in the shard writer. The user's
+path, `extract` with its check, must then stop before writing any shard, with the likely cause,
+and leave an index that every reader refuses. The clean capture through the same wrapper passes.
+Each test prints its row of the table fault -> what the check reported (`pytest -s`).
+"""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith import layers
+from draftsmith.hidden import check, outputs
+from draftsmith.hidden.extract import extract, open_capture
+from draftsmith.targets.checkpoint import final_norm, target_config
+from draftsmith.targets.vllm import rms_norm
+
+from test_hidden import write_tokens
+
+FAULTS = {  # fault -> words the check's likely cause must contain
+    "final state one layer early": "not the one the engine's lm_head reads",
+    "post-norm state stored as pre-norm": "before the final norm",
+    "aux layer dropped": "holds the final state",
+    "aux layer duplicated": "one layer stored twice",
+    "layer ids off by one (wrong layer_convention)": "layer-numbering offset",
+    "wrong fp8 scales": "wrong scales",
+}
+
+
+def num_layers(target) -> int:
+    cfg = target_config(target)
+    return int(cfg.get("text_config", cfg)["num_hidden_layers"])
+
+
+def row(target, backend: str, fault: str, r: dict) -> str:
+    """One line of the planted-fault table (printed; `pytest -s` shows it)."""
+    verdict = "passed" if r["passed"] else f"caught: {r['cause'].split(':')[0]}"
+    return (f"| {target.name.rsplit('-', 1)[0]} | {backend} | {fault} | {r['logprob_mean_abs_err']:.3g} | "
+            f"{r['logprob_max_abs_err']:.3g} | {r['top1_agreement']:.3f} | {max(r['roundtrip_rel_err'].values()):.3g} | "
+            f"{r['health']['min_layer_distance']:.3g} | {verdict} |")
+
+
+class Planted:
+    """A capture that gives back what a faulty engine would: `inner` captures every layer (output
+    ids 0..N-1) of the target; this returns the aux layers and final state `fault` picks."""
+
+    def __init__(self, inner, fault: str, layer_ids: list[int], target):
+        self.inner, self.fault, self.ids = inner, fault, list(layer_ids)
+        self.backend, self.device, self.dtype = inner.backend, inner.device, inner.dtype
+        self.n = num_layers(target)
+        self.norm = final_norm(target)
+
+    @property
+    def scratch_dir(self):
+        return self.inner.scratch_dir
+
+    @scratch_dir.setter
+    def scratch_dir(self, value):
+        self.inner.scratch_dir = value
+
+    def __call__(self, batch, reference=False):
+        every, last, *refs = self.inner(batch, reference)
+        h = last.shape[1]
+
+        def layer(k):
+            return every[:, k * h:(k + 1) * h]
+
+        ids, n = list(self.ids), self.n
+        if self.fault == "final state one layer early":
+            last = rms_norm(layer(n - 2), *self.norm)
+        elif self.fault == "post-norm state stored as pre-norm":
+            last = layer(n - 1)
+        elif self.fault == "layer ids off by one (wrong layer_convention)":
+            ids, last = [k - 1 for k in ids], rms_norm(layer(n - 2), *self.norm)
+        aux = torch.cat([layer(k) for k in ids], dim=1)
+        if self.fault == "aux layer dropped":  # the engine skipped ids[1]: the later columns slide left
+            aux = torch.cat([layer(ids[0]), layer(ids[2]), layer(n - 1)], dim=1)
+        elif self.fault == "aux layer duplicated":
+            aux = torch.cat([layer(ids[0]), layer(ids[1]), layer(ids[1])], dim=1)
+        return (aux, last, *refs)
+
+
+def wrong_scales(real):
+    def quantize(x, groups, dtype):
+        q, scale = real(x, groups, dtype)
+        return q, (None if scale is None else scale * 4)  # stored scale 4x too large
+    return quantize
+
+
+@pytest.fixture(scope="module", params=["tiny-test", "kimi-mini-bf16"])
+def target(request):
+    if request.param == "tiny-test":
+        return request.getfixturevalue("tiny_target")
+    return request.getfixturevalue("kimi_mini_targets")["kimi-mini-bf16"]
+
+
+@pytest.fixture(scope="module")
+def tokens(target, tmp_path_factory):
+    from draftsmith.targets.checkpoint import load_tokenizer
+
+    d = tmp_path_factory.mktemp("tokens")
+    write_tokens(d / "chat.jsonl", load_tokenizer(target, trust_remote_code=True), 6, 0, "chat")
+    return [d / "chat.jsonl"]
+
+
+@pytest.fixture(scope="module", params=["vllm", "hf"])
+def every_layer(request, target):
+    """One capture of every layer of `target` on the backend, shared by the faults."""
+    n = num_layers(target)
+    opts = {"trust_remote_code": True, "max_model_len": 2048, "log": lambda m: None} if request.param == "vllm" else {}
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cap = open_capture(request.param, target, list(range(n)), device="cpu", **opts)
+    yield cap
+    cap.close()
+    torch.set_num_threads(torch_threads)
+
+
+def run(every_layer, target, tokens, out_dir, fault, dtype="bf16", log=lambda m: None):
+    """Stage 04's extraction (the user's path, its check included) over a capture with `fault` planted."""
+    ids = layers.default_layer_ids(num_layers(target))
+    return extract(target, tokens, out_dir, capture=Planted(every_layer, fault, ids, target), layer_ids=ids,
+                   target_backend=every_layer.backend, hidden_dtype=dtype, max_tokens_per_batch=1024, shard_mb=0.02,
+                   check_samples=2, log=log)
+
+
+def test_the_clean_capture_passes_the_check_and_records_it_in_the_index(every_layer, target, tokens, tmp_path):
+    summary = run(every_layer, target, tokens, tmp_path, "clean")
+    record = summary["check"]
+    assert record["passed"] and record["problems"] == [] and record["engine"] == every_layer.backend
+    hs = outputs.HiddenShards(tmp_path)
+    assert hs.index["check"]["passed"] and len(hs) == 6 and not hs.index["rejected_shards"]
+    assert all(e["health"]["min_layer_distance"] > check.MIN_LAYER_DISTANCE for e in hs.index["shards"])
+    assert json.loads((tmp_path / check.CHECK_FILE).read_text())["passed"]
+    print(row(target, every_layer.backend, "none (clean capture)", record))
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_each_planted_fault_stops_stage_04_before_any_shard_with_its_cause(every_layer, target, tokens, tmp_path,
+                                                                           fault, monkeypatch):
+    if fault == "wrong fp8 scales":
+        monkeypatch.setattr(outputs, "quantize", wrong_scales(outputs.quantize))
+    with pytest.raises(check.CheckFailed) as failed:
+        run(every_layer, target, tokens, tmp_path, "clean" if fault == "wrong fp8 scales" else fault,
+            dtype="fp8" if fault == "wrong fp8 scales" else "bf16")
+    record = failed.value.record
+    assert not record["passed"] and FAULTS[fault] in record["cause"], (fault, record)
+    line = str(failed.value)
+    assert "\n" not in line and FAULTS[fault] in line and "Likely cause" in line and record["problems"][0] in line
+    assert not outputs.shard_files(tmp_path)                      # nothing written passes for a good shard
+    with pytest.raises(ValueError, match="stage 04's own check failed"):
+        outputs.HiddenShards(tmp_path)                            # stage 05 (every reader) refuses it
+    print(row(target, every_layer.backend, fault, record))
+
+
+def test_a_rerun_after_a_failed_check_says_it_starts_clean_and_then_passes(every_layer, target, tokens, tmp_path):
+    with pytest.raises(check.CheckFailed):
+        run(every_layer, target, tokens, tmp_path, "final state one layer early")
+    said = []
+    summary = run(every_layer, target, tokens, tmp_path, "clean", log=said.append)
+    assert any(m.startswith("starting clean") and "check FAILED" in m for m in said), said
+    assert summary["check"]["passed"] and len(outputs.HiddenShards(tmp_path)) == 6
