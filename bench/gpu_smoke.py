@@ -8,7 +8,8 @@ params/kimi-mini.yaml with the GPU settings:
 
   01-03  the local emulator samples kimi-mini's answers; stage 03 rebuilds and checks the token ids
   04     the features, captured in vLLM from the INT4 experts (tensor parallel 2 when two GPUs are
-         visible), checked against transformers on one sample (`verify_with_hf`)
+         visible), proven by stage 04's own check in the engine first, then checked against
+         transformers on one sample (`verify_with_hf`)
   05     the EAGLE-3 drafter trained on them and exported for vLLM and SGLang
   06     vLLM serving every export as EAGLE-3 over the MLA target, beside vLLM's ngram and no
          drafter, greedy and T = 1; our decoder over transformers beside it
@@ -96,6 +97,17 @@ def failed(step: dict) -> str:
     return f"failed (exit {step['rc']}; logs in {step['logs']})"
 
 
+def own_check(hidden_dir: Path) -> str | None:
+    """Stage 04's own check as one cell: passed or failed, with its figures (None if it did not run)."""
+    path = hidden_dir / shards.CHECK
+    if not path.is_file():
+        return None
+    r = json.loads(path.read_text())
+    figures = (f"logprob error mean {r['logprob_mean_abs_err']:.3g}, max {r['logprob_max_abs_err']:.3g}, "
+               f"top-1 {r['top1_agreement']:.3f}, {r['positions']} positions")
+    return f"passed ({figures})" if r["passed"] else f"FAILED: {r.get('cause')} ({figures})"
+
+
 def table(steps: dict[str, dict], run: Run, target: str, tp: int) -> pd.DataFrame:
     """One row per stage and setting, from the exit codes and what the stages wrote."""
     rows = []
@@ -116,6 +128,9 @@ def table(steps: dict[str, dict], run: Run, target: str, tp: int) -> pd.DataFram
     result = summary.get("gpu_only") or ("ok" if s["rc"] == 0 else failed(s))
     row("04", f"vLLM, {EXPERTS.get(target, target)}, tp {tp}, checked against transformers", result,
         summary.get("tokens_per_s"), seconds=s["seconds"])
+    own = own_check(shards.hidden_dir(run))
+    if own:
+        row("04", f"stage 04's own check in vLLM, tp {tp}", own)
     s = steps["05"]
     row("05", "EAGLE-3 training, exports", "ok" if s["rc"] == 0 else failed(s), seconds=s["seconds"])
     s, path = steps["06"], report_path(run)

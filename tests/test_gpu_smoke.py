@@ -56,3 +56,18 @@ def test_without_the_cuda_vllm_it_refuses_in_one_line_and_runs_nothing(tmp_path)
         "gpu_smoke: no CUDA vLLM in this environment (`make gpu-venv`, then .venv-gpu/bin/python "
         "bench/gpu_smoke.py); --dry-run prints the plan without a GPU"]
     assert not any(tmp_path.iterdir())
+
+
+def test_the_gpu_check_without_vllm_plans_transformers_on_the_gpu_and_its_own_decoder_and_the_cli_accepts_it(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--run-name", "plan",
+                           "--outputs-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    commands = [line.split(": ", 1)[1] for line in lines if line.startswith("  ")]
+    assert [c.split()[2] for c in commands] == ["01,02,03", "04", "05", "06"]
+    for c in commands:
+        for setting in ("-p target_model_path kimi-mini ", "-p target_backend hf ", "-p device cuda ",
+                        "-p eval_backend hf ", "-p verify_with_hf true "):
+            assert setting in c + " ", f"{setting!r} missing from {c}"
+    assert lines[-1] == ("parameters of 01_providers, 02_generate, 03_validate_tokens, 04_hidden_states, "
+                         "05_train_drafter, 06_evaluate: ok")

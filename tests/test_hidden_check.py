@@ -40,8 +40,10 @@ def num_layers(target) -> int:
 def row(target, backend: str, fault: str, r: dict) -> str:
     """One line of the planted-fault table (printed; `pytest -s` shows it)."""
     verdict = "passed" if r["passed"] else f"caught: {r['cause'].split(':')[0]}"
-    return (f"| {target.name.rsplit('-', 1)[0]} | {backend} | {fault} | {r['logprob_mean_abs_err']:.3g} | "
-            f"{r['logprob_max_abs_err']:.3g} | {r['top1_agreement']:.3f} | {max(r['roundtrip_rel_err'].values()):.3g} | "
+    c = r["captured"]
+    return (f"| {target.name.rsplit('-', 1)[0]} | {backend} | {fault} | {c['logprob_mean_abs_err']:.3g} / "
+            f"{r['logprob_mean_abs_err']:.3g} | {c['logprob_max_abs_err']:.3g} / {r['logprob_max_abs_err']:.3g} | "
+            f"{c['top1_agreement']:.3f} / {r['top1_agreement']:.3f} | {max(r['roundtrip_rel_err'].values()):.3g} | "
             f"{r['health']['min_layer_distance']:.3g} | {verdict} |")
 
 
@@ -136,8 +138,16 @@ def test_the_clean_capture_passes_the_check_and_records_it_in_the_index(every_la
     hs = outputs.HiddenShards(tmp_path)
     assert hs.index["check"]["passed"] and len(hs) == 6 and not hs.index["rejected_shards"]
     assert all(e["health"]["min_layer_distance"] > check.MIN_LAYER_DISTANCE for e in hs.index["shards"])
-    assert json.loads((tmp_path / check.CHECK_FILE).read_text())["passed"]
+    assert json.loads((tmp_path / outputs.CHECK).read_text())["passed"]
     print(row(target, every_layer.backend, "none (clean capture)", record))
+
+
+def test_a_clean_fp8_capture_passes_its_looser_stored_bounds_and_the_tight_captured_ones(every_layer, target, tokens,
+                                                                                          tmp_path):
+    record = run(every_layer, target, tokens, tmp_path, "clean", dtype="fp8")["check"]
+    assert record["passed"] and record["storage_dtype"] == "fp8", record
+    assert record["captured"]["logprob_mean_abs_err"] < record["logprob_mean_abs_err"]  # fp8 rounds the state
+    print(row(target, every_layer.backend, "none (clean capture, fp8 storage)", record))
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -165,3 +175,58 @@ def test_a_rerun_after_a_failed_check_says_it_starts_clean_and_then_passes(every
     summary = run(every_layer, target, tokens, tmp_path, "clean", log=said.append)
     assert any(m.startswith("starting clean") and "check FAILED" in m for m in said), said
     assert summary["check"]["passed"] and len(outputs.HiddenShards(tmp_path)) == 6
+
+
+class NanInShard:
+    """A capture whose `shard`-th batch after the check comes back with a NaN in one aux value."""
+
+    def __init__(self, inner, shard: int):
+        self.inner, self.shard, self.calls = inner, shard, 0
+        self.ids, self.backend, self.device, self.dtype = inner.ids, inner.backend, inner.device, inner.dtype
+        self.scratch_dir = None
+
+    def __call__(self, batch, reference=False):
+        out = self.inner(batch, reference)
+        if not reference:
+            self.calls += 1
+            if self.calls == self.shard:
+                out[0][0, 0] = float("nan")
+        return out
+
+
+def test_a_shard_that_fails_its_health_is_left_out_and_the_next_run_extracts_its_samples(tiny_target, tmp_path):
+    from draftsmith.targets.checkpoint import load_tokenizer
+
+    files = [tmp_path / "chat.jsonl"]
+    rows = write_tokens(files[0], load_tokenizer(tiny_target), 8, 3, "chat")
+    ids = layers.default_layer_ids(num_layers(tiny_target))
+    out = tmp_path / "hidden"
+    cap = open_capture("hf", tiny_target, ids, device="cpu")
+    settings = dict(layer_ids=ids, target_backend="hf", max_tokens_per_batch=1, shard_mb=1e-6, check_samples=1)
+    try:
+        said = []
+        summary = extract(tiny_target, files, out, capture=NanInShard(cap, 2), log=said.append, **settings)
+        hs = outputs.HiddenShards(out)
+        [bad] = hs.index["rejected_shards"]
+        assert bad["file"].startswith("rejected-") and (out / bad["file"]).is_file() and "NaN" in bad["problems"][0]
+        assert summary["shards_rejected"] == 1 and len(hs) == len(rows) - len(bad["samples"])
+        assert any("rejected" in m and "re-running stage 04 extracts them again" in m for m in said), said
+        said.clear()
+        extract(tiny_target, files, out, capture=cap, log=said.append, **settings)
+    finally:
+        cap.close()
+    hs = outputs.HiddenShards(out)
+    assert len(hs) == len(rows) and not hs.index["rejected_shards"] and not list(out.glob("rejected-*"))
+    assert any(m.startswith("resuming:") for m in said), said
+
+
+def test_a_shard_whose_layer_rms_drifts_from_the_first_shards_is_rejected():
+    first = {"nonfinite": {"aux 1": 0, "last": 0}, "rms": {"aux 1": 10.0, "last": 1.0},
+             "closest_layers": "aux 1 ~ last", "min_layer_distance": 0.5}
+    fine = {**first, "rms": {"aux 1": 14.0, "last": 1.0}}
+    drifted = {**first, "rms": {"aux 1": 25.0, "last": 1.0}}
+    good, bad = check.judge_shards([{"file": f"shard-0000{i}.safetensors", "health": h}
+                                    for i, h in enumerate([first, fine, drifted])])
+    assert [e["file"] for e in good] == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    [e] = bad
+    assert "aux 1: RMS 25 is 2.50x the first shard's 10" in e["problems"][0]

@@ -23,7 +23,7 @@ OWNERS = {
     # stage 03 (report.json: stage 03's and stage 06's, each in its own folder)
     "report.json": {"tokens/outputs.py", "evaluate/outputs.py"},
     # stage 04
-    "index.json": {"hidden/outputs.py"}, "extract_config.json": {"hidden/stage.py"},
+    "index.json": {"hidden/outputs.py"}, "extract_config.json": {"hidden/stage.py"}, "check.json": {"hidden/outputs.py"},
     # summary.json: stage 01's, stage 04's and stage 05's, each in its own folder
     "summary.json": {"providers/outputs.py", "hidden/outputs.py", "drafter/outputs.py"},
     # stage 05

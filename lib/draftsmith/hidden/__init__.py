@@ -10,8 +10,9 @@ index are `draftsmith.hidden.outputs`'; the target and its engines are `draftsmi
   extract.py  the extraction itself (`extract`, `Settings`): one rank's shards, the index at the end
   plan.py     batches by length, shards of batches, the disk check
   resume.py   what the shards on disk already hold; leftovers of a killed run; one writer a folder
-  verify.py   the stored features against the target run alone
-  figures.py  activation norms by layer
+  check.py    stage 04's own check, in the engine, before any shard; every shard's health
+  verify.py   the stored features against the target run alone in transformers (targets it can hold)
+  figures.py  activation norms by layer, every shard's health
 
 Several nodes need the output folder on a filesystem they all see. Command line (what `launch`
 runs under torchrun; CONFIG.json as `stage.write_config` writes it):

@@ -43,16 +43,22 @@ class Tolerance:
     min_top1: float
 
 
-# (storage dtype, engine dtype) -> Tolerance. A bf16 engine rounds its logits to 8 significant bits
-# (a logit of 20 to within 0.06); our side computes in float32 from the stored state. Measured on
-# the built-in targets (docs/gpu.md, "Stage 04's own check"), each bound sits well above the clean
-# figures and well below the faults the field has shipped (vLLM's Kimi capture bug: mean 0.11,
-# top-1 0.96).
+# (which final state, engine dtype) -> Tolerance. The logprobs come from the final state as the
+# engine handed it over ("captured": proves the capture, at any storage dtype), and as stored and
+# read back ("bf16", "fp8": proves what stage 05 reads). Our logits are rounded to the engine's
+# dtype as it rounds its own, so a clean bf16 capture matches to a rounding step. fp8 storage
+# rounds the state itself to 3 significant bits (measured: 0.04-0.10 nat mean error in the
+# teacher's logprobs from an fp8 `last`): its stored figures are looser, and the captured ones
+# prove the capture. Measured on the built-in targets (docs/gpu.md, "Stage 04's own check"):
+# clean captures sit at a third or less of each bound, the planted faults above it, as does the
+# subtlest fault the field has shipped (vLLM's Kimi capture bug: mean 0.11, top-1 0.96).
 TOLERANCE = {
+    ("captured", "float32"): Tolerance(0.01, 0.1, 0.99),
+    ("captured", "bfloat16"): Tolerance(0.03, 0.5, 0.97),
     ("bf16", "float32"): Tolerance(0.02, 0.25, 0.98),
-    ("bf16", "bfloat16"): Tolerance(0.04, 0.5, 0.97),
-    ("fp8", "float32"): Tolerance(0.06, 1.0, 0.94),
-    ("fp8", "bfloat16"): Tolerance(0.07, 1.0, 0.93),
+    ("bf16", "bfloat16"): Tolerance(0.03, 0.5, 0.97),
+    ("fp8", "float32"): Tolerance(0.25, 2.0, 0.9),
+    ("fp8", "bfloat16"): Tolerance(0.25, 2.0, 0.9),
 }
 ROUNDTRIP = {"bf16": 0.005, "fp8": 0.05}  # largest relative error, stored vs captured, of one tensor
 MIN_LAYER_DISTANCE = 0.01  # two stored layers (RMS-normalised) closer than this are one layer twice
@@ -71,15 +77,21 @@ def engine_dtype(capture) -> str:
     return str(getattr(capture, "dtype", torch.bfloat16)).removeprefix("torch.")
 
 
-def tolerance_for(storage: str, engine: str) -> Tolerance:
-    return TOLERANCE[(storage, "bfloat16" if engine not in ("float32", "float64") else "float32")]
+def tolerance_for(state: str, engine: str) -> Tolerance:
+    """The bounds for logprobs from the final state `state` ("captured", "bf16", "fp8") of an engine
+    computing in `engine` (a torch dtype's name; anything narrower than float32 counts as bf16)."""
+    return TOLERANCE[(state, "float32" if engine in ("float32", "float64") else "bfloat16")]
 
 
 # ---- the next-token logprobs of the stored final state ---------------------------------------
 
-def next_token_logprobs(states: torch.Tensor, next_ids: torch.Tensor, head: torch.Tensor, chunk: int = 16384):
+def next_token_logprobs(states: torch.Tensor, next_ids: torch.Tensor, head: torch.Tensor,
+                        logits_dtype: torch.dtype = torch.float32, chunk: int = 16384):
     """log_softmax(states @ head.T) at `next_ids` (the token that follows each state), and the
-    argmax: ([P] float32, [P] int64). The vocabulary goes in chunks, so the host never holds [P, V]
+    argmax: ([P] float32, [P] int64). The logits are rounded to `logits_dtype` first, as an engine
+    computing in it rounds its own (a bf16 lm_head: 8 significant bits) before its float32
+    log_softmax; so a clean capture matches to within a rounding step or two, not to within the
+    rounding of a logit of 30 (0.125). The vocabulary goes in chunks, so the host never holds [P, V]
     float32 logits of a 163,840-token vocabulary."""
     x = states.float()
     nxt = next_ids.long()
@@ -90,7 +102,7 @@ def next_token_logprobs(states: torch.Tensor, next_ids: torch.Tensor, head: torc
     chosen = torch.zeros(t)
     rows = torch.arange(t)
     for start in range(0, head.shape[0], chunk):
-        logits = x @ head[start:start + chunk].float().T
+        logits = (x @ head[start:start + chunk].float().T).to(logits_dtype).float()
         lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
         m, arg = logits.max(dim=-1)
         best = torch.where(m > top, arg + start, best)
@@ -189,49 +201,59 @@ def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str,
     head = lm_head_weight(target)
     norm_weight, eps = final_norm(target)
     engine = engine_dtype(capture)
-    tol = tolerance_for(dtype, engine)
+    rounding = getattr(capture, "dtype", torch.bfloat16)
 
     # every position but each sample's last predicts the token after it
     pos = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1]) - 1) for i in range(len(batch))])
     ref_chosen = torch.cat([r["chosen"] for r in refs]).float()
-    chosen, top1 = next_token_logprobs(stored["last"][pos], ids[pos + 1], head)
-    err = (chosen - ref_chosen).abs()
-    agree = top1 == torch.cat([r["top1"] for r in refs])
+    ref_top1 = torch.cat([r["top1"] for r in refs])
+    figures = {state: _agreement(states[pos], ids[pos + 1], head, rounding, ref_chosen, ref_top1)
+               for state, states in (("captured", last.float()), ("stored", stored["last"]))}
     roundtrip = {"aux": _distance(stored["aux"], aux.float()), "last": _distance(stored["last"], last.float())}
     h = health(stored["aux"], stored["last"], layer_ids, norm_weight)
-    record = {"samples": len(batch), "positions": int(err.numel()), "engine": capture.backend,
-              "engine_dtype": engine, "storage_dtype": dtype,
-              "logprob_mean_abs_err": round(float(err.mean()), 6), "logprob_max_abs_err": round(float(err.max()), 6),
-              "top1_agreement": round(float(agree.float().mean()), 6),
-              "roundtrip_rel_err": {k: round(v, 6) for k, v in roundtrip.items()}, "health": h,
-              "tolerance": {**asdict(tol), "roundtrip_rel_err": ROUNDTRIP[dtype],
-                            "min_layer_distance": MIN_LAYER_DISTANCE}}
+    tol = {"captured": tolerance_for("captured", engine), "stored": tolerance_for(dtype, engine)}
+    record = {"samples": len(batch), "positions": int(pos.numel()), "engine": capture.backend,
+              "engine_dtype": engine, "storage_dtype": dtype, **figures["stored"],
+              "captured": figures["captured"], "roundtrip_rel_err": {k: round(v, 6) for k, v in roundtrip.items()},
+              "health": h, "tolerance": {**asdict(tol["stored"]), "captured": asdict(tol["captured"]),
+                                         "roundtrip_rel_err": ROUNDTRIP[dtype],
+                                         "min_layer_distance": MIN_LAYER_DISTANCE}}
     problems = _problems(record, tol)
     record["problems"] = problems
     record["passed"] = not problems
     if problems:
-        # would the stored state match once the final norm is applied? (a pre-norm state stored)
-        normed = next_token_logprobs(rms_norm(stored["last"][pos], norm_weight, eps), ids[pos + 1], head)[0]
-        record["cause"] = likely_cause(record, float((normed - ref_chosen).abs().mean()), tol)
+        # would the captured state match once the final norm is applied? (a pre-norm state handed over)
+        normed = _agreement(rms_norm(last[pos], norm_weight, eps), ids[pos + 1], head, rounding, ref_chosen, ref_top1)
+        record["cause"] = likely_cause(record, normed["logprob_mean_abs_err"] <= tol["captured"].mean_abs)
     record["seconds"] = round(time.perf_counter() - t0, 2)
     return record
 
 
-def _problems(r: dict, tol: Tolerance) -> list[str]:
+def _agreement(states, next_ids, head, rounding, ref_chosen, ref_top1) -> dict:
+    chosen, top1 = next_token_logprobs(states, next_ids, head, rounding)
+    err = (chosen - ref_chosen).abs()
+    return {"logprob_mean_abs_err": round(float(err.mean()), 6), "logprob_max_abs_err": round(float(err.max()), 6),
+            "top1_agreement": round(float((top1 == ref_top1).float().mean()), 6)}
+
+
+def _problems(r: dict, tol: dict) -> list[str]:
     out = []
-    if r["logprob_mean_abs_err"] > tol.mean_abs:
-        out.append(f"next-token logprob error mean {r['logprob_mean_abs_err']:.3g} > {tol.mean_abs}")
-    if r["logprob_max_abs_err"] > tol.max_abs:
-        out.append(f"max {r['logprob_max_abs_err']:.3g} > {tol.max_abs}")
-    if r["top1_agreement"] < tol.min_top1:
-        out.append(f"top-1 agreement {r['top1_agreement']:.4f} < {tol.min_top1}")
+    for state, figures in (("captured", r["captured"]), ("stored", r)):
+        t = tol[state]
+        if figures["logprob_mean_abs_err"] > t.mean_abs:
+            out.append(f"{state} final state's next-token logprob error mean {figures['logprob_mean_abs_err']:.3g} "
+                       f"> {t.mean_abs}")
+        if figures["logprob_max_abs_err"] > t.max_abs:
+            out.append(f"{state} max {figures['logprob_max_abs_err']:.3g} > {t.max_abs}")
+        if figures["top1_agreement"] < t.min_top1:
+            out.append(f"{state} top-1 agreement {figures['top1_agreement']:.4f} < {t.min_top1}")
     limit = ROUNDTRIP[r["storage_dtype"]]
     out += [f"{k} read back from its shard differs from what the engine gave by {v:.3g} (> {limit})"
             for k, v in r["roundtrip_rel_err"].items() if not v <= limit]
     return out + health_problems(r["health"])
 
 
-def likely_cause(r: dict, mean_err_if_normed: float, tol: Tolerance) -> str:
+def likely_cause(r: dict, matches_once_normed: bool) -> str:
     """The fault the figures point to, and the setting to look at."""
     h = r["health"]
     if any(h["nonfinite"].values()):
@@ -245,7 +267,7 @@ def likely_cause(r: dict, mean_err_if_normed: float, tol: Tolerance) -> str:
                "num_hidden_layers) shifted the columns" if h["closest_layers"].endswith("~ last")
                else "one layer stored twice: a duplicated (or dropped) layer id")
         return f"{how} (layer_ids, layer_convention, the engine version)"
-    if mean_err_if_normed <= tol.mean_abs:
+    if matches_once_normed:
         return ("the stored final state is before the final norm (pre-norm stored as post-norm): the engine's "
                 "last state needs the target's final RMSNorm (target_backend, the engine version)")
     return ("the stored final state is not the one the engine's lm_head reads: a layer-numbering offset "
@@ -256,10 +278,7 @@ def likely_cause(r: dict, mean_err_if_normed: float, tol: Tolerance) -> str:
 def failure_line(r: dict) -> str:
     return (f"stage 04's own check failed on {r['samples']} samples ({r['positions']} positions, {r['engine']} "
             f"{r['engine_dtype']}, {r['storage_dtype']} storage): {'; '.join(r['problems'])}. Likely cause: "
-            f"{r['cause']}. No shard was kept from this run; see hidden/{CHECK_FILE}")
-
-
-CHECK_FILE = "check.json"
+            f"{r['cause']}. No shard was kept from this run; see hidden/{outputs.CHECK}")
 
 
 def check_table(record: dict | None):
@@ -268,10 +287,13 @@ def check_table(record: dict | None):
 
     if not record:
         return pd.DataFrame(columns=["value", "tolerance", "ok"])
-    tol, h, rt = record["tolerance"], record["health"], record["roundtrip_rel_err"]
-    rows = {"logprob mean |error| (nat)": (record["logprob_mean_abs_err"], "<=", tol["mean_abs"]),
-            "logprob max |error| (nat)": (record["logprob_max_abs_err"], "<=", tol["max_abs"]),
-            "top-1 agreement": (record["top1_agreement"], ">=", tol["min_top1"]),
+    tol, h, rt, cap = record["tolerance"], record["health"], record["roundtrip_rel_err"], record["captured"]
+    rows = {"captured last: logprob mean |error| (nat)": (cap["logprob_mean_abs_err"], "<=", tol["captured"]["mean_abs"]),
+            "captured last: logprob max |error| (nat)": (cap["logprob_max_abs_err"], "<=", tol["captured"]["max_abs"]),
+            "captured last: top-1 agreement": (cap["top1_agreement"], ">=", tol["captured"]["min_top1"]),
+            "stored last: logprob mean |error| (nat)": (record["logprob_mean_abs_err"], "<=", tol["mean_abs"]),
+            "stored last: logprob max |error| (nat)": (record["logprob_max_abs_err"], "<=", tol["max_abs"]),
+            "stored last: top-1 agreement": (record["top1_agreement"], ">=", tol["min_top1"]),
             "aux read back (relative error)": (rt["aux"], "<=", tol["roundtrip_rel_err"]),
             "last read back (relative error)": (rt["last"], "<=", tol["roundtrip_rel_err"]),
             f"closest layers ({h['closest_layers']})": (h["min_layer_distance"], ">=", tol["min_layer_distance"]),

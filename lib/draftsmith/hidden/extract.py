@@ -247,7 +247,7 @@ def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dic
 
 def _record_failed_check(out_dir: Path, record: dict, identity: dict, layer_ids: list[int], s: Settings) -> None:
     """A failed check: `check.json`, and an index that lists no shard and says why (readers refuse it)."""
-    write_json_atomic(out_dir / check.CHECK_FILE, record)
+    write_json_atomic(out_dir / outputs.CHECK, record)
     outputs.write_index(out_dir, {"dtype": s.hidden_dtype, "hidden_size": identity["hidden_size"],
                                   "layer_ids": layer_ids, "layer_convention": "output", "backend": s.target_backend,
                                   "target": identity, "check": record, "num_samples": 0, "num_tokens": 0,
@@ -261,7 +261,7 @@ def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) ->
     entries.sort(key=lambda e: e["file"])
     entries, rejected = check.judge_shards(entries)
     for e in rejected:
-        name = e["file"].replace("shard-", "rejected-", 1)
+        name = outputs.rejected_name(e["file"])
         os.replace(out_dir / e["file"], out_dir / name)
         log(f"{e['file']} rejected ({'; '.join(e['problems'])}): renamed {name}, its {len(e['samples'])} samples "
             f"left out; re-running stage 04 extracts them again")
@@ -299,7 +299,7 @@ def _this_runs_check(out_dir: Path, records: list[dict | None]) -> dict | None:
     """The check of this run (rank 0's record, with every rank's verdict when there are several),
     saved as `check.json`; when this run extracted nothing, the one saved by the run that did."""
     records = [r for r in records if r]
-    path = out_dir / check.CHECK_FILE
+    path = out_dir / outputs.CHECK
     if not records:
         return json.loads(path.read_text()) if path.is_file() else None
     record = {**records[0], "ranks_checked": len(records), "passed": all(r["passed"] for r in records)}
@@ -309,7 +309,7 @@ def _this_runs_check(out_dir: Path, records: list[dict | None]) -> dict | None:
 
 def _start_line(out_dir: Path, plan: dict) -> str:
     """Whether this run resumes or starts clean, and what the last run's check said."""
-    path = out_dir / check.CHECK_FILE
+    path = out_dir / outputs.CHECK
     last = json.loads(path.read_text()) if path.is_file() else None
     said = ("" if last is None else "; the last run's check passed" if last.get("passed")
             else f"; the last run's check FAILED ({'; '.join(last.get('problems', []))}), and no shard was kept from it")

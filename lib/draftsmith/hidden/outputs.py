@@ -35,6 +35,8 @@ from ..paths import Run
 
 INDEX = "index.json"
 SUMMARY = "summary.json"
+CHECK = "check.json"                        # stage 04's own check (`draftsmith.hidden.check`)
+REJECTED_GLOB = "rejected-*.safetensors"    # shards whose health failed, kept until the next run
 SHARD_GLOB = "shard-*.safetensors"
 FORMAT = "draftsmith-hidden/1"
 FP8 = torch.float8_e4m3fn
@@ -55,6 +57,11 @@ def shard_name(number: int) -> str:
 def shard_files(directory: str | os.PathLike) -> list[Path]:
     """Every shard file in the folder, in name (= writing) order."""
     return sorted(Path(directory).glob(SHARD_GLOB))
+
+
+def rejected_name(shard_file: str) -> str:
+    """What a shard whose health failed is renamed to: out of the index, out of a resume's reach."""
+    return shard_file.replace("shard-", "rejected-", 1)
 
 
 def shard_number(path: Path) -> int:

@@ -70,6 +70,9 @@ def prepare(out_dir: Path, samples: list[Sample], identity: dict, layer_ids: lis
     """Rank 0: clear leftovers, keep whole shards, check the disk, plan the rest."""
     for tmp in out_dir.glob("*.tmp"):
         tmp.unlink()
+    for bad in sorted(out_dir.glob(outputs.REJECTED_GLOB)):  # failed their health check last time: extracted again
+        log(f"{bad.name}: removed (its health check failed last run); re-extracting its samples")
+        bad.unlink()
     shutil.rmtree(out_dir / SCRATCH, ignore_errors=True)
     settings = settings_of(identity, layer_ids, dtype, backend)
     by_key = {s.key: s for s in samples}
