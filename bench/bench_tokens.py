@@ -2,7 +2,8 @@
 
 The texts are whole conversations as the target saw them (prompt with its template, reasoning,
 `</think>`, answer, end-of-turn), made of standard-library docstrings at about the shape of a
-reasoning model's responses. Two targets in one run: the built-in `tiny-test` (a fast tokenizer,
+reasoning model's responses; every fourth answer ends in a Kimi-style tool-call section (returned
+as text: its markers are single ids for the Kimi-style tokenizer, text for the fast one). Two targets in one run: the built-in `tiny-test` (a fast tokenizer,
 tokenizers' Rust BPE) and a Kimi-style checkpoint (remote-code tokenizer over tiktoken:
 `--kimi PATH`, a checkpoint folder; default: the tokenizer files of
 `draftsmith.targets.kimi_tokenizer` written to a temporary folder). Each method runs `--repeat` times, interleaved, best time kept (the machine is
@@ -34,6 +35,10 @@ from draftsmith.tokens import Response, Thresholds
 from draftsmith.tokens.outputs import check_row, ids_line
 
 
+SECTION = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>"
+           '{"query": "os.path.join"}<|tool_call_end|><|tool_calls_section_end|>')
+
+
 def make_samples(n: int, seed: int = 0) -> list[Response]:
     docs = [d for _, _, d in stdlib_docstrings(3000)]
     rng = random.Random(seed)
@@ -50,8 +55,9 @@ def make_samples(n: int, seed: int = 0) -> list[Response]:
         if i % 4 == 0:  # some multi-turn prompts
             messages = [{"role": "system", "content": "Be precise."}, messages[0],
                         {"role": "assistant", "content": text(400)}, {"role": "user", "content": text(200)}]
+        answer = text(rng.randint(500, 3000)) + (SECTION if i % 4 == 1 else "")
         samples.append(Response(f"s{i}", "bench", "P", f"g{i}", messages, text(rng.randint(2000, 8000)),
-                                text(rng.randint(500, 3000)), "stop", None, None, None, False, False))
+                                answer, "stop", None, None, None, False, False))
     return samples
 
 

@@ -6,6 +6,7 @@ and of each import file (`draftsmith.imports`), the package
   rebuild    rebuilds prompt ids (chat template with the generation prompt) and output ids
              (reasoning, think_end, content, end_of_turn); loss_mask is 0 on every prompt token,
              1 on every output token;
+  layouts    names the layout each response took (reasoning closed, or run into a tool call, ...);
   checks     checks each sample against what its provider billed and for structural faults;
   analysis   compares every provider with the others: which disagree, and why;
   outputs    owns the stage's files (tokens/<dataset>.jsonl for stage 04, tokens/checks/,

@@ -16,7 +16,7 @@ reasoning at the first of `</think>` and the tool-call section's opening marker,
 goes from its reasoning straight into a tool call returns the same reasoning and calls as one that
 closed its reasoning first; and an empty answer hides whether the reasoning was closed. There the
 billed count (or the count of the engine's saved ids) decides; without one the template's layout
-is assumed. Each sample records the layout it took (`LAYOUTS`) and what decided it (`DECIDED_BY`).
+is assumed. Each sample records the layout it took and what decided it (`layouts`).
 
 Where the engine's sampled ids were saved, they are the truth and the text's rebuild is kept beside
 them. Encoding goes through `draftsmith.encoding` (batched: one Rust or tiktoken call per batch),
@@ -31,26 +31,8 @@ from functools import lru_cache
 
 from ..encoding import Encoding
 from ..templates import Layout, load_chat_template, response_layout, tool_calls_text
+from .layouts import layout_name, layout_of_ids
 from .responses import Response
-
-
-# What the model wrote after the prompt: no reasoning block (a template without one, or reasoning
-# turned off), or reasoning closed by think_end, or reasoning that ran straight into the tool-call
-# section, or reasoning never closed (cut off, or the turn ended inside it); then an answer with or
-# without tool calls.
-LAYOUTS = ("answer", "tool_calls", "reasoning_answer", "reasoning_tool_calls", "reasoning_into_tool_calls",
-           "reasoning_unclosed")
-# text: the returned text settles it; billed_count / saved_ids: that count chose between with and
-# without think_end; assumed: it could not, and the template's layout was taken
-DECIDED_BY = ("text", "billed_count", "saved_ids", "assumed")
-
-
-def layout_name(reasoning_block: bool, think_end: bool, tool_calls: bool) -> str:
-    if not reasoning_block:
-        return "tool_calls" if tool_calls else "answer"
-    if think_end:
-        return "reasoning_tool_calls" if tool_calls else "reasoning_answer"
-    return "reasoning_into_tool_calls" if tool_calls else "reasoning_unclosed"
 
 
 @dataclass
@@ -61,8 +43,8 @@ class Rebuilt:
     text_prompt_ids: list[int] | None = None  # where the engine's ids are saved: the ids rebuilt from the text
     text_output_ids: list[int] | None = None
     tool_calls_dropped: bool = False  # the response made tool calls the template does not render
-    layout: str = "reasoning_answer"  # one of LAYOUTS
-    layout_by: str = "text"  # one of DECIDED_BY
+    layout: str = "reasoning_answer"  # one of layouts.LAYOUTS
+    layout_by: str = "text"  # one of layouts.DECIDED_BY
 
     @property
     def input_ids(self) -> list[int]:
@@ -205,29 +187,10 @@ class Reconstructor:
         the layout is read off the ids."""
         out = self._saved_output(r)
         prompt = list(r.prompt_ids) if r.prompt_ids is not None else text.prompt_ids
-        return Rebuilt(prompt, out, text.reasoning_tokens, text.prompt_ids, text.output_ids,
-                       layout=self._layout_of(r, out), layout_by="saved_ids")
-
-    def _layout_of(self, r: Response, ids: list[int]) -> str:
-        """The layout of engine ids: reasoning ends at the first think_end or tool-call opening."""
         opening = self.tool_tokens.get(self.tool_open) if self.tool_open else None
-        q = ids.index(opening) if opening is not None and opening in ids else len(ids)
-        p = _find(ids, self.think_end_ids) if self._reasoning_block(r) else len(ids)
-        return layout_name(self._reasoning_block(r), p < q, q < len(ids))
-
-
-def _find(ids: list[int], sub: list[int]) -> int:
-    """Index of the first occurrence of `sub` in `ids`, len(ids) when none."""
-    if not sub:
-        return len(ids)
-    k = -1
-    while True:
-        try:
-            k = ids.index(sub[0], k + 1)
-        except ValueError:
-            return len(ids)
-        if ids[k:k + len(sub)] == sub:
-            return k
+        layout = layout_of_ids(out, self._reasoning_block(r), self.think_end_ids, opening)
+        return Rebuilt(prompt, out, text.reasoning_tokens, text.prompt_ids, text.output_ids, layout=layout,
+                       layout_by="saved_ids")
 
 
 _PROBE_CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
