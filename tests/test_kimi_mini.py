@@ -172,6 +172,12 @@ def test_kimi_chain_stage_04_hf_stores_what_vllm_stored_per_layer(kimi_run, tmp_
     hf, vllm = HiddenShards(tmp_path / "outputs" / "kimi-mini" / "hidden"), HiddenShards(kimi_run / "hidden")
     assert vllm.index["backend"] == "vllm" and not vllm.index.get("gpu_only") and vllm.index["layer_ids"] == [1, 3, 4]
     assert hf.index["backend"] == "hf" and hf.index["layer_ids"] == vllm.index["layer_ids"]
+    for hs in (vllm, hf):  # stage 04's own check ran in each engine, on by default, and passed
+        check = hs.index["check"]
+        assert check["passed"] and check["engine"] == hs.index["backend"] and check["positions"] > 0, check
+        print(f"stage 04's own check, {check['engine']} ({check['engine_dtype']}): captured "
+              f"{check['captured']}, stored {check['storage_dtype']} mean {check['logprob_mean_abs_err']}, "
+              f"max {check['logprob_max_abs_err']}, top-1 {check['top1_agreement']}, {check['seconds']} s")
     where = {ref.sample_id: i for i, ref in enumerate(vllm.samples)}
     assert sorted(where) == sorted(ref.sample_id for ref in hf.samples)
     H = hf.hidden_size
