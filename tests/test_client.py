@@ -295,7 +295,11 @@ def test_a_request_cancelled_in_flight_leaves_its_generation_id():
     async def go(s, url):
         seen = {}
         t = asyncio.ensure_future(client.complete(s, url, {}, b"{}", False, seen=seen))
-        await asyncio.sleep(0.5)
+
+        async def headers_in():
+            while not seen:
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(headers_in(), 30)  # cancelled once its headers are in, its body not yet
         t.cancel()
         await asyncio.gather(t, return_exceptions=True)
         return seen

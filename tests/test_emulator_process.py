@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -14,16 +13,9 @@ from draftsmith.emulator import KEY_ENV, read_ledger
 from draftsmith.local import open_api
 from draftsmith.paths import Run
 
+from conftest import wait_until
+
 MODEL = "moonshotai/kimi-k2.5"
-
-
-def _wait(path, proc, timeout=120):
-    t0 = time.monotonic()
-    while not path.exists():
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "emulator exited"
-        assert time.monotonic() - t0 < timeout, "emulator did not start"
-        time.sleep(0.05)
-    return json.loads(path.read_text())
 
 
 def test_process_takes_its_key_from_the_environment_and_stops_cleanly(tmp_path, api_key_file):
@@ -35,7 +27,8 @@ def test_process_takes_its_key_from_the_environment_and_stops_cleanly(tmp_path, 
                              "--state-dir", str(state), "--ready-file", str(ready)],
                             env={**os.environ, KEY_ENV: key}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        info = _wait(ready, proc)
+        wait_until(ready.exists, what="the emulator's ready file", timeout_s=120, proc=proc)
+        info = json.loads(ready.read_text())
         assert info["pid"] == proc.pid
         assert key not in open(f"/proc/{proc.pid}/cmdline").read()
         h = {"Authorization": f"Bearer {key}"}

@@ -12,6 +12,8 @@ from draftsmith.paths import REPO_ROOT as REPO
 from draftsmith.targets import tiny
 from draftsmith.targets.checkpoint import resolve_target
 
+from conftest import wait_until
+
 
 def write_jsonl(path, rows):
     with open(path, "w", encoding="utf-8") as f:
@@ -169,7 +171,6 @@ def test_waiting_for_another_process_building_the_target_is_never_silent(tmp_pat
     so every interval, then reuses what the first one built."""
     import fcntl
     import threading
-    import time
 
     out = tmp_path / tiny.variant_key("tiny-test")
     lines: list[str] = []
@@ -178,10 +179,11 @@ def test_waiting_for_another_process_building_the_target_is_never_silent(tmp_pat
         waiter = threading.Thread(target=lambda: lines.append(
             tiny.build_tiny_target("tiny-test", root=tmp_path, log=lines.append)))
         waiter.start()
-        time.sleep(1.5)
+        wait_until(lambda: list(lines), what="the second builder saying it waits")
         out.mkdir()
         (out / "config.json").write_text("{}")  # the other process finishes
-    waiter.join(10)
+    waiter.join(60)
+    assert not waiter.is_alive(), f"the second builder still waits after the lock was freed: {lines}"
     assert lines[0].startswith("[target build] waiting for another process building target 'tiny-test' (0s so "
                                "far; lock ")
     assert lines[-1] == out and any(str(x).startswith("[target build] done waiting") for x in lines)

@@ -17,7 +17,9 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import psutil
 import pytest
 
 from draftsmith.openrouter.apikey import ApiKey
@@ -26,6 +28,8 @@ from draftsmith.emulator import running
 from draftsmith.generate.options import GenerationStopped
 from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
+
+from conftest import wait_until
 
 MODEL = "moonshotai/kimi-k2.5"
 CONTRACT = {"sample_id", "dataset", "messages", "content", "reasoning", "finish_reason", "native_finish_reason",
@@ -324,21 +328,23 @@ def child(emu, root: Path, datasets, concurrency=16, in_loop=False) -> subproces
                             stderr=subprocess.STDOUT, text=True)
 
 
-def wait_lines(path: Path, n: int, timeout: float = 30) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if path.exists() and path.read_bytes().count(b"\n") >= n:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"{path} did not reach {n} lines")
+def wait_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
+    """Until the running child `proc` has written `n` lines to `path`."""
+    wait_until(lambda: path.read_bytes().count(b"\n") if path.exists() else 0, lambda lines: lines >= n,
+               what=f"{n} lines in {path}", timeout_s=120, proc=proc)
 
 
-def wait_idle(emu, timeout: float = 10) -> None:
-    """Until the emulator has finished (and billed) every request of the dead client."""
-    t0 = time.time()
-    while emu.emulator.accounts.in_flight and time.time() - t0 < timeout:
-        time.sleep(0.05)
-    time.sleep(0.1)
+def wait_idle(emu) -> None:
+    """Until the emulator has finished (and billed) every request of the dead client: none in flight
+    and none of its connections left open (a request still in a socket's buffer is served later)."""
+    port = urlsplit(emu.base_url).port
+
+    def busy() -> tuple[int, int]:
+        served = [c for c in psutil.Process().net_connections("tcp")
+                  if c.laddr and c.laddr.port == port and c.status != psutil.CONN_LISTEN]
+        return emu.emulator.accounts.in_flight, len(served)
+    wait_until(busy, lambda b: b == (0, 0), what="the emulator idle after the kill (requests in flight, "
+               "connections open)")
 
 
 PACED = {"time_scale": 1.0, "synthetic_tokens": 20, "fault_scale": 0.0, "credits": 100.0,
@@ -356,7 +362,7 @@ def test_a_signal_stops_cleanly_and_a_rerun_finishes(tmp_path, sig, in_loop):
         ds = [{"name": "p", "path": str(path)}]
         raw = tmp_path / "r" / "generate" / "p" / "raw_responses.jsonl"
         proc = child(emu, tmp_path, ds, in_loop=in_loop)
-        wait_lines(raw, 10)
+        wait_lines(raw, 10, proc)
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0 and "RESULT interrupted" in out, out
@@ -385,7 +391,7 @@ def test_kill_9_at_random_moments_then_resume_pays_twice_only_for_in_flight(tmp_
         for k in range(3):
             before = len(saved(tmp_path, "p"))
             proc = child(emu, tmp_path, ds)
-            wait_lines(raw, before + 5)
+            wait_lines(raw, before + 5, proc)
             time.sleep(rng.uniform(0.0, 0.8))
             proc.kill()
             proc.wait()
@@ -504,7 +510,7 @@ def test_an_interrupt_asks_the_cost_of_lost_answers_for_seconds_and_counts_the_r
                           "in_loop": True})
         proc = subprocess.Popen([sys.executable, "-c", CHILD, arg], env={**os.environ, "DRAFTSMITH_PROGRESS": "off"},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_lines(raw, 10)
+        wait_lines(raw, 10, proc)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)      # recovery_patience_s is 120 s: not waited out
         assert proc.returncode == 0 and "RESULT interrupted" in out, out

@@ -22,7 +22,7 @@ from draftsmith.paths import Run
 from draftsmith.hidden.outputs import INDEX, HiddenShards
 from draftsmith.targets.checkpoint import load_target
 
-from conftest import notebook_params
+from conftest import notebook_params, wait_until
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -197,9 +197,9 @@ def test_kill_mid_run_then_rerun_has_every_sample_once_and_no_torn_shard(tiny_ta
     cmd = [sys.executable, "-m", "draftsmith.hidden", str(config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.time() + 60
-    while len(shard_files(out)) < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
+    # polled often: the kill must come while the extraction still runs
+    wait_until(lambda: shard_files(out), lambda files: len(files) >= 2, what=f"two shards in {out}", timeout_s=300,
+               proc=proc, interval_s=0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"finished before the kill: {proc.stderr.read().decode()[-500:]}"

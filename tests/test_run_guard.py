@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +22,8 @@ from draftsmith.datasets import DatasetReader, DatasetSpec, stable_id
 from draftsmith.emulator import KEY_ENV, read_ledger
 from draftsmith.emulator.config import load_config
 from draftsmith.local import emulator_process
+
+from conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("draftsmith"))
@@ -59,16 +60,6 @@ def saved_count(out: Path) -> int:
 
 def bills(state: Path) -> Counter:
     return Counter(x["prompt_key"] for x in read_ledger(state) if x["billed"])
-
-
-def wait_for(what, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    t0 = time.time()
-    while not what():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the run ended early: {proc.communicate()[1][-3000:]}")
-        if time.time() - t0 > timeout:
-            raise TimeoutError("waited too long")
-        time.sleep(0.2)
 
 
 @contextmanager
@@ -112,7 +103,8 @@ def test_a_second_run_02_on_the_same_run_refuses_naming_the_holder_and_nothing_i
         first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  start_new_session=True)
         try:
-            wait_for(lambda: saved_count(out) >= 1, 300, first)
+            wait_until(lambda: saved_count(out), lambda n: n >= 1, what="the first run's first saved answer",
+                       timeout_s=300, proc=first, interval_s=0.2)
             log = out / "smoke" / "logs" / "02_generate.log"
             logged = log.read_text()
             second = run_cli(cmd)
@@ -151,7 +143,8 @@ def test_a_disk_that_fills_up_stops_stage_02_with_what_was_paid_and_not_saved(tm
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         try:
-            wait_for(lambda: saved_count(out) >= 2, 300, proc)
+            wait_until(lambda: saved_count(out), lambda n: n >= 2, what="two saved answers", timeout_s=300,
+                       proc=proc, interval_s=0.2)
             fill(gen)
             _, err = proc.communicate(timeout=120)
         finally:

@@ -10,6 +10,8 @@ import yaml
 from draftsmith import cli, parameters, runner
 from draftsmith.paths import NOTEBOOKS_DIR, REPO_ROOT
 
+from conftest import wait_until
+
 PARAMS = sorted((REPO_ROOT / "params").glob("*.yaml"))
 
 
@@ -220,7 +222,6 @@ def test_ctrl_c_stops_the_run_with_one_line_and_exit_130(toy_stages, tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     make_notebook(toy_stages[0].path, 'run_name = "x"\noutputs_dir = "outputs"\n',
                   ["import time\nprint('sleeping', flush=True)\ntime.sleep(60)"])
@@ -230,9 +231,8 @@ def test_ctrl_c_stops_the_run_with_one_line_and_exit_130(toy_stages, tmp_path):
               f"sys.exit(cli.main(['run', '01', '--defaults', '-p', 'outputs_dir', {str(tmp_path)!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)
     log = tmp_path / "x" / "logs" / "01_first.log"
-    deadline = time.time() + 60
-    while not (log.exists() and "sleeping" in log.read_text()) and time.time() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: log.read_text() if log.exists() else "", lambda text: "sleeping" in text,
+               what=f"'sleeping' in {log}", timeout_s=120, proc=proc)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

@@ -6,10 +6,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
+
+from conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,10 +23,8 @@ def test_sigterm_stops_stage_02_cleanly_and_the_rerun_resumes(tmp_path):
     raw = out / "smoke" / "generate" / "code" / "raw_responses.jsonl"
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    deadline = time.time() + 420
-    while not (raw.exists() and raw.read_text().count("\n") >= 2) and time.time() < deadline:
-        time.sleep(0.2)
-    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    wait_until(lambda: raw.read_text().count("\n") if raw.exists() else 0, lambda lines: lines >= 2,
+               what=f"2 lines in {raw}", timeout_s=420, proc=proc)
     emulators = [p for p in psutil.Process(proc.pid).children(recursive=True)
                  if "draftsmith.emulator" in " ".join(p.cmdline())]
     assert emulators, "the stage runs against a local emulator child"
@@ -39,8 +38,8 @@ def test_sigterm_stops_stage_02_cleanly_and_the_rerun_resumes(tmp_path):
     assert session.get("stop_reason") or session.get("message"), session
     ids = [json.loads(x)["sample_id"] for x in raw.read_text().splitlines()]
     assert ids and len(ids) == len(set(ids))
-    time.sleep(1)
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in emulators), "emulator orphaned"
+    wait_until(lambda: [p for p in emulators if alive(p)], lambda left: not left,
+               what="the local emulator gone with the run (else orphaned)")
 
     fast = cmd[:-1] + ['{"backend": "synthetic", "synthetic_tokens": 24, "time_scale": 0.0, "fault_scale": 0}']
     again = subprocess.run(fast, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -48,3 +47,10 @@ def test_sigterm_stops_stage_02_cleanly_and_the_rerun_resumes(tmp_path):
     rows = [json.loads(x) for x in raw.read_text().splitlines()]
     assert len({r["sample_id"] for r in rows}) == len(rows) > len(ids)
     assert {r["sample_id"] for r in rows} >= set(ids)
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
