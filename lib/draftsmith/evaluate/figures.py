@@ -267,6 +267,8 @@ def explain_engine(report: dict) -> str:
             line += (f" Our decoder: {ours['acceptance_length_vllm']:.2f}; at T > 0 the two draw different random "
                      f"numbers, so they agree in expectation only (same rule: a draft is accepted with the target's "
                      f"probability of it).")
+        elif report.get("hf_scope"):
+            line += f" Our decoder did not measure this temperature: it measured {report['hf_scope']['why']}."
         lines.append(line)
     for method, line in e.get("gpu_only", {}).items():
         lines.append(f"`{method}` in vLLM: {line} (vLLM's CPU build cannot run it; a GPU build can).")
@@ -314,6 +316,9 @@ def explain(report: dict) -> str:
             line += " Outputs equal the target's greedy decoding: " + ("yes, every method." if all(
                 s["lossless"] for s in m.values()) else "NO — see `mismatched_samples` in the report.")
         lines.append(line.replace("  ", " ").strip())
+    scope = report.get("hf_scope")
+    if scope and not scope["benchmarks"]:
+        lines.append(f"Our decoder measured {scope['why']}; vLLM's numbers above are the measurement.")
     return "\n\n".join(lines)
 
 

@@ -1,5 +1,7 @@
-"""Our decoder over every method, prompt and temperature, resumable: what the rounds file
-(`outputs.RoundsFile`) already holds for the same settings is not measured again.
+"""Our decoder over every method, prompt and temperature it is given, resumable: what the rounds
+file (`outputs.RoundsFile`) already holds for the same settings is not measured again. Which prompts
+and temperatures those are is `decoder_scope`'s to say: all of them where our decoder is the only
+measurement, the held-out prompts greedily where it is the cross-check beside vLLM.
 
 A benchmark prompt with follow-up turns (MT-bench) is one row: each follow-up is asked after the
 answer this decode gave to the turn before (`benchmarks.Turns`), and the rounds of all its turns
@@ -104,6 +106,33 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
                 bar.set(method=m.name, acceptance=tokens / max(n_rounds, 1))
                 rows.append(row)
     return rows
+
+
+def decoder_scope(eval_temperatures: list[float], *, eval_hf_crosscheck_all: bool,
+                  engine_rows: list[dict] | None) -> dict:
+    """What our decoder measures: {temperatures, benchmarks (bool), why}. Beside an engine that
+    measured the drafter (`engine_rows`, vLLM's) it is the cross-check, and the cross-check needs
+    the held-out prompts greedily only: there the two must give the same output and the same
+    accepted count at every step (at T > 0 they draw different random numbers, so they agree in
+    expectation only, and the benchmarks are the engine's to measure). The greedy temperatures
+    of `eval_temperatures` (none: its first). Everything, every prompt set at every temperature,
+    where it is the only one measuring the drafter (no engine: `eval_backend` hf; or the engine
+    could not start it: a `gpu_only` eagle3 row) or where `eval_hf_crosscheck_all` asks for it."""
+    temperatures = [float(t) for t in eval_temperatures]
+    everything = "every prompt set at every temperature"
+    if engine_rows is None:
+        return {"temperatures": temperatures, "benchmarks": True, "why": f"{everything}, the only measurement "
+                                                                          f"(eval_backend hf)"}
+    if any(r.get("gpu_only") and r["kind"] == "eagle3" for r in engine_rows):
+        return {"temperatures": temperatures, "benchmarks": True,
+                "why": f"{everything}: vLLM could not serve the drafter here (gpu_only)"}
+    if eval_hf_crosscheck_all:
+        return {"temperatures": temperatures, "benchmarks": True, "why": f"{everything}, beside vLLM "
+                                                                          f"(eval_hf_crosscheck_all)"}
+    greedy = [t for t in temperatures if t <= 0] or temperatures[:1]
+    return {"temperatures": greedy, "benchmarks": False,
+            "why": f"the held-out prompts at T = {', '.join(f'{t:g}' for t in greedy)} only, the cross-check beside "
+                   f"vLLM (`eval_hf_crosscheck_all: true` measures every prompt set at every temperature)"}
 
 
 def decoder_report(model, methods: list[Method], prompts: list[HeldoutPrompt], layer_ids: list[int], *,

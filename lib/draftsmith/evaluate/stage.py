@@ -3,8 +3,9 @@
 `eval_backend` vllm measures inside vLLM serving every export (`engine`), then, with
 `eval_hf_crosscheck`, by our decoder over transformers beside it (a target that fits one device);
 hf: our decoder only. The field's benchmarks (`eval_benchmarks`: MT-bench, HumanEval, user files)
-are measured the same way, by the same two, and summed up apart from the held-out prompts (the
-report's `benchmarks`).
+are measured the same way and summed up apart from the held-out prompts (the report's
+`benchmarks`). Beside the engine our decoder is the cross-check, and measures what it needs
+(`decoder_scope`): the held-out prompts greedily, where the two must agree at every step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..paths import Run
 from ..targets.checkpoint import load_target, resolve_target
 from ..targets.identity import target_identity
 from . import benchmarks, engine, engine_summary, outputs
-from .measure import decoder_report
+from .measure import decoder_report, decoder_scope
 from .methods import engine_methods_for, methods_for
 from .metrics import DEFINITIONS
 from .published import references_for
@@ -27,8 +28,8 @@ from .serving import serving_commands, write_bench_prompts
 def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_dataset: int,
         eval_max_new_tokens: int, draft_tokens: int, eval_temperatures: list[float], lookup_max_ngram: int,
         lookup_min_ngram: int, draft_cost_ratio: float, seed: int, eval_backend: str, eval_hf_crosscheck: bool,
-        eval_engine_dtype: str, eval_tensor_parallel: int, trust_remote_code: bool, eval_benchmarks: list,
-        log=print) -> dict:
+        eval_hf_crosscheck_all: bool, eval_engine_dtype: str, eval_tensor_parallel: int, trust_remote_code: bool,
+        eval_benchmarks: list, log=print) -> dict:
     """Measure the drafter of `drafter_dir` (empty: the run's stage 05 folder) on the prompts stage
     05 held out and on `eval_benchmarks`; write the stage's report (`outputs.write_report`) and
     return it. The settings are notebook 06's parameters, under its names."""
@@ -60,7 +61,7 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
     log(f"{len(prompts)} held-out prompts ({', '.join(f'{d}: {n}' for d, n in per_ds.items())}), "
         f"{len(methods)} methods, k = {draft_tokens}, up to {eval_max_new_tokens} new tokens, "
         f"T = {eval_temperatures}")
-    engine_methods = engine_rows = bench_engine_rows = None
+    engine_methods = engine_rows = bench_engine_rows = all_rows = None
     if eval_backend == "vllm":
         engine_methods = engine_methods_for(methods, layer_ids, draft_tokens=draft_tokens,
                                             lookup_min_ngram=lookup_min_ngram, lookup_max_ngram=lookup_max_ngram)
@@ -78,12 +79,15 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
         engine_rows = [r for r in all_rows if r["dataset"] not in names]
         bench_engine_rows = [r for r in all_rows if r.get("gpu_only") or (r["dataset"], r["sample_id"]) in bench_keys]
     by_t, hf_rows, bench_by_t, bench_hf_rows = {}, None, {}, None   # our decoder's summaries and rows
+    scope = None
     if ours:
+        scope = decoder_scope(eval_temperatures, eval_hf_crosscheck_all=eval_hf_crosscheck_all, engine_rows=all_rows)
+        log(f"our decoder: {scope['why']}")
         decoder = dict(draft_tokens=draft_tokens, eval_max_new_tokens=eval_max_new_tokens,
-                       eval_temperatures=eval_temperatures, seed=seed, draft_cost_ratio=draft_cost_ratio,
+                       eval_temperatures=scope["temperatures"], seed=seed, draft_cost_ratio=draft_cost_ratio,
                        rounds_file=outputs.RoundsFile(run), target_fingerprint=fingerprint)   # rounds.jsonl read once
         by_t, hf_rows = decoder_report(model, methods, prompts, layer_ids, **decoder)
-        if bench:
+        if bench and scope["benchmarks"]:
             bench_by_t, bench_hf_rows = decoder_report(model, methods, bench, layer_ids, turns=turns, **decoder)
     engine_settings = dict(draft_tokens=draft_tokens, eval_temperatures=eval_temperatures,
                            eval_engine_dtype=eval_engine_dtype, eval_tensor_parallel=eval_tensor_parallel)
@@ -108,7 +112,7 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
                                                   eval_temperatures=eval_temperatures, target_path=str(target_path)),
         }
     report = {
-        "engine": engine_part, "hf_crosscheck": ours,
+        "engine": engine_part, "hf_crosscheck": ours, "hf_scope": scope,
         "target": str(target_path), "target_fingerprint": fingerprint, "drafter_dir": str(drafter_dir),
         "aux_layer_ids": layer_ids, "draft_tokens": draft_tokens, "eval_max_new_tokens": eval_max_new_tokens,
         "seed": seed, "prompts": per_ds, "prompt_ids": [[p.dataset, p.sample_id] for p in prompts],
