@@ -110,6 +110,21 @@ def test_an_mla_target_gets_a_backend_that_runs_its_dtype(platform):
     assert vllm_fixes.fix_cpu_mla_backend_dtype() is False
 
 
+def test_the_rank_count_is_counted_uncompiled_on_a_cpu_with_the_same_ranks(monkeypatch):
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    monkeypatch.setattr(logprobs, "batched_count_greater_than", logprobs.batched_count_greater_than)
+    monkeypatch.setattr(sampler, "batched_count_greater_than", sampler.batched_count_greater_than)
+    compiled = logprobs.batched_count_greater_than
+    assert hasattr(compiled, "_torchdynamo_orig_callable")       # vLLM 0.32.0 as shipped: compiled
+    assert vllm_fixes.fix_cpu_rank_count_compile() is True
+    assert sampler.batched_count_greater_than is logprobs.batched_count_greater_than is compiled._torchdynamo_orig_callable
+    x, v = torch.tensor([[0.1, 0.5, 0.3], [0.9, 0.2, 0.4]]), torch.tensor([[0.3], [0.4]])
+    assert sampler.batched_count_greater_than(x, v).tolist() == [2, 2]
+    assert vllm_fixes.fix_cpu_rank_count_compile() is False      # nothing left to fix: nothing done
+
+
 def test_apply_fixes_names_and_logs_what_it_fixed(dispatcher, platform, monkeypatch):
     from vllm.utils import cpu_triton_utils
 

@@ -141,6 +141,30 @@ def fix_cpu_mla_backend_dtype() -> bool:
     return True
 
 
+def fix_cpu_rank_count_compile() -> bool:
+    """vLLM 0.32.0 torch.compiles the one-line count behind every logprob's rank
+    (`batched_count_greater_than`) with inductor; on a CPU that means C++ code built by the
+    system compiler at the first request that asks for logprobs, tens of seconds on a small CPU
+    (stage 04's own check asks for prompt logprobs: it was most of the check's time on the demo).
+    Where that count is a compiled wrapper on the CPU platform, the sampler gets the same count
+    uncompiled. True when replaced."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":
+        return False
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    compiled = logprobs.batched_count_greater_than
+    eager = getattr(compiled, "_torchdynamo_orig_callable", None)
+    if eager is None:
+        return False
+    logprobs.batched_count_greater_than = eager
+    if getattr(sampler, "batched_count_greater_than", None) is compiled:
+        sampler.batched_count_greater_than = eager
+    return True
+
+
 FIXES = (
     (fix_kernel_rebind_scan, "vLLM's kernel-override scan trips over llvmlite's objects (numba loaded; vLLM 0.32.0 "
                              "CPU build); it now skips objects without a real instance dict"),
@@ -148,6 +172,8 @@ FIXES = (
                             "build); replaced by a torch one, or no draft is ever accepted at T > 0"),
     (fix_cpu_mla_backend_dtype, "vLLM's CPU build picks its bfloat16-only AMX MLA backend at any dtype (vLLM 0.32.0); "
                                 "at another dtype an MLA target now gets the reference CPU MLA backend"),
+    (fix_cpu_rank_count_compile, "vLLM's CPU build compiles the logprob rank count with inductor at the first logprobs "
+                                 "request (vLLM 0.32.0; tens of seconds); the sampler now counts uncompiled"),
 )
 
 
