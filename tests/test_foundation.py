@@ -225,7 +225,7 @@ def test_the_library_cites_only_documents_in_the_repository():
     import re
 
     cited = set()
-    for path in (REPO / "lib").rglob("*.py"):
+    for path in (REPO / "src").rglob("*.py"):
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"reference/\w+\.md|\.\./shared", text), path
         cited |= set(re.findall(r"docs/[\w.-]+\.md", text))

@@ -10,9 +10,9 @@ import re
 
 from draftsmith.paths import REPO_ROOT
 
-LIB = REPO_ROOT / "lib" / "draftsmith"
+LIB = REPO_ROOT / "src" / "draftsmith"
 
-# file name -> the modules (under lib/draftsmith) allowed to name it, in stage order
+# file name -> the modules (under src/draftsmith) allowed to name it, in stage order
 OWNERS = {
     # stage 01
     "routing.json": {"providers/outputs.py"}, "spend.json": {"providers/outputs.py"},
