@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import pandas as pd
 from draftsmith.evaluate.outputs import report_path
 from draftsmith.hidden import outputs as shards
 
-from gpu_smoke import EXPERTS, PARAMS, ROOT, STEPS, command, failed, gpus, own_check, run_of, shown
+from gpu_smoke import EXPERTS, PARAMS, STEPS, command, dry_run, failed, gpus, own_check, run_of, run_plan, shown
 
 NEEDED = ("torch", "transformers", "compressed_tensors", "safetensors", "tiktoken", "aiohttp", "pandas", "papermill",
           "matplotlib", "pydantic")
@@ -108,19 +107,8 @@ def main() -> int:
     for name, cmd in plan:
         print(f"  {name}: {shown(cmd)}")
     if a.dry_run:
-        check = command(",".join(s for _, s in STEPS), a.params, overrides, check=True)
-        done = subprocess.run(check, cwd=ROOT, capture_output=True, text=True)
-        print(done.stdout.strip().splitlines()[-1] if done.returncode == 0 else done.stderr.strip())
-        return done.returncode
-    steps = {}
-    for name, cmd in plan:
-        print(f"== {name}: {shown(cmd)}", flush=True)
-        t0 = time.monotonic()
-        rc = subprocess.run(cmd, cwd=ROOT).returncode
-        steps[name] = {"rc": rc, "seconds": time.monotonic() - t0, "logs": f"{run.root}/logs/"}
-        if rc and name == "01-03":
-            break
-    steps = {name: steps.get(name, {"rc": -1, "seconds": 0.0, "logs": f"{run.root}/logs/"}) for name, _ in STEPS}
+        return dry_run(a.params, overrides)
+    steps = run_plan(plan, run, stop_after_failed=("01-03",))
     print(f"\nGPU check without vLLM, {a.target}, {gpus()} GPU(s) visible, run {run.root}:")
     print(table(steps, run, a.target).to_string(index=False))
     return 0 if all(s["rc"] == 0 for s in steps.values()) else 1

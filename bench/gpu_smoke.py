@@ -51,7 +51,7 @@ def settings(target: str, tp: int, run_name: str, outputs_dir: str | None) -> li
     s = [("run_name", run_name), ("target_model_path", target),
          ("target_backend", "vllm"), ("tensor_parallel_size", str(tp)), ("verify_with_hf", "true"),
          ("eval_backend", "vllm"), ("eval_tensor_parallel", str(tp)), ("eval_engine_dtype", "bfloat16"),
-         ("eval_hf_crosscheck", "true"), ("eval_max_new_tokens", "64"), ("eval_temperatures", "[0.0, 1.0]")]
+         ("eval_hf_crosscheck", "true"), ("eval_hf_crosscheck_all", "true"), ("eval_max_new_tokens", "64"), ("eval_temperatures", "[0.0, 1.0]")]
     return s + ([("outputs_dir", outputs_dir)] if outputs_dir else [])
 
 
@@ -155,6 +155,28 @@ def table(steps: dict[str, dict], run: Run, target: str, tp: int) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
+def dry_run(params: Path, overrides: list[tuple[str, str]]) -> int:
+    """Have the CLI check every step's parameters (`--check`); print its last line; its exit code."""
+    check = command(",".join(s for _, s in STEPS), params, overrides, check=True)
+    done = subprocess.run(check, cwd=ROOT, capture_output=True, text=True)
+    print(done.stdout.strip().splitlines()[-1] if done.returncode == 0 else done.stderr.strip())
+    return done.returncode
+
+
+def run_plan(plan, run: Run, stop_after_failed: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Each step's command in order: {step: rc, seconds, logs}; a failed step in `stop_after_failed`
+    ends the plan (the later steps read rc -1)."""
+    steps = {}
+    for name, cmd in plan:
+        print(f"== {name}: {shown(cmd)}", flush=True)
+        t0 = time.monotonic()
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        steps[name] = {"rc": rc, "seconds": time.monotonic() - t0, "logs": f"{run.root}/logs/"}
+        if rc and name in stop_after_failed:
+            break
+    return {name: steps.get(name, {"rc": -1, "seconds": 0.0, "logs": f"{run.root}/logs/"}) for name, _ in plan}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="kimi-mini", help="built-in target (kimi-mini: INT4 experts as shipped)")
@@ -179,17 +201,8 @@ def main() -> int:
     for name, cmd in plan:
         print(f"  {name}: {shown(cmd)}")
     if a.dry_run:
-        check = command(",".join(s for _, s in STEPS), a.params, overrides, check=True)
-        done = subprocess.run(check, cwd=ROOT, capture_output=True, text=True)
-        print(done.stdout.strip().splitlines()[-1] if done.returncode == 0 else done.stderr.strip())
-        return done.returncode
-
-    steps = {}
-    for name, cmd in plan:
-        print(f"== {name}: {shown(cmd)}", flush=True)
-        t0 = time.monotonic()
-        rc = subprocess.run(cmd, cwd=ROOT).returncode
-        steps[name] = {"rc": rc, "seconds": time.monotonic() - t0, "logs": f"{run.root}/logs/"}
+        return dry_run(a.params, overrides)
+    steps = run_plan(plan, run)
     result = table(steps, run, a.target, tp)
     print(f"\nGPU smoke check, {a.target}, tensor parallel {tp} ({gpus()} GPUs visible), run {run.root}:")
     print(result.to_string(index=False))
