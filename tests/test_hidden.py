@@ -189,7 +189,7 @@ def shard_files(d: Path) -> list[Path]:
     return sorted(d.glob("shard-*.safetensors"))
 
 
-@pytest.mark.timeout(1200)  # an extraction, killed, then a whole one with its check: slow on a loaded box
+@pytest.mark.timeout(1800)  # an extraction, killed, then a whole one with its check: slow on a loaded box
 def test_kill_mid_run_then_rerun_has_every_sample_once_and_no_torn_shard(tiny_target, target_tokenizer, tmp_path):
     files = [tmp_path / "many.jsonl"]
     rows = write_tokens(files[0], target_tokenizer, 160, 7, "many")
