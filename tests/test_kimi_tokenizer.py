@@ -136,7 +136,7 @@ def test_encoder_self_test_refuses_a_tokenizer_whose_plain_text_makes_special_to
     m = kimi_tok.model
     leaky.model = tiktoken.Encoding(name="leaky", pat_str=m._pat_str, mergeable_ranks=m._mergeable_ranks,
                                     special_tokens=m._special_tokens)
-    leaky.model.encode_ordinary_batch = lambda texts, **kw: leaky.model.encode_batch(texts, allowed_special="all")
+    leaky.model.encode_ordinary = lambda text: leaky.model.encode(text, allowed_special="all")
     with pytest.raises(RuntimeError, match="special-token strings typed as text became their tokens"):
         Encoding(leaky)
 

@@ -27,10 +27,11 @@ from __future__ import annotations
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 WINDOW_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
-# tiktoken's batch calls run a thread pool (8 threads by default); more threads than cores only cost
+# tiktoken encodes with the GIL released: texts are encoded in this many threads (no more than cores)
 _THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 # a run longer than MAX_RUN_CHARS, matched from its first character only (no rescan inside a run)
 _LONG_RUN = re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
@@ -105,6 +106,17 @@ def _segments(parts: list) -> list[tuple[str, bool]]:
     return out
 
 
+def _threaded(encode, texts: list[str]) -> list[list[int]]:
+    """`encode` of each text, in _THREADS threads that take a few chunks of the list each (one task
+    per text, as tiktoken's own batch calls run, costs more than a short text takes to encode)."""
+    if _THREADS == 1 or len(texts) < 2 * _THREADS:
+        return [encode(t) for t in texts]
+    step = -(-len(texts) // (4 * _THREADS))
+    chunks = [texts[i:i + step] for i in range(0, len(texts), step)]
+    with ThreadPoolExecutor(_THREADS) as pool:
+        return [ids for part in pool.map(lambda c: [encode(t) for t in c], chunks) for ids in part]
+
+
 def _tiktoken_encoding(tokenizer):
     try:
         import tiktoken
@@ -156,8 +168,9 @@ class Encoding:
         if self.kind == "fast":
             return _ids(self._backend, texts)
         if self.kind == "tiktoken":
-            return self._windowed(texts, lambda ps: self._tiktoken.encode_batch(ps, num_threads=_THREADS,
-                                                                                allowed_special="all"))
+            enc = self._tiktoken
+            return self._windowed(texts, lambda ps: _threaded(
+                lambda t: enc.encode(t, allowed_special="all", disallowed_special=()), ps))
         return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
     def plain(self, texts: list[str]) -> list[list[int]]:
@@ -210,7 +223,7 @@ class Encoding:
         if self.kind == "fast":
             return _ids(self._bare, texts)
         if self.kind == "tiktoken":
-            return self._tiktoken.encode_ordinary_batch(texts, num_threads=_THREADS)
+            return _threaded(self._tiktoken.encode_ordinary, texts)
         return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def _windowed(self, texts: list[str], encode_batch) -> list[list[int]]:
