@@ -33,7 +33,7 @@ import pandas as pd
 from draftsmith.evaluate.outputs import report_path
 from draftsmith.hidden import outputs as shards
 
-from gpu_smoke import EXPERTS, PARAMS, STEPS, command, dry_run, failed, gpus, own_check, run_of, run_plan, shown
+from gpu_smoke import EXPERTS, PARAMS, dry_run, failed, gpus, own_check, run_plan, show_plan
 
 NEEDED = ("torch", "transformers", "compressed_tensors", "safetensors", "tiktoken", "aiohttp", "pandas", "papermill",
           "matplotlib", "pydantic")
@@ -101,11 +101,7 @@ def main() -> int:
         print("gpu_check: no CUDA GPU visible; --dry-run prints the plan without one", file=sys.stderr)
         return 2
     overrides = settings(a.target, a.run_name or time.strftime("gpu-check-%Y%m%d-%H%M%S"), a.outputs_dir)
-    plan = [(name, command(stages, a.params, overrides)) for name, stages in STEPS]
-    run = run_of(overrides)
-    print(f"plan: {a.target} ({EXPERTS.get(a.target, '?')}) in transformers on the GPU, run folder {run.root}")
-    for name, cmd in plan:
-        print(f"  {name}: {shown(cmd)}")
+    plan, run = show_plan(a.params, overrides, f"{a.target} ({EXPERTS.get(a.target, '?')}) in transformers on the GPU")
     if a.dry_run:
         return dry_run(a.params, overrides)
     steps = run_plan(plan, run, stop_after_failed=("01-03",))

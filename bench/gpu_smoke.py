@@ -155,6 +155,16 @@ def table(steps: dict[str, dict], run: Run, target: str, tp: int) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
+def show_plan(params: Path, overrides: list[tuple[str, str]], what: str):
+    """Every step's command, printed under `what`: (plan, the run)."""
+    plan = [(name, command(stages, params, overrides)) for name, stages in STEPS]
+    run = run_of(overrides)
+    print(f"plan: {what}, run folder {run.root}")
+    for name, cmd in plan:
+        print(f"  {name}: {shown(cmd)}")
+    return plan, run
+
+
 def dry_run(params: Path, overrides: list[tuple[str, str]]) -> int:
     """Have the CLI check every step's parameters (`--check`); print its last line; its exit code."""
     check = command(",".join(s for _, s in STEPS), params, overrides, check=True)
@@ -195,11 +205,7 @@ def main() -> int:
         return 2
     tp = a.tp or (2 if gpus() >= 2 else 1)
     overrides = settings(a.target, tp, a.run_name or time.strftime("gpu-smoke-%Y%m%d-%H%M%S"), a.outputs_dir)
-    plan = [(name, command(stages, a.params, overrides)) for name, stages in STEPS]
-    run = run_of(overrides)
-    print(f"plan: {a.target} ({EXPERTS.get(a.target, '?')}), tensor parallel {tp}, run folder {run.root}")
-    for name, cmd in plan:
-        print(f"  {name}: {shown(cmd)}")
+    plan, run = show_plan(a.params, overrides, f"{a.target} ({EXPERTS.get(a.target, '?')}), tensor parallel {tp}")
     if a.dry_run:
         return dry_run(a.params, overrides)
     steps = run_plan(plan, run)
