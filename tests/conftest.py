@@ -43,6 +43,7 @@ TIERS = {
     "test_chain.py": "notebook",
     "test_client.py": "emulator",
     "test_demo_data.py": "unit",
+    "test_dflash.py": "unit",
     "test_drafter.py": "unit",
     "test_drafter.py::test_two_gloo_processes_train_like_one_process_with_ddp_and_with_fsdp": "engine",
     "test_drafter.py::test_fsdp_scores_a_held_out_split_that_two_ranks_cannot_share_evenly": "engine",
@@ -269,9 +270,12 @@ def greedy_answers(target: Path, new_tokens: int = 48):
 
 
 def stage_05_run(run: Path, target: Path, tok, *, epochs: float, export_fractions: list[float],
-                 layer_ids: list[int] | None = None, target_answers: bool = False, lr: float = 3e-3) -> Path:
+                 layer_ids: list[int] | None = None, target_answers: bool = False, lr: float = 3e-3,
+                 train_layer_ids: list[int] | None = None, dflash: dict | None = None) -> Path:
     """`run` as stages 03-05 leave it: tokens of two datasets (16 samples each), hidden states at
-    `layer_ids` (None: the default), a drafter trained with 20% held out and exported at `export_fractions`.
+    `layer_ids` (None: the default), a drafter trained with 20% held out on `train_layer_ids` of
+    them (None: its own) and exported at `export_fractions`; with `dflash` (DFlash settings), a DFlash
+    drafter as well, trained the same way on the same features into `drafter-dflash/`.
     `target_answers`: the code dataset's responses are the target's own greedy ones (`greedy_answers`),
     the chat dataset keeps the corpus's, so the drafter learns what greedy decoding and sampling meet."""
     from draftsmith.drafter.config import TrainConfig
@@ -287,13 +291,17 @@ def stage_05_run(run: Path, target: Path, tok, *, epochs: float, export_fraction
              write_token_rows(tokens / "chat.jsonl", tok, convs[16:32], "chat")]
     extract(target, files, run / "hidden", layer_ids=layer_ids, hidden_dtype="bf16", target_backend="hf",
             log=lambda *a: None)
-    train(TrainConfig(hidden_dir=str(run / "hidden"), target_path=str(target), out_dir=str(run / "drafter"),
-                      draft_vocab_size=512, ttt_steps=3, train_epochs=epochs, train_batch_size=4,
-                      train_micro_batch_size=4, train_max_len=160, train_lr=lr, train_warmup_fraction=0.015,
-                      train_weight_decay=0.0, train_grad_clip=0.5, train_holdout_fraction=0.2, seed=0,
-                      train_fsdp=False, train_eval_every=0, train_checkpoint_every=100,
-                      export_fractions=export_fractions, export_engine="sglang", export_dtype="float32",
-                      train_resume=True), log=lambda *a: None)
+    common = dict(hidden_dir=str(run / "hidden"), target_path=str(target), draft_vocab_size=512, ttt_steps=3,
+                  train_epochs=epochs, train_batch_size=4, train_micro_batch_size=4, train_max_len=160, train_lr=lr,
+                  train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
+                  train_holdout_fraction=0.2, seed=0, train_fsdp=False, train_eval_every=0,
+                  train_checkpoint_every=100, export_fractions=export_fractions, export_dtype="float32",
+                  train_resume=True)
+    train(TrainConfig(out_dir=str(run / "drafter"), export_engine="sglang", train_layer_ids=train_layer_ids or [],
+                      **common), log=lambda *a: None)
+    if dflash is not None:
+        train(TrainConfig(out_dir=str(run / "drafter-dflash"), drafter_kind="dflash", export_engine="vllm",
+                          **{**common, "export_fractions": [1.0]}, **dflash), log=lambda *a: None)
     return run
 
 

@@ -350,11 +350,11 @@ def test_stage_run_trains_the_runs_drafter_from_notebook_05s_parameters(hidden_d
     params = notebook_params("05", target_model_path=str(tiny_target), draft_vocab_size=512, ttt_steps=2,
                              train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2, train_max_len=128,
                              train_eval_every=0, export_fractions=[1.0], export_dtype="float32")
-    summary = stage.run(run, **params, log=quiet)
+    summary = stage.run(run, **params, log=quiet)["eagle3"]
     assert json.loads(json.dumps(summary)) == outputs.read_summary(run)
     assert summary["finished"] and summary["vocab"]["draft_vocab_size"] == 512
     assert [e["dir"] for e in summary["exports"]] == [str(outputs.drafter_dir(run) / "eagle3")]
-    again = stage.run(run, **params, log=quiet)    # train_resume: its last checkpoint is the end
+    again = stage.run(run, **params, log=quiet)["eagle3"]    # train_resume: its last checkpoint is the end
     assert again["finished"] and again["steps"] == summary["steps"]
 
 

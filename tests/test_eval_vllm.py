@@ -27,6 +27,8 @@ from conftest import stage_05_run
 
 CUSTOM = [2, 3, 5]          # output ids; not the default [1, 3, 4] of 8 layers
 VLLM_IDS = [3, 4, 6]        # what vLLM must capture for them (input of layers 3, 4, 6)
+CAPTURED = [1, 2, 3, 4, 5]  # one capture: the custom layers and DFlash's five of 8 layers
+DFLASH = {"dflash_layers": 2, "dflash_block_size": 4, "dflash_anchors": 32}
 VLLM_DEFAULT = [2, 4, 5]    # vLLM's fallback (2, N//2, N-3) for N = 8
 # Greedy acceptance, engine vs our decoder: both accept a draft while it equals the target's argmax,
 # both draft k in every step (the last one too) and count its accepted drafts in full, and both run
@@ -105,11 +107,13 @@ def test_custom_layer_ids_reach_vllm_from_the_new_export_and_not_from_the_old(ti
 
 @pytest.fixture(scope="module")
 def custom_run(tmp_path_factory, tiny_target, target_tokenizer):
-    """A run as stages 03-05 leave it, features captured at the custom layers, one export. The
-    drafter also learns the target's own greedy answers (the loop the test-sized target falls into
-    differs from machine to machine), for long enough to draft them: the greedy tests need accepts."""
+    """A run as stages 03-05 leave it: one capture of DFlash's layers and the custom ones, an
+    EAGLE-3 export trained on the custom layers and a DFlash export on DFlash's own. The drafters also
+    learn the target's own greedy answers (the loop the test-sized target falls into differs from
+    machine to machine), for long enough to draft them: the greedy tests need accepts."""
     return stage_05_run(tmp_path_factory.mktemp("outputs") / "vllm", tiny_target, target_tokenizer, epochs=6.0,
-                        export_fractions=[1.0], layer_ids=CUSTOM, target_answers=True, lr=1e-2)
+                        export_fractions=[1.0], layer_ids=CAPTURED, train_layer_ids=CUSTOM, target_answers=True,
+                        lr=1e-2, dflash=DFLASH)
 
 
 def run_stage_06(run: Path, crosscheck: bool) -> dict:
@@ -144,16 +148,20 @@ def test_with_no_crosscheck_the_stage_reports_and_plots_the_engines_numbers_alon
     assert engine_only_report["hf_crosscheck"] is False and engine_only_report["temperatures"] == {}
     assert not (custom_run / "eval" / "rounds.jsonl").exists()          # our decoder never ran
     greedy = engine_only_report["engine"]["temperatures"]["0"]["methods"]
-    assert list(greedy) == ["none", "ngram", "eagle3"] and greedy["eagle3"]["acceptance_length"] > 1.0
+    assert list(greedy) == ["none", "ngram", "eagle3", "dflash"] and greedy["eagle3"]["acceptance_length"] > 1.0
+    assert greedy["dflash"]["k"] == DFLASH["dflash_block_size"] - 1 == len(greedy["dflash"]["position_acceptance"])
     figures = {p.name for p in (custom_run / "eval" / "figures").glob("*.png")}
     assert figures == {"acceptance_by_dataset.png", "acceptance_vs_training.png", "per_position.png"}
 
 
 def test_vllm_serves_the_drafter_with_the_layers_it_was_trained_on(engine_report, custom_run):
     index = json.loads((custom_run / "hidden" / "index.json").read_text())
-    assert index["layer_ids"] == CUSTOM
+    assert index["layer_ids"] == CAPTURED
     d = engine_report["engine"]["temperatures"]["0"]["methods"]["eagle3"]
     assert d["aux_layers_engine"] == VLLM_IDS and d["aux_layers_gpu_runner"] == VLLM_IDS
+    # DFlash's export names its layers as DFlash configs do (output ids); vLLM captures the input of the next
+    f = engine_report["engine"]["temperatures"]["0"]["methods"]["dflash"]
+    assert f["aux_layers_engine"] == f["aux_layers_gpu_runner"] == [k + 1 for k in layers.dflash_layer_ids(8)]
 
 
 def test_greedy_vllm_with_the_drafter_gives_exactly_the_tokens_of_vllm_without_it(engine_report, custom_run):
@@ -163,30 +171,35 @@ def test_greedy_vllm_with_the_drafter_gives_exactly_the_tokens_of_vllm_without_i
     assert len(ref) == 4
     for r in greedy:
         assert r["output"] == ref[(r["dataset"], r["sample_id"])], f"{r['method']}: {r['sample_id']} differs"
-    drafted = [r for r in greedy if r["kind"] == "eagle3"]
-    assert sum(r["counters"]["accepted"] for r in drafted) > 0        # the drafter was really used
-    assert all(sum(r["drafted"]) == r["counters"]["draft_tokens"] for r in drafted)   # per step == counters
+    for kind in ("eagle3", "dflash"):
+        drafted = [r for r in greedy if r["kind"] == kind]
+        assert sum(r["counters"]["accepted"] for r in drafted) > 0, kind        # the drafter was really used
+        assert all(sum(r["drafted"]) == r["counters"]["draft_tokens"] for r in drafted), kind  # per step == counters
     methods = engine_report["engine"]["temperatures"]["0"]["methods"]
     assert all(m["lossless"] for m in methods.values())
 
 
 def test_the_engines_greedy_acceptance_equals_our_decoders_step_by_step(engine_report):
+    """For DFlash too: our `DFlashProposer` drafts the blocks vLLM's `qwen3_dflash` drafts from the
+    same export, so the two accept the same number of drafts at every step."""
     t = engine_report["engine"]["temperatures"]["0"]
-    engine = t["methods"]["eagle3"]["acceptance_length"]
-    ours = engine_report["temperatures"]["0"]["methods"]["eagle3"]["acceptance_length_vllm"]
-    print(f"greedy acceptance: vLLM {engine:.4f}, ours {ours:.4f}; {t['vs_ours']}")
-    assert engine > 1.0
     assert t["vs_ours"]["same_no_drafter_output"] == t["vs_ours"]["prompts"] == 4   # the two targets agree here
-    assert t["vs_ours"]["methods"]["eagle3"]["same_accepted_per_step"] == 4
-    assert abs(engine - ours) <= TOLERANCE
+    for kind in ("eagle3", "dflash"):
+        engine = t["methods"][kind]["acceptance_length"]
+        ours = engine_report["temperatures"]["0"]["methods"][kind]["acceptance_length_vllm"]
+        print(f"{kind} greedy acceptance: vLLM {engine:.4f}, ours {ours:.4f}; {t['vs_ours']}")
+        assert engine > 1.0
+        assert t["vs_ours"]["methods"][kind]["same_accepted_per_step"] == 4, kind
+        assert abs(engine - ours) <= TOLERANCE, kind
 
 
 def test_at_t_1_the_engine_accepts_drafts(engine_report):
     """At T > 0 vLLM accepts a draft with the target's probability of it; vLLM 0.32.0's CPU build lost
     the temperatures there and rejected every draft (see `target.vllm_fixes.fix_cpu_expand_kernel`)."""
-    t = engine_report["engine"]["temperatures"]["1"]["methods"]["eagle3"]
-    print(f"T = 1: vLLM {t['accepted_tokens']} of {t['draft_tokens']} drafts")
-    assert t["accepted_tokens"] > 0 and t["acceptance_length"] > 1.0
+    for kind in ("eagle3", "dflash"):
+        t = engine_report["engine"]["temperatures"]["1"]["methods"][kind]
+        print(f"T = 1, {kind}: vLLM {t['accepted_tokens']} of {t['draft_tokens']} drafts")
+        assert t["accepted_tokens"] > 0 and t["acceptance_length"] > 1.0, kind
 
 
 def test_beside_the_engine_our_decoder_measures_the_held_out_prompts_greedily_only(engine_report, custom_run):
@@ -194,7 +207,7 @@ def test_beside_the_engine_our_decoder_measures_the_held_out_prompts_greedily_on
     numbers stand alone, and no comparison is reported there."""
     assert list(engine_report["temperatures"]) == ["0"] and engine_report["hf_scope"]["benchmarks"] is False
     rows = [json.loads(line) for line in (custom_run / "eval" / "rounds.jsonl").read_text().splitlines()]
-    assert {r["temperature"] for r in rows} == {0.0} and len(rows) == 3 * 4     # 3 methods x 4 held-out prompts
+    assert {r["temperature"] for r in rows} == {0.0} and len(rows) == 4 * 4     # 4 methods x 4 held-out prompts
     assert engine_report["engine"]["temperatures"]["1"]["vs_ours"] is None
     assert "did not measure this temperature" in figures.explain_engine(engine_report)
     assert set(figures.decoder_table(engine_report)["T"]) == {0.0}

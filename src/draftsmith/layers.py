@@ -31,6 +31,60 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return ids
 
 
+def dflash_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """DFlash's spread of `n` target layers, output convention (as its draft configs write them):
+    layer 1 to layer N-3, evenly; Qwen3-8B (36 layers): [1, 9, 17, 25, 33]."""
+    if n == 1:
+        return [num_layers // 2]
+    ids = [int(round(1 + i * (num_layers - 4) / (n - 1))) for i in range(n)]
+    if n < 1 or len(set(ids)) != n or ids[-1] >= num_layers:
+        raise ValueError(f"a target with {num_layers} layers has no {n} distinct DFlash layers; give layer ids explicitly")
+    return ids
+
+
+LAYER_SETS = ("eagle3", "dflash", "both")
+
+
+def capture_layer_ids(num_layers: int, layer_set: str) -> list[int]:
+    """The layers stage 04 captures for `layer_set`: EAGLE-3's three, DFlash's spread, or both
+    (their union, so one capture trains either drafter with its own layers exactly)."""
+    if layer_set not in LAYER_SETS:
+        raise ValueError(f"layer_set must be one of {LAYER_SETS}, got {layer_set!r}")
+    ids = set()
+    if layer_set in ("eagle3", "both"):
+        ids |= set(default_layer_ids(num_layers))
+    if layer_set in ("dflash", "both"):
+        ids |= set(dflash_layer_ids(num_layers))
+    return sorted(ids)
+
+
+def training_layer_ids(stored: list[int], kind: str, num_layers: int, chosen: list[int] | None = None) -> list[int]:
+    """The stored layers a drafter of `kind` trains on (output convention): `chosen` when given
+    (each must be stored), else the kind's own set where the capture holds it, else for EAGLE-3 the
+    stored layer nearest to each of its three (a DFlash capture serves EAGLE-3) and for DFlash every
+    stored layer."""
+    stored = sorted(int(k) for k in stored)
+    if chosen:
+        missing = [k for k in chosen if k not in stored]
+        if missing:
+            raise ValueError(f"train_layer_ids {list(chosen)}: layers {missing} were not captured by stage 04 "
+                             f"(it stored {stored})")
+        return sorted(int(k) for k in chosen)
+    if kind == "eagle3":
+        if len(stored) == 3:
+            return stored
+        want = default_layer_ids(num_layers)
+        ids = [min(stored, key=lambda k: (abs(k - w), k)) for w in want]
+        if len(set(ids)) != 3:
+            raise ValueError(f"stage 04 stored layers {stored}: no three distinct ones near EAGLE-3's {want}; "
+                             f"set train_layer_ids")
+        return ids
+    if kind == "dflash":
+        own = dflash_layer_ids(num_layers)
+        return own if set(own) <= set(stored) else stored
+    raise ValueError(f"drafter kind must be eagle3 or dflash, got {kind!r}")
+
+
 def in_output_convention(ids: list[int], convention: str) -> list[int]:
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
@@ -66,7 +120,7 @@ def engine_capture_indices(config_ids: list[int], engine: str) -> list[int]:
 
 
 def numbering_table(layer_ids: list[int]):
-    """The same three tensors under each numbering (a table, one row per layer): stored (output)
+    """The same tensors under each numbering (a table, one row per layer): stored (output)
     ids, input ids, HF `output_hidden_states` indices and the ids a draft config gives each engine."""
     import pandas as pd
 
@@ -75,4 +129,4 @@ def numbering_table(layer_ids: list[int]):
                          "HF output_hidden_states index": hf_hidden_state_indices(layer_ids),
                          "SGLang draft-config id": engine_layer_ids(layer_ids, "sglang"),
                          "vLLM draft-config id": engine_layer_ids(layer_ids, "vllm")},
-                        index=["low", "mid", "high"])
+                        index=["low", "mid", "high"] if len(layer_ids) == 3 else [f"#{i}" for i in range(len(layer_ids))])

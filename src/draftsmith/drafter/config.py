@@ -3,7 +3,8 @@
 Every setting a user chooses is a required field: its one default is in notebook 05's parameters
 cell (`draft_vocab_size`, `train_lr`, ...), which is where a user reads and sets it, and each field is
 named as the notebook names it; the bounds declared there are checked here (`parameters.check_bounds`).
-Only the two settings the notebook does not offer have defaults here.
+Only the settings the notebook does not offer have defaults here, and DFlash's, which take the
+notebook's (`parameters.default_field`), so an EAGLE-3 run need not name them.
 
 A checkpoint remembers the settings that change the trained weights (`fingerprint`), so a run is
 resumed only with the settings and data it was started with.
@@ -23,6 +24,7 @@ from .export import DTYPES
 @dataclass(kw_only=True)
 class TrainConfig:
     hidden_dir: str                  # stage 04's shards
+    drafter_kind: str = "eagle3"     # eagle3 or dflash (notebook 05's drafter_kinds lists them)
     target_path: str                 # target checkpoint folder (embedding, lm_head, config)
     out_dir: str                     # the drafter folder
     draft_vocab_size: int
@@ -39,27 +41,39 @@ class TrainConfig:
     seed: int
     train_fsdp: bool                 # shard the drafter over processes (FSDP2) instead of DDP
     step_weight: float = 0.8         # TTT step i weighs step_weight**i
+    train_layer_ids: list[int] = parameters.default_field("train_layer_ids")  # []: the kind's own layers
+    # DFlash's own settings, at notebook 05's defaults unless given (an EAGLE-3 run leaves them out)
+    dflash_layers: int = parameters.default_field("dflash_layers")          # draft decoder layers
+    dflash_block_size: int = parameters.default_field("dflash_block_size")  # anchor + block_size-1 drafted
+    dflash_anchors: int = parameters.default_field("dflash_anchors")        # blocks per sample and epoch
     # bookkeeping: does not change the trained weights
     train_eval_every: int            # steps between held-out evaluations (0: only at exports)
     train_checkpoint_every: int
     export_fractions: list[float]
-    export_engine: str
+    export_engine: str               # EAGLE-3's layer-id convention; a DFlash export is vLLM's format
     export_dtype: str
     train_resume: bool
     stop_at: int = 0                 # return after this many steps (0: train to the end)
 
-    LIBRARY_ONLY = ("hidden_dir", "target_path", "out_dir", "step_weight", "stop_at")  # no notebook declares these
+    LIBRARY_ONLY = ("hidden_dir", "target_path", "out_dir", "step_weight", "stop_at", "drafter_kind")  # no notebook declares these
+    DFLASH_ONLY = ("drafter_kind", "dflash_layers", "dflash_block_size", "dflash_anchors")
     BOOKKEEPING = ("train_eval_every", "train_checkpoint_every", "export_fractions", "export_engine",
                    "export_dtype", "train_resume", "stop_at", "out_dir", "hidden_dir", "target_path")
 
     def fingerprint(self, shards_index: dict, target_config: dict) -> dict:
         """What a checkpoint must agree with to be resumed: the settings that change the weights, and
         the data and target themselves (not their paths, so a moved run folder still resumes)."""
-        return {**{k: v for k, v in asdict(self).items() if k not in self.BOOKKEEPING},
+        # an EAGLE-3 run's fingerprint holds no DFlash setting: a checkpoint made before they
+        # existed still resumes
+        skip = self.BOOKKEEPING + (self.DFLASH_ONLY if self.drafter_kind == "eagle3" else ()) \
+            + (("train_layer_ids",) if not self.train_layer_ids else ())
+        return {**{k: v for k, v in asdict(self).items() if k not in skip},
                 "data": digest(shards_index), "target": digest(target_config)}
 
     def check(self) -> None:
         """Settings errors, raised before any work (an export failing after training would waste it)."""
+        if self.drafter_kind not in ("eagle3", "dflash"):
+            raise ValueError(f"drafter kind must be eagle3 or dflash, got {self.drafter_kind!r}")
         if self.export_engine not in layers.ENGINES:
             raise ValueError(f"export_engine must be one of {layers.ENGINES}, got {self.export_engine!r}")
         if self.export_dtype not in DTYPES:

@@ -155,13 +155,19 @@ def micro_batches(batch: list[int], sup: Supervision, micro_batch_size: int) -> 
 
 
 class MicroBatches(torch.utils.data.Dataset):
-    """Item j = micro-batch `batches[j]` collated: aux [b, L, 3H], input_ids [b, L], sup [b, L]
-    bool, last [N, H] (only the rows of supervised positions, in sup.nonzero() order), tokens."""
+    """Item j = micro-batch `batches[j]` collated: aux [b, L, nH] (the columns of the layers kept,
+    `cols`: all when None), input_ids [b, L], sup [b, L] bool, last [N, H] (only the rows of
+    supervised positions, in sup.nonzero() order), tokens; with `anchors` (a function of sample
+    and epoch, DFlash), also anchors [b, A] (-1: none) of epoch `epochs[j]`."""
 
-    def __init__(self, hidden_dir, batches: list[list[int]], sup: Supervision):
+    def __init__(self, hidden_dir, batches: list[list[int]], sup: Supervision, cols: list[int] | None = None,
+                 anchors=None, epochs: list[int] | None = None):
         self.hidden_dir = hidden_dir
         self.batches = batches
         self.sup = sup
+        self.cols = cols
+        self.anchors = anchors
+        self.epochs = epochs
         self._shards = None
 
     def __len__(self) -> int:
@@ -172,28 +178,41 @@ class MicroBatches(torch.utils.data.Dataset):
             self._shards = HiddenShards(self.hidden_dir)
         samples = [(self._shards.sample(i), self.sup[i]) for i in self.batches[j]]
         b, n = len(samples), max(len(sup) for _, sup in samples)
-        h3 = samples[0][0]["aux"].shape[1]
-        aux = torch.zeros(b, n, h3)
+        width = samples[0][0]["aux"].shape[1]
+        h = self._shards.hidden_size
+        keep = None if self.cols is None or len(self.cols) * h == width else \
+            torch.cat([torch.arange(c * h, (c + 1) * h) for c in self.cols])
+        aux = torch.zeros(b, n, width if keep is None else len(keep))
         ids = torch.zeros(b, n, dtype=torch.int64)
         supm = torch.zeros(b, n, dtype=torch.bool)
         last = []
         for r, (s, sup) in enumerate(samples):
             m = len(sup)
-            aux[r, :m] = s["aux"][:m]
+            aux[r, :m] = s["aux"][:m] if keep is None else s["aux"][:m].index_select(1, keep)
             ids[r, :m] = s["input_ids"][:m]
             supm[r, :m] = sup.bool()
             last.append(s["last"][:m][sup.bool()])
-        return {"aux": aux, "input_ids": ids, "sup": supm, "last": torch.cat(last),
-                "tokens": torch.tensor(sum(len(sup) for _, sup in samples))}
+        out = {"aux": aux, "input_ids": ids, "sup": supm, "last": torch.cat(last),
+               "tokens": torch.tensor(sum(len(sup) for _, sup in samples))}
+        if self.anchors is not None:
+            got = [self.anchors(i, self.epochs[j]) for i in self.batches[j]]
+            a = torch.full((b, max(1, max(len(g) for g in got))), -1, dtype=torch.int64)
+            for r, g in enumerate(got):
+                a[r, :len(g)] = g
+            out["anchors"] = a
+        return out
 
 
-def loader(hidden_dir, batches: list[list[int]], sup: Supervision, device: torch.device):
-    """The collated micro-batches in order; on a GPU read by two worker processes into pinned memory."""
+def loader(hidden_dir, batches: list[list[int]], sup: Supervision, device: torch.device, **kinds):
+    """The collated micro-batches in order; on a GPU read by two worker processes into pinned memory.
+    `kinds`: `MicroBatches`' cols, anchors and epochs."""
     cuda = device.type == "cuda"
-    return torch.utils.data.DataLoader(MicroBatches(hidden_dir, batches, sup), batch_size=None,
+    return torch.utils.data.DataLoader(MicroBatches(hidden_dir, batches, sup, **kinds), batch_size=None,
                                        shuffle=False, num_workers=2 if cuda else 0, pin_memory=cuda)
 
 
 def to_device(batch: dict, device: torch.device) -> tuple:
-    """The objective's inputs (aux, input_ids, sup, last) of a collated micro-batch, on `device`."""
-    return tuple(batch[k].to(device, non_blocking=True) for k in ("aux", "input_ids", "sup", "last"))
+    """The objective's inputs (aux, input_ids, sup, last, and anchors where the batch has them) of a
+    collated micro-batch, on `device`."""
+    keys = ("aux", "input_ids", "sup", "last") + (("anchors",) if "anchors" in batch else ())
+    return tuple(batch[k].to(device, non_blocking=True) for k in keys)

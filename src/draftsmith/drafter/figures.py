@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from .. import parameters
+from .dflash_export import serving_command as dflash_serving_command
 from .export import for_engine, serving_command
 from .vocab import DraftVocab, coverage_curve
 
@@ -41,15 +42,18 @@ def step_style(i: int) -> dict:
             "marker": STEP_MARKERS[i % len(STEP_MARKERS)]}
 
 
-def curves_figure(metrics: list[dict], baseline: dict | None = None):
-    """Against the optimizer step, one line per TTT step: train loss, held-out KL to the target
-    (loss minus the teacher's entropy, 0 = a perfect copy) and held-out acc_i."""
+def curves_figure(metrics: list[dict], baseline: dict | None = None, kind: str = "eagle3"):
+    """Against the optimizer step, one line per TTT step (DFlash: per block position, at most eight
+    of them): train loss, held-out KL to the target (loss minus the teacher's entropy, 0 = a
+    perfect copy) and held-out acc_i."""
     train = [r for r in metrics if r["split"] == "train"]
     held = [r for r in metrics if r["split"] == "heldout"]
     k = len((train or held)[0]["loss_i"]) if (train or held) else 0
+    unit = "TTT step" if kind == "eagle3" else "block position"
+    shown = list(range(k)) if k <= 8 else sorted({round(j * (k - 1) / 7) for j in range(8)})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     every = max(1, len(train) // 8)
-    for i in range(k):
+    for i in shown:
         # hollow markers of different shapes, staggered along the train curve: steps whose curves
         # coincide still show one mark each
         st = {**step_style(i), "mfc": "none", "lw": 1.4}
@@ -59,8 +63,8 @@ def curves_figure(metrics: list[dict], baseline: dict | None = None):
         axes[2].plot([r["step"] for r in held], [r["acc_i"][i] for r in held], ms=4 + 2 * i, label=f"acc_{i}", **st)
     if baseline:
         axes[2].axhline(baseline["acc"], color="k", ls=":", label="unigram")
-    axes[0].set(title="train loss per TTT step", xlabel="optimizer step", ylabel="soft cross-entropy")
-    axes[1].set(title="held-out KL(target || drafter) per TTT step", xlabel="optimizer step", yscale="log")
+    axes[0].set(title=f"train loss per {unit}", xlabel="optimizer step", ylabel="soft cross-entropy")
+    axes[1].set(title=f"held-out KL(target || drafter) per {unit}", xlabel="optimizer step", yscale="log")
     axes[2].set(title="held-out acc_i (top-1 agrees with the target)", xlabel="optimizer step", ylim=(0, 1))
     for ax in axes:
         ax.legend(fontsize=7)
@@ -95,8 +99,10 @@ def serving_markdown(summary: dict, target_path: str | Path) -> str:
     """The SGLang and vLLM commands serving the target with the final export, each pointed at the
     export folder written in its own layer-id convention, drafting notebook 06's `draft_tokens`
     (the default stage 06 measures)."""
-    draft_tokens = parameters.declaration("draft_tokens").default
     final = summary["exports"][-1]["dir"]
+    if summary.get("kind") == "dflash":
+        return f"**vllm**\n```\n{dflash_serving_command(target_path, final, summary['block_size'])}\n```"
+    draft_tokens = parameters.declaration("draft_tokens").default
     commands = {engine: serving_command(engine, target_path, for_engine(final, engine), draft_tokens)
                 for engine in ("sglang", "vllm")}
     return "\n\n".join(f"**{e}**\n```\n{c}\n```" for e, c in commands.items())

@@ -107,11 +107,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama rotary embedding of x [B, heads, T, d] at integer positions [T]."""
+    """Llama rotary embedding of x [B, heads, T, d] at integer positions [T] (or [B, T]: per row)."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    ang = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((ang, ang), dim=-1)
+    if emb.dim() == 3:
+        emb = emb[:, None]
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     return x * cos + rotate_half(x) * sin
 

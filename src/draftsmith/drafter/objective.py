@@ -32,12 +32,7 @@ class TTTObjective(nn.Module):
         self.register_buffer("teacher_head", teacher_head, persistent=False)
 
     def teacher(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Teacher probabilities over the draft vocab, their argmax and entropy, per row of `last`."""
-        with torch.no_grad():
-            logits = (last.to(self.teacher_head.dtype) @ self.teacher_head.T).float()
-            logp = F.log_softmax(logits, -1)
-            p = logp.exp()
-            return p, logits.argmax(-1), -(p * logp).sum(-1)
+        return teacher_distribution(last, self.teacher_head)
 
     def forward(self, aux, input_ids, sup, last):
         p, target, entropy = self.teacher(last)
@@ -59,6 +54,15 @@ class TTTObjective(nn.Module):
             count.append(torch.tensor(float(n), device=aux.device))
             ent.append(entropy[keep].sum())
         return torch.stack(ce), torch.stack((torch.stack(hits), torch.stack(count), torch.stack(ent)))
+
+
+def teacher_distribution(last: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher probabilities over the draft vocab, their argmax and entropy, per row of `last`."""
+    with torch.no_grad():
+        logits = (last.to(head.dtype) @ head.T).float()
+        logp = F.log_softmax(logits, -1)
+        p = logp.exp()
+        return p, logits.argmax(-1), -(p * logp).sum(-1)
 
 
 def step_weights(cfg: TrainConfig) -> torch.Tensor:

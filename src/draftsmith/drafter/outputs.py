@@ -1,4 +1,5 @@
-"""Stage 05's files: the one module that knows their names under `<run>/drafter/`, writes and reads them.
+"""Stage 05's files: the one module that knows their names under `<run>/drafter/` (a DFlash drafter's
+under `<run>/drafter-dflash/`, the same files with `dflash` for `eagle3`), writes and reads them.
 
     vocab.safetensors         the draft vocabulary (d2t, t2d, used ids, training counts)
     supervision.safetensors   cached teacher masks (see `data.py`)
@@ -30,9 +31,18 @@ from .export import is_export
 from .vocab import DraftVocab
 
 
-def drafter_dir(run_or_dir: Run | str | os.PathLike) -> Path:
-    """The drafter folder of a run, or the folder given."""
-    return run_or_dir.dir("drafter") if isinstance(run_or_dir, Run) else Path(run_or_dir)
+KINDS = ("eagle3", "dflash")
+
+
+def drafter_dir(run_or_dir: Run | str | os.PathLike, kind: str = "eagle3", create: bool = True) -> Path:
+    """The drafter folder of a run (`drafter/` for EAGLE-3, `drafter-dflash/` for DFlash: both can
+    be trained on one capture), created unless `create` is false, or the folder given."""
+    if kind not in KINDS:
+        raise ValueError(f"drafter kind must be one of {KINDS}, got {kind!r}")
+    if not isinstance(run_or_dir, Run):
+        return Path(run_or_dir)
+    name = "drafter" if kind == "eagle3" else f"drafter-{kind}"
+    return run_or_dir.dir(name) if create else run_or_dir.root / name
 
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], key: str) -> None:
@@ -129,9 +139,10 @@ class Metrics:
         return next((r for r in self.rows if r["split"] == split), None)
 
 
-def export_dir(out: Path, step: int, total: int) -> Path:
-    """Where the export at `step` goes: `eagle3/` for the end of training, else `eagle3-step-N/`."""
-    return out / ("eagle3" if step == total else f"eagle3-step-{step:07d}")
+def export_dir(out: Path, step: int, total: int, kind: str = "eagle3") -> Path:
+    """Where the export at `step` goes: `eagle3/` (`dflash/`) for the end of training, else
+    `eagle3-step-N/` (`dflash-step-N/`)."""
+    return out / (kind if step == total else f"{kind}-step-{step:07d}")
 
 
 class Exports:

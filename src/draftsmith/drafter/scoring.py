@@ -29,9 +29,10 @@ def row(sums: torch.Tensor, weights: torch.Tensor) -> dict:
             "kl_i": ((ce - ent) / n).tolist(), "acc_i": (hits / n).tolist(), "count_i": count.long().tolist()}
 
 
-def heldout_scores(model, prep: Prepared, cfg: TrainConfig, d: "Dist", weights: torch.Tensor) -> dict:
+def heldout_scores(model, prep: Prepared, cfg: TrainConfig, d: "Dist", weights: torch.Tensor,
+                   cols: list[int] | None = None, anchors=None) -> dict:
     """Held-out scores, overall and per source (`by_source`; micro-batches never mix sources, so
-    each is exact)."""
+    each is exact). `cols`, `anchors`: the feed of `data.MicroBatches` (DFlash: epoch 0's anchors)."""
     per_source = {}
     model.eval()
     with torch.no_grad():
@@ -41,8 +42,10 @@ def heldout_scores(model, prep: Prepared, cfg: TrainConfig, d: "Dist", weights: 
             # under FSDP every forward is a collective: a rank with one micro-batch fewer runs a
             # repeat of one (its sums left out), or the other ranks would wait for it forever
             spare = (-(-len(batches) // d.world) - len(mine)) if cfg.train_fsdp else 0
-            sums = torch.zeros(4, cfg.ttt_steps)
-            for i, batch in enumerate(data.loader(cfg.hidden_dir, mine + batches[:spare], prep.sup, d.device)):
+            sums = torch.zeros(4, len(weights))
+            todo = mine + batches[:spare]
+            for i, batch in enumerate(data.loader(cfg.hidden_dir, todo, prep.sup, d.device, cols=cols,
+                                                  anchors=anchors, epochs=[0] * len(todo))):
                 with autocast(d.device):
                     ce, stats = model(*data.to_device(batch, d.device))
                 if i < len(mine):
@@ -64,7 +67,7 @@ def unigram_baseline(objective: TTTObjective, prep: Prepared, cfg: TrainConfig, 
     mine = data.micro_batches(prep.held, prep.sup, cfg.train_micro_batch_size)[d.rank::d.world]
     sums = torch.zeros(3)
     for batch in data.loader(cfg.hidden_dir, mine, prep.sup, d.device):
-        aux, ids, sup, last = data.to_device(batch, d.device)
+        aux, ids, sup, last = data.to_device(batch, d.device)[:4]
         p, target, _ = objective.teacher(last)
         keep = sup.nonzero(as_tuple=True)[1] >= 1
         sums += torch.stack((-(p[keep] * logq).sum(), (target[keep] == top).sum().float(),

@@ -18,6 +18,7 @@ checkpoints, exports and metrics, so a lost node costs the steps since the last 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 import time
@@ -34,6 +35,7 @@ from ..targets.checkpoint import target_config, target_tensors
 from ..distributed import done_launching, launch_dir, torchrun
 from . import outputs, checkpoints, data
 from .config import TrainConfig
+from . import dflash, dflash_export
 from .export import export
 from .model import DrafterConfig
 from .objective import TTTObjective, autocast, build_drafter, step_weights
@@ -53,29 +55,61 @@ def _schedule(total: int, warmup_fraction: float):
     return f
 
 
-def _wrap(objective: TTTObjective, cfg: TrainConfig, d: Dist) -> nn.Module:
+def _wrap(objective: nn.Module, cfg: TrainConfig, d: Dist) -> nn.Module:
     """DDP (or FSDP2 when asked) over several processes; the objective itself in one."""
     if d.world == 1:
         return objective
     if cfg.train_fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(objective.drafter.midlayer)
+        for layer in getattr(objective.drafter, "layers", [getattr(objective.drafter, "midlayer", None)]):
+            fully_shard(layer)
         fully_shard(objective.drafter.lm_head)
         return fully_shard(objective)
     return nn.parallel.DistributedDataParallel(objective, broadcast_buffers=False)
 
 
-def _plan(prep: Prepared, cfg: TrainConfig, d: Dist, steps: range, steps_per_epoch: int):
-    """This process's micro-batches of the given steps in order, and per step the loss
-    denominators [k] and the tokens of the whole global batch."""
-    micro, denoms, tokens = [], [], []
+def _plan(prep: Prepared, cfg: TrainConfig, d: Dist, steps: range, steps_per_epoch: int, anchors=None):
+    """This process's micro-batches of the given steps in order with their epochs, and per step the
+    loss denominators [k] and the tokens of the whole global batch. With `anchors` (DFlash) the
+    denominators count the scored block rows of each sample's anchors of that epoch."""
+    micro, epochs, denoms, tokens = [], [], [], []
     for s in steps:
-        gb = data.global_batches(prep.train, cfg.train_batch_size, cfg.seed, s // steps_per_epoch)[s % steps_per_epoch]
-        micro.extend(data.micro_batches(gb, prep.sup, cfg.train_micro_batch_size)[d.rank::d.world])
-        denoms.append(prep.counts[gb].sum(0).float())
+        epoch = s // steps_per_epoch
+        gb = data.global_batches(prep.train, cfg.train_batch_size, cfg.seed, epoch)[s % steps_per_epoch]
+        mine = data.micro_batches(gb, prep.sup, cfg.train_micro_batch_size)[d.rank::d.world]
+        micro.extend(mine)
+        epochs.extend([epoch] * len(mine))
+        if anchors is None:
+            denoms.append(prep.counts[gb].sum(0).float())
+        else:
+            denoms.append(sum(dflash.block_counts(prep.sup[i], anchors(i, epoch), cfg.dflash_block_size)
+                              for i in gb).float())
         tokens.append(sum(prep.sup.length(i) for i in gb))
-    return micro, denoms, tokens
+    return micro, epochs, denoms, tokens
+
+
+def _drafter(cfg: TrainConfig, mcfg: DrafterConfig, prep: Prepared, tensors: dict, layer_ids: list[int]):
+    """The objective of `cfg.drafter_kind` (a fresh drafter and the frozen teacher head), its per-step
+    weights, the DFlash anchors (None for EAGLE-3) and the function that exports its state."""
+    head = tensors["lm_head"][prep.vocab.used].clone()
+    if cfg.drafter_kind == "eagle3":
+        drafter = build_drafter(mcfg, tensors["embed"], prep.vocab, cfg.seed)
+        def write(path, state, extra):
+            return export(path, state, mcfg, layer_ids, cfg.export_engine, cfg.export_dtype, extra)
+        return TTTObjective(drafter, head, cfg.ttt_steps), step_weights(cfg), None, write
+    unused = (prep.vocab.counts == 0).nonzero().flatten()
+    if len(unused) == 0:
+        raise ValueError("every token of the target's vocabulary occurs in the responses: DFlash needs one "
+                         "that never does for its MASK slots")
+    dcfg = dflash.DFlashConfig(base=mcfg, num_layers=cfg.dflash_layers, block_size=cfg.dflash_block_size,
+                               num_aux=len(layer_ids), mask_token_id=int(unused.max()))
+    drafter = dflash.build_dflash(dcfg, tensors["embed"], prep.vocab.d2t, prep.vocab.t2d, cfg.seed)
+    anchors = functools.partial(dflash.anchors_for, prep.sup, cfg.seed, cfg.dflash_anchors)
+
+    def write(path, state, extra):
+        return dflash_export.export(path, state, dcfg, layer_ids, cfg.export_dtype, extra)
+    return dflash.DFlashObjective(drafter, head), dflash.position_weights(cfg.dflash_block_size), anchors, write
 
 
 def train(cfg: TrainConfig, log=print) -> dict:
@@ -92,8 +126,10 @@ def train(cfg: TrainConfig, log=print) -> dict:
     if shards.hidden_size != mcfg.target_hidden_size:
         raise ValueError(f"{cfg.hidden_dir}: hidden_size {shards.hidden_size} but the target "
                          f"{cfg.target_path} has {mcfg.target_hidden_size}: shards from another target?")
-    layer_ids = layers.in_output_convention([int(k) for k in shards.index["layer_ids"]],
-                                     shards.index.get("layer_convention", "output"))
+    stored = layers.in_output_convention([int(k) for k in shards.index["layer_ids"]],
+                                         shards.index.get("layer_convention", "output"))
+    layer_ids = layers.training_layer_ids(stored, cfg.drafter_kind, _num_layers(tconf), cfg.train_layer_ids)
+    cols = [stored.index(k) for k in layer_ids]
     if cfg.train_batch_size % (cfg.train_micro_batch_size * d.world):
         raise ValueError(f"train_batch_size {cfg.train_batch_size} must be a multiple of train_micro_batch_size "
                          f"{cfg.train_micro_batch_size} x {d.world} processes")
@@ -108,14 +144,14 @@ def train(cfg: TrainConfig, log=print) -> dict:
     total = max(1, round(cfg.train_epochs * steps_per_epoch))
     end = min(total, cfg.stop_at) if cfg.stop_at > 0 else total
 
-    drafter = build_drafter(mcfg, tensors["embed"], prep.vocab, cfg.seed)
-    objective = TTTObjective(drafter, tensors["lm_head"][prep.vocab.used].clone(), cfg.ttt_steps).to(d.device)
+    objective, weights, anchors, write_export = _drafter(cfg, mcfg, prep, tensors, layer_ids)
+    objective = objective.to(d.device)
+    feed = {"cols": cols, "anchors": anchors}
     del tensors
     model = _wrap(objective, cfg, d)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train_lr, weight_decay=cfg.train_weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(total, cfg.train_warmup_fraction))
-    weights = step_weights(cfg)
     start = 0
     if found is not None:
         start = checkpoints.restore(model, opt, sched, found[1])
@@ -133,10 +169,10 @@ def train(cfg: TrainConfig, log=print) -> dict:
     if baseline:
         log(f"held-out unigram baseline: loss {baseline['loss']:.3f}, acc {baseline['acc']:.3f}")
     if start == 0 and prep.held:
-        metrics.write({"split": "heldout", "step": 0, **heldout_scores(model, prep, cfg, d, weights)})
+        metrics.write({"split": "heldout", "step": 0, **heldout_scores(model, prep, cfg, d, weights, **feed)})
 
-    micro, denoms, step_tokens = _plan(prep, cfg, d, range(start, end), steps_per_epoch)
-    batches = iter(data.loader(cfg.hidden_dir, micro, prep.sup, d.device))
+    micro, epochs, denoms, step_tokens = _plan(prep, cfg, d, range(start, end), steps_per_epoch, anchors)
+    batches = iter(data.loader(cfg.hidden_dir, micro, prep.sup, d.device, epochs=epochs, **feed))
     accum = cfg.train_batch_size // (cfg.train_micro_batch_size * d.world)
     log(f"training {total} steps ({steps_per_epoch}/epoch, {len(prep.train)} train / {len(prep.held)} "
         f"held-out samples) on {d.world} x {d.device.type}" + (f", from step {start}" if start else ""))
@@ -147,7 +183,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
     for s in range(start, end):
         denom = denoms[s - start].to(d.device)
         scale = torch.where(denom > 0, weights.to(d.device) / denom.clamp_min(1), 0.0) * d.world
-        sums = torch.zeros(4, cfg.ttt_steps)
+        sums = torch.zeros(4, len(weights))
         for a in range(accum):
             last_micro = a == accum - 1
             if cfg.train_fsdp and d.world > 1:
@@ -172,17 +208,16 @@ def train(cfg: TrainConfig, log=print) -> dict:
 
         t_side = time.time()
         if done in eval_steps and prep.held:
-            ev = heldout_scores(model, prep, cfg, d, weights)
+            ev = heldout_scores(model, prep, cfg, d, weights, **feed)
             metrics.write({"split": "heldout", "step": done, **ev})
             log(f"step {done}/{total}: held-out loss {ev['loss']:.3f}, acc_i "
                 + " ".join(f"{a:.3f}" for a in ev["acc_i"]))
         if done in export_steps or done % cfg.train_checkpoint_every == 0 or done == end:
             msd, osd = checkpoints.gather_state(model, opt)
             if d.main and done in export_steps:
-                path = export(outputs.export_dir(out, done, total),
-                              {k.removeprefix("drafter."): v for k, v in msd.items()}, mcfg,
-                              layer_ids, cfg.export_engine, cfg.export_dtype,
-                              {"step": done, "total_steps": total, "target": shards.index.get("target")})
+                path = write_export(outputs.export_dir(out, done, total, cfg.drafter_kind),
+                                    {k.removeprefix("drafter."): v for k, v in msd.items()},
+                                    {"step": done, "total_steps": total, "target": shards.index.get("target")})
                 exports.add({"step": done, "fraction": done / total, "dir": str(path),
                              "heldout": metrics.last("heldout") if prep.held else None})
             if d.main and (done % cfg.train_checkpoint_every == 0 or done == end):
@@ -199,6 +234,8 @@ def train(cfg: TrainConfig, log=print) -> dict:
         "eval_save_seconds": side, "prep_seconds": prep.seconds, "vocab": _vocab_summary(prep),
         "heldout": metrics.last("heldout"), "heldout_start": metrics.first("heldout"),
         "unigram_baseline": baseline, "exports": exports.items, "layer_ids": layer_ids,
+        "kind": cfg.drafter_kind, "stored_layer_ids": stored,
+        **({"block_size": cfg.dflash_block_size, "draft_layers": cfg.dflash_layers} if anchors else {}),
         "sources": {src: {"train_samples": len(v["train"]), "heldout_samples": len(v["held"]),
                           "heldout": (metrics.last("heldout") or {}).get("by_source", {}).get(src)}
                     for src, v in prep.sources.items()},
@@ -208,6 +245,10 @@ def train(cfg: TrainConfig, log=print) -> dict:
     d.barrier()  # every node's launcher reads the summary once its torchrun ends
     d.close()
     return summary
+
+
+def _num_layers(tconf: dict) -> int:
+    return int(tconf.get("text_config", tconf)["num_hidden_layers"])
 
 
 def _vocab_summary(prep: Prepared) -> dict:

@@ -44,8 +44,8 @@ def speculative_config(kind: str, draft_tokens: int, export_dir: str | None = No
             raise ValueError("vLLM's ngram needs lookup_min_ngram and lookup_max_ngram")
         return {"method": "ngram", "num_speculative_tokens": draft_tokens, "prompt_lookup_min": lookup_min_ngram,
                 "prompt_lookup_max": lookup_max_ngram}
-    if kind == "eagle3":
-        return {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": draft_tokens}
+    if kind in ("eagle3", "dflash"):
+        return {"method": kind, "model": str(export_dir), "num_speculative_tokens": draft_tokens}
     raise ValueError(f"unknown method kind {kind!r}")
 
 
@@ -81,7 +81,8 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
                "eval_tensor_parallel": eval_tensor_parallel, "trust_remote_code": trust_remote_code,
                "draft_tokens": draft_tokens, "eval_max_new_tokens": eval_max_new_tokens, "seed": seed,
                "settings": settings, "out": str(out), "eval_temperatures": [float(t) for t in eval_temperatures],
-               "max_model_len": max(p.context_needed(eval_max_new_tokens) for p in prompts) + draft_tokens + 16,
+               "max_model_len": max(p.context_needed(eval_max_new_tokens) for p in prompts)
+               + max([draft_tokens] + [m.get("draft_tokens", 0) for m in todo]) + 16,
                "prompts": [p.job() for p in prompts],
                "methods": todo, "done": [list(key) for key in done]}
         job_file = outputs.write_engine_job(run, job)

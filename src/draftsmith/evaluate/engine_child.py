@@ -69,11 +69,11 @@ def _say(msg: str) -> None:
     print(f"[draftsmith] {msg}", flush=True)
 
 
-def _turns(llm, p: dict, sp, job: dict) -> dict:
+def _turns(llm, p: dict, sp, job: dict, draft_tokens: int) -> dict:
     """Decode one prompt; a benchmark's follow-up turns (`followups`) each after the answer the
     engine gave to the turn before (`benchmarks.Turns`). One row's fields for all turns: outputs
-    and per-step counts concatenated, counters and seconds summed."""
-    ids, messages, draft_tokens = p["ids"], p.get("messages"), job["draft_tokens"]
+    and per-step counts concatenated, counters and seconds summed. `draft_tokens`: the method's k."""
+    ids, messages = p["ids"], p.get("messages")
     row = {"output": [], "seconds": 0.0,
            "counters": {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * draft_tokens},
            "drafted": [], "accepted": []}
@@ -136,7 +136,7 @@ def run_job(job: dict) -> None:
             continue
         startup = time.perf_counter() - t0
         live = gpu = None
-        if m["kind"] == "eagle3":
+        if m["kind"] in ("eagle3", "dflash"):
             live = llm.collective_rpc(_engine_aux_layers)[0]
             gpu = gpu_runner_layer_ids(llm.llm_engine.vllm_config.speculative_config)
             for runner, ids in (("the live engine", live), ("vLLM's GPU model runner", gpu)):
@@ -156,7 +156,7 @@ def run_job(job: dict) -> None:
                                     seed=prompt_seed(job["seed"], p["dataset"], p["sample_id"], 4) if t > 0 else None)
                 row = {"settings": job["settings"], "method": m["name"], "method_fingerprint": m["fingerprint"],
                        "kind": m["kind"], "dataset": p["dataset"], "sample_id": p["sample_id"], "temperature": t,
-                       **_turns(llm, p, sp, job),
+                       **_turns(llm, p, sp, job, m.get("draft_tokens", job["draft_tokens"])),
                        "aux_layers_engine": live, "aux_layers_gpu_runner": gpu, "startup_s": startup,
                        "cpu_expand_kernel_replaced": fixed}
                 append_row(out, row)

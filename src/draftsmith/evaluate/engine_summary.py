@@ -39,8 +39,9 @@ def summarize(rows: list[dict], methods: list[dict], draft_tokens: int, temperat
         rs = by_fp.get(m["fingerprint"], [])
         if not rs:
             continue
-        s = {"kind": m["kind"], **m.get("info", {}), **acceptance(rs, draft_tokens),
-             "per_dataset": {ds: acceptance([r for r in rs if r["dataset"] == ds], draft_tokens)
+        k = m.get("draft_tokens", draft_tokens)   # a DFlash block drafts its own number
+        s = {"kind": m["kind"], **m.get("info", {}), **acceptance(rs, k), "k": k,
+             "per_dataset": {ds: acceptance([r for r in rs if r["dataset"] == ds], k)
                              for ds in sorted({r["dataset"] for r in rs})},
              "aux_layers_engine": rs[0].get("aux_layers_engine"), "aux_layers_gpu_runner": rs[0].get("aux_layers_gpu_runner"),
              "startup_s": rs[0].get("startup_s")}
@@ -57,7 +58,7 @@ def summarize(rows: list[dict], methods: list[dict], draft_tokens: int, temperat
 
 
 def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[dict], temperature: float) -> dict:
-    """Where the engine and our decoder part, per eagle3 method at one temperature: on how many
+    """Where the engine and our decoder part, per drafter method at one temperature: on how many
     prompts the two no-drafter outputs are the same, and on those the per-step accepted counts
     (they implement the same rule, so they differ only where the two targets' numbers do)."""
     eng = {(r["method_fingerprint"], r["dataset"], r["sample_id"]): r for r in engine_rows
@@ -71,7 +72,7 @@ def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[dict], t
     same_target = sorted(key for key in none_e if none_o.get(key) == none_e[key])
     out = {"prompts": len(none_e), "same_no_drafter_output": len(same_target), "methods": {}}
     for m in methods:
-        if m["kind"] != "eagle3":
+        if m["kind"] not in ("eagle3", "dflash"):
             continue
         steps_equal = outputs_equal = 0
         for ds, sid in none_e:

@@ -225,7 +225,8 @@ def engine_table(report: dict) -> pd.DataFrame:
         ours = report["temperatures"].get(key, {}).get("methods", {})
         for name, s in t["methods"].items():
             mine = ours.get("prompt lookup" if s["kind"] == "ngram" else name, {})
-            row = {"T": t["temperature"], "method": name, "acceptance length": s["acceptance_length"]}
+            row = {"T": t["temperature"], "method": name, "k": s.get("k", report["draft_tokens"]),
+                   "acceptance length": s["acceptance_length"]}
             row |= {ds: v["acceptance_length"] for ds, v in s["per_dataset"].items()}
             row |= {f"P(pos {j + 1})": p for j, p in enumerate(s["position_acceptance"])}
             row |= {"tok/s": s["tokens_per_s"], "× none": s["speedup_tokens_per_s"], "lossless": s["lossless"],

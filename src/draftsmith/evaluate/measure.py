@@ -69,12 +69,12 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
     """Decode every prompt with every method (skipping what `rounds_file` already holds for these
     settings); returns one row per (method, prompt). `turns` (`benchmarks.Turns`) renders the
     follow-up turns of prompts that have them."""
-    settings_of = {(p.dataset, p.sample_id): prompt_settings(
-        p, draft_tokens=draft_tokens, eval_max_new_tokens=eval_max_new_tokens, temperature=temperature, seed=seed,
-        target_fingerprint=target_fingerprint) for p in prompts}
+    settings_of = {(m.name, p.dataset, p.sample_id): prompt_settings(
+        p, draft_tokens=m.info.get("draft_tokens", draft_tokens), eval_max_new_tokens=eval_max_new_tokens,
+        temperature=temperature, seed=seed, target_fingerprint=target_fingerprint) for m in methods for p in prompts}
     rows = []
     todo = [(m, p) for m in methods for p in prompts
-            if rounds_file.get(settings_of[p.dataset, p.sample_id], m, p) is None]
+            if rounds_file.get(settings_of[m.name, p.dataset, p.sample_id], m, p) is None]
     with Progress(len(methods) * len(prompts), f"speculative decoding (T={temperature:g}, k={draft_tokens})",
                   "decodes") as bar:
         bar.update(len(methods) * len(prompts) - len(todo))
@@ -82,7 +82,7 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
             proposer = None
             tokens = n_rounds = 0
             for p in prompts:
-                settings = settings_of[p.dataset, p.sample_id]
+                settings = settings_of[m.name, p.dataset, p.sample_id]
                 row = rounds_file.get(settings, m, p)
                 if row is None:
                     if proposer is None:
@@ -90,8 +90,8 @@ def run_methods(target: Target, methods: list[Method], prompts: list[HeldoutProm
                     gen = None if temperature <= 0 else \
                         torch.Generator().manual_seed(prompt_seed(seed, p.dataset, p.sample_id, 6))
                     t0 = time.perf_counter()
-                    d, lengths = decode_turns(target, proposer, p, draft_tokens, eval_max_new_tokens, temperature,
-                                              gen, turns)
+                    d, lengths = decode_turns(target, proposer, p, m.info.get("draft_tokens", draft_tokens),
+                                              eval_max_new_tokens, temperature, gen, turns)
                     row = {"settings": settings, "method": m.name, "method_fingerprint": m.fingerprint,
                            "kind": m.kind, "dataset": p.dataset, "sample_id": p.sample_id,
                            "temperature": temperature, "prompt_tokens": len(p.ids), "output": d.output,

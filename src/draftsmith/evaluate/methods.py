@@ -1,4 +1,5 @@
-"""The methods stage 06 compares: no drafter, prompt lookup, and every export of the drafter along training.
+"""The methods stage 06 compares: no drafter, prompt lookup, every export of the EAGLE-3 drafter along
+training and, where stage 05 trained one on the same features, the final DFlash drafter.
 
 Each method has a fingerprint that changes when it would draft differently, so measured rounds are
 reused only for the same method. `engine_methods_for` gives the same methods as vLLM engines.
@@ -11,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import layers
-from ..drafter import load_exported
+from ..drafter import dflash_export, load_exported
 from ..drafter.outputs import read_exports
 from ..drafter.export import for_engine, read_export_config
 from ..targets.identity import fingerprint
 from . import engine
-from .proposers import Eagle3Proposer, PromptLookup
+from .proposers import Columns, DFlashProposer, Eagle3Proposer, PromptLookup
 
 
 @dataclass
@@ -40,33 +41,50 @@ def export_layer_ids(export_dir: Path) -> list[int]:
 
 
 def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, device, *,
-                lookup_max_ngram: int, lookup_min_ngram: int) -> tuple[list[Method], list[int]]:
-    """The methods of one evaluation: no drafter, prompt lookup, and every export of the drafter
-    (loaded from its folder). Returns them and the auxiliary layer ids they share."""
-    ms = [Method("none", "none", "none", lambda: None),
-          Method("prompt lookup", "prompt_lookup", f"lookup-{lookup_min_ngram}-{lookup_max_ngram}",
-                 lambda: PromptLookup(lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram),
-                 {"lookup_min_ngram": lookup_min_ngram, "lookup_max_ngram": lookup_max_ngram})]
+                lookup_max_ngram: int, lookup_min_ngram: int,
+                dflash_dir: str | os.PathLike | None = None) -> tuple[list[Method], list[int]]:
+    """The methods of one evaluation: no drafter, prompt lookup, every export of the drafter
+    (loaded from its folder) and the final export of `dflash_dir` when it holds one. Returns them
+    and the auxiliary layer ids our decoder captures for them (each drafter reads its own, `Columns`)."""
     exports = read_exports(drafter_dir)
     layer_ids = export_layer_ids(exports[-1]["dir"])
+    drafters = []   # (name, kind, export folder, info)
     for e in exports:
         ids = export_layer_ids(e["dir"])
         if ids != layer_ids:
             raise ValueError(f"{e['dir']}: aux layer ids {ids} differ from the final export's {layer_ids}")
         final = e is exports[-1]
-        name = "eagle3" if final else f"eagle3 {e['fraction']:.0%}"
+        drafters.append(("eagle3" if final else f"eagle3 {e['fraction']:.0%}", "eagle3", e["dir"],
+                         {"step": e["step"], "fraction": e["fraction"], "dir": str(e["dir"]), "final": final,
+                          "layer_ids": layer_ids}))
+    if dflash_dir and (Path(dflash_dir) / "exports.json").is_file():
+        e = read_exports(dflash_dir)[-1]
+        drafters.append(("dflash", "dflash", e["dir"],
+                         {"step": e["step"], "fraction": e["fraction"], "dir": str(e["dir"]), "final": True,
+                          "layer_ids": export_layer_ids(e["dir"]),
+                          "draft_tokens": read_export_config(e["dir"])["dflash_config"]["block_size"] - 1}))
+    captured = sorted({k for *_, info in drafters for k in info["layer_ids"]})
 
-        def make(d=e["dir"]):
-            return Eagle3Proposer(load_exported(d, target_path, device=device))
-        ms.append(Method(name, "eagle3", fingerprint(e["dir"]), make,
-                         {"step": e["step"], "fraction": e["fraction"], "dir": str(e["dir"]), "final": final}))
-    return ms, layer_ids
+    def maker(kind: str, d: Path, ids: list[int]):
+        cols = [captured.index(k) for k in ids]
+        if kind == "eagle3":
+            return lambda: Columns(Eagle3Proposer(load_exported(d, target_path, device=device)), cols, len(captured))
+        return lambda: Columns(DFlashProposer(dflash_export.load_exported(d, target_path, device=device)),
+                               cols, len(captured))
+
+    ms = [Method("none", "none", "none", lambda: None),
+          Method("prompt lookup", "prompt_lookup", f"lookup-{lookup_min_ngram}-{lookup_max_ngram}",
+                 lambda: PromptLookup(lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram),
+                 {"lookup_min_ngram": lookup_min_ngram, "lookup_max_ngram": lookup_max_ngram})]
+    ms += [Method(name, kind, fingerprint(d), maker(kind, d, info["layer_ids"]), info)
+           for name, kind, d, info in drafters]
+    return ms, captured
 
 
-def engine_methods_for(methods: list[Method], layer_ids: list[int], *, draft_tokens: int, lookup_min_ngram: int,
+def engine_methods_for(methods: list[Method], *, draft_tokens: int, lookup_min_ngram: int,
                        lookup_max_ngram: int) -> list[dict]:
     """The same methods as vLLM engines: no speculation, vLLM's ngram, and every export written
-    for vLLM (`drafter.export.for_engine`), each expected to capture `layer_ids` (output ids)."""
+    for vLLM (`drafter.export.for_engine`), each expected to capture its own layers (output ids)."""
     out = [{"name": "none", "kind": "none", "fingerprint": "vllm-none", "speculative_config": None,
             "expect_layers": None, "info": {}},
            {"name": "ngram", "kind": "ngram", "fingerprint": f"vllm-ngram-{lookup_min_ngram}-{lookup_max_ngram}",
@@ -80,7 +98,15 @@ def engine_methods_for(methods: list[Method], layer_ids: list[int], *, draft_tok
             out.append({"name": m.name, "kind": "eagle3", "fingerprint": "vllm-" + fingerprint(d),
                         "hf_fingerprint": m.fingerprint,
                         "speculative_config": engine.speculative_config("eagle3", draft_tokens, d),
-                        "expect_layers": layers.engine_layer_ids(layer_ids, "vllm"),
+                        "expect_layers": layers.engine_layer_ids(m.info["layer_ids"], "vllm"),
                         "info": {"step": m.info["step"], "fraction": m.info["fraction"], "dir": str(d),
                                  "final": m.info["final"]}})
+        elif m.kind == "dflash":   # its export is vLLM's format already; it drafts a whole block
+            k = m.info["draft_tokens"]
+            out.append({"name": m.name, "kind": "dflash", "fingerprint": "vllm-" + m.fingerprint,
+                        "hf_fingerprint": m.fingerprint, "draft_tokens": k,
+                        "speculative_config": engine.speculative_config("dflash", k, m.info["dir"]),
+                        "expect_layers": layers.engine_layer_ids(m.info["layer_ids"], "vllm"),
+                        "info": {"step": m.info["step"], "fraction": m.info["fraction"], "dir": m.info["dir"],
+                                 "final": True, "draft_tokens": k}})
     return out

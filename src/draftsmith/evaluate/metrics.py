@@ -92,14 +92,16 @@ def summarize(rows: list[dict], methods: list, draft_tokens: int, draft_cost_rat
         mine = by_method.get(m.name, [])
         if not mine:
             continue
-        total = acceptance([r["rounds"] for r in mine], draft_tokens)
+        k = m.info.get("draft_tokens", draft_tokens)   # a DFlash block drafts its own number
+        total = acceptance([r["rounds"] for r in mine], k)
         datasets = sorted({r["dataset"] for r in mine})
-        per_ds = {ds: acceptance([r["rounds"] for r in mine if r["dataset"] == ds], draft_tokens) for ds in datasets}
-        novel = acceptance([split_rounds(r["rounds"], r["repeat_start"])[0] for r in mine], draft_tokens)
-        repeating = acceptance([split_rounds(r["rounds"], r["repeat_start"])[1] for r in mine], draft_tokens)
+        per_ds = {ds: acceptance([r["rounds"] for r in mine if r["dataset"] == ds], k) for ds in datasets}
+        novel = acceptance([split_rounds(r["rounds"], r["repeat_start"])[0] for r in mine], k)
+        repeating = acceptance([split_rounds(r["rounds"], r["repeat_start"])[1] for r in mine], k)
         greedy = [r for r in mine if r["temperature"] <= 0 and (r["dataset"], r["sample_id"]) in reference]
         mismatches = [r["sample_id"] for r in greedy if r["output"] != reference[(r["dataset"], r["sample_id"])]]
-        draft_steps = 0 if m.kind != "eagle3" else draft_tokens   # drafter forwards per round (a chain)
+        # drafter forwards per round: a chain drafts one token a forward, a DFlash block all at once
+        draft_steps = {"eagle3": k, "dflash": 1}.get(m.kind, 0)
         out[m.name] = {
             "kind": m.kind, **m.info, **total,
             "per_dataset": per_ds,

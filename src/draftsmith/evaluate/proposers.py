@@ -1,4 +1,5 @@
-"""What drafts the next tokens: prompt lookup (n-gram copying from the context) or an EAGLE-3 drafter.
+"""What drafts the next tokens: prompt lookup (n-gram copying from the context), an EAGLE-3 drafter or a
+DFlash drafter.
 
 A proposer is reset with a prompt, told the committed tokens as they come (`advance`, with the
 target's features at them) and asked for k drafts (`propose`). No proposer (None) is plain decoding.
@@ -82,3 +83,54 @@ class Eagle3Proposer:
                 h, lg = self.d.extend(h, tok.view(1, 1), self.cache)
                 logits = lg[0, -1]
         return out
+
+
+class DFlashProposer:
+    """Block drafting with a DFlash drafter: the context rows of every committed position whose
+    target feature is known, and the last committed token as the anchor; `propose(k)` is the first
+    k of one non-causal block (k <= block_size - 1)."""
+
+    def __init__(self, drafter):
+        self.d = drafter
+        self.device = drafter.fc.weight.device
+        self.ctx = None
+        self.anchor = None
+
+    def reset(self, prompt: list[int]) -> None:
+        self.ctx, self.anchor = None, None
+
+    @torch.inference_mode()
+    def advance(self, tokens: list[int], aux: torch.Tensor) -> None:
+        if aux is None or len(aux) != len(tokens):
+            raise ValueError(f"a DFlash drafter needs one target feature row per new token "
+                             f"({len(tokens)} tokens, {None if aux is None else len(aux)} rows)")
+        rows = self.d.context(aux[None].to(self.device))[0]
+        self.ctx = rows if self.ctx is None else torch.cat((self.ctx, rows))
+        self.anchor = tokens[-1]
+
+    def propose(self, k: int) -> list[int]:
+        if k > self.d.config.block_size - 1:
+            raise ValueError(f"a DFlash drafter of block size {self.d.config.block_size} drafts at most "
+                             f"{self.d.config.block_size - 1} tokens, asked for {k}")
+        return self.d.draft(self.ctx, self.anchor)[:k]
+
+
+class Columns:
+    """A proposer that reads only some of the layers our decoder captures: aux [T, n*H] holds `n`
+    layers side by side, the proposer gets the columns of layers `cols` (EAGLE-3 and DFlash beside
+    each other read different layers of one capture)."""
+
+    def __init__(self, proposer, cols: list[int], n: int):
+        self.p, self.cols, self.n = proposer, list(cols), n
+
+    def reset(self, prompt: list[int]) -> None:
+        self.p.reset(prompt)
+
+    def advance(self, tokens: list[int], aux: torch.Tensor | None) -> None:
+        if aux is not None and len(self.cols) != self.n:
+            h = aux.shape[-1] // self.n
+            aux = torch.cat([aux[:, c * h:(c + 1) * h] for c in self.cols], dim=-1)
+        self.p.advance(tokens, aux)
+
+    def propose(self, k: int) -> list[int]:
+        return self.p.propose(k)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import parameters
+from ..drafter import outputs as drafter_outputs
 from ..paths import Run
 from ..targets.checkpoint import load_target, resolve_target
 from ..targets.identity import target_identity
@@ -40,7 +41,9 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
         raise ValueError("eval_hf_crosscheck is false and eval_backend is hf: nothing would measure; "
                          "set eval_backend: vllm (or eval_hf_crosscheck: true)")
     ours = eval_backend == "hf" or eval_hf_crosscheck
-    drafter_dir = Path(drafter_dir) if drafter_dir else run.dir("drafter")
+    # the run's DFlash drafter, when stage 05 trained one on the same features, is measured beside
+    dflash_dir = None if drafter_dir else drafter_outputs.drafter_dir(run, "dflash", create=False)
+    drafter_dir = Path(drafter_dir) if drafter_dir else drafter_outputs.drafter_dir(run)
     target_path = resolve_target(target_model_path, log=log)
     prompts = heldout_prompts(run, drafter_dir, eval_prompts_per_dataset)
     specs = benchmarks.parse_benchmarks(eval_benchmarks)
@@ -53,7 +56,8 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
     model = load_target(target_path, "auto") if ours else None
     methods, layer_ids = methods_for(drafter_dir, target_path,
                                      model.get_input_embeddings().weight.device if ours else "cpu",
-                                     lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram)
+                                     lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram,
+                                     dflash_dir=dflash_dir)
     fingerprint = target_identity(target_path, trust_remote_code)["fingerprint"]
     per_ds: dict[str, int] = {}
     for p in prompts:
@@ -63,7 +67,7 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
         f"T = {eval_temperatures}")
     engine_methods = engine_rows = bench_engine_rows = all_rows = None
     if eval_backend == "vllm":
-        engine_methods = engine_methods_for(methods, layer_ids, draft_tokens=draft_tokens,
+        engine_methods = engine_methods_for(methods, draft_tokens=draft_tokens,
                                             lookup_min_ngram=lookup_min_ngram, lookup_max_ngram=lookup_max_ngram)
         # one engine start per method for both prompt sets; a benchmark's own max_new_tokens is a setting
         new_tokens = {"held-out": eval_max_new_tokens,

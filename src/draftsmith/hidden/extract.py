@@ -57,7 +57,8 @@ class Settings:
     """How to extract: notebook 04's settings under its names, each left out at the notebook's
     default (`parameters.declaration`), held to its declared bounds by `check`."""
 
-    layer_ids: list[int] | None = parameters.default_field("layer_ids")  # three; None or []: EAGLE-3's
+    layer_ids: list[int] | None = parameters.default_field("layer_ids")  # None or []: layer_set's
+    layer_set: str = parameters.default_field("layer_set")              # eagle3, dflash or both
     layer_convention: str = parameters.default_field("layer_convention")  # how layer_ids count (layers.py)
     hidden_dtype: str = parameters.default_field("hidden_dtype")          # bf16, or fp8 with per-token scales
     max_tokens_per_batch: int = parameters.default_field("max_tokens_per_batch")
@@ -76,13 +77,15 @@ class Settings:
             raise ValueError(f"hidden_dtype must be one of {outputs.DTYPES}, got {self.hidden_dtype!r}")
 
     def layer_ids_of(self, n_layers: int) -> list[int]:
-        """The three layer ids to capture on a target of `n_layers`, in the output convention."""
-        ids = (layers.default_layer_ids(n_layers) if not self.layer_ids
-               else layers.in_output_convention(list(self.layer_ids), self.layer_convention))
-        if len(set(ids)) != 3 or not all(0 <= k < n_layers for k in ids):
-            raise ValueError(f"layer_ids {list(self.layer_ids or [])} ({self.layer_convention} convention): need "
-                             f"three distinct layers of the target's {n_layers} (output ids 0..{n_layers - 1})")
-        return ids
+        """The layer ids to capture on a target of `n_layers`, in the output convention, ascending:
+        `layer_ids` when given, else `layer_set`'s (`layers.capture_layer_ids`)."""
+        if not self.layer_ids:
+            return layers.capture_layer_ids(n_layers, self.layer_set)
+        ids = layers.in_output_convention(list(self.layer_ids), self.layer_convention)
+        if len(set(ids)) != len(ids) or not all(0 <= k < n_layers for k in ids):
+            raise ValueError(f"layer_ids {list(self.layer_ids)} ({self.layer_convention} convention): need "
+                             f"distinct layers of the target's {n_layers} (output ids 0..{n_layers - 1})")
+        return sorted(ids)
 
 
 def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out_dir: str | os.PathLike, *,

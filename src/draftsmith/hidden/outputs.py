@@ -1,9 +1,10 @@
 """Hidden-state shards: the on-disk contract between stage 04 (writes) and stages 05/06 (read).
 
 A shard is one safetensors file holding the tokens of many samples concatenated:
-  aux        [T, 3H]  the three auxiliary layers side by side (bf16, or float8_e4m3fn)
+  aux        [T, nH]  the n auxiliary layers side by side, ascending (bf16, or float8_e4m3fn):
+                      EAGLE-3's three, DFlash's five, or both (`layers.capture_layer_ids`)
   last       [T, H]   final hidden state, after the final norm (bf16, or float8_e4m3fn)
-  aux_scale  [T, 3]   float32, fp8 only: per token and per layer, value = fp8 * scale
+  aux_scale  [T, n]   float32, fp8 only: per token and per layer, value = fp8 * scale
   last_scale [T, 1]   float32, fp8 only
   input_ids  [T]      int64
   loss_mask  [T]      uint8, 1 on response tokens (incl. end-of-turn)
@@ -101,7 +102,7 @@ def write_shard(path: str | os.PathLike, aux: torch.Tensor, last: torch.Tensor, 
     """Write one shard whole or not at all (`files.replacing`). Returns its size in bytes.
     `metadata` (str -> str) is stored in the safetensors header beside the format and dtype."""
     path = Path(path)
-    aux_q, aux_s = quantize(aux, 3, dtype)
+    aux_q, aux_s = quantize(aux, aux.shape[1] // last.shape[1], dtype)   # one scale per stored layer
     last_q, last_s = quantize(last, 1, dtype)
     tensors = {"aux": aux_q.contiguous(), "last": last_q.contiguous(),
                "input_ids": input_ids.to(torch.int64).contiguous(),

@@ -50,12 +50,12 @@ def plan_shards(batches: list[list[int]], lengths: list[int], tokens_per_shard: 
     return out
 
 
-def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Disk bytes per token: aux + last (+ fp8 scales), input_ids (int64), loss_mask (uint8)."""
+def bytes_per_token(hidden_size: int, dtype: str, n_layers: int = 3) -> int:
+    """Disk bytes per token: aux (n_layers) + last (+ fp8 scales), input_ids (int64), loss_mask (uint8)."""
     if dtype == "bf16":
-        hidden = 2 * 4 * hidden_size
+        hidden = 2 * (n_layers + 1) * hidden_size
     elif dtype == "fp8":
-        hidden = 4 * hidden_size + 4 * 4
+        hidden = (n_layers + 1) * hidden_size + 4 * (n_layers + 1)
     else:
         raise ValueError(f"dtype must be one of {outputs.DTYPES}, got {dtype!r}")
     return hidden + 8 + 1

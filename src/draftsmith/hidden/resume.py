@@ -85,7 +85,9 @@ def prepare(out_dir: Path, samples: list[Sample], identity: dict, layer_ids: lis
     done = {(s["dataset"], s["sample_id"]) for e in keep for s in e["samples"]}
     todo = [i for i, s in enumerate(samples) if s.key not in done]
     lengths = [len(samples[i]) for i in todo]
-    per_token = bytes_per_token(identity["hidden_size"], dtype)
+    per_token = bytes_per_token(identity["hidden_size"], dtype, len(layer_ids))
+    log(f"capturing layers {layer_ids} and the final state: {per_token:,} bytes per token ({dtype}), "
+        f"{sum(lengths) * per_token / 2**30:,.2f} GiB for the {sum(lengths):,} tokens still to extract")
     check_disk(out_dir, sum(lengths), per_token, dtype)
     per_shard = max(1, int(shard_mb * 2**20 / per_token))
     # vLLM packs prefills without padding: only the token count of a batch matters

@@ -34,7 +34,7 @@ from .extract import Settings, extract
 CONFIG = "extract_config.json"
 
 
-def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, layer_ids: list,
+def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, layer_set: str, layer_ids: list,
         layer_convention: str, max_tokens_per_batch: int, shard_mb: float, nproc_per_node: int, nnodes: int,
         rdzv_endpoint: str, device: str, target_backend: str, trust_remote_code: bool, tensor_parallel_size: int,
         gpu_memory_utilization: float | None, max_num_batched_tokens: int | None, check_samples: int,
@@ -49,7 +49,7 @@ def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, 
     target = resolve_target(target_model_path, log=log)
     files = token_files(run, datasets)
     out_dir = outputs.hidden_dir(run)
-    settings = dict(layer_ids=layer_ids, layer_convention=layer_convention, hidden_dtype=hidden_dtype,
+    settings = dict(layer_ids=layer_ids, layer_set=layer_set, layer_convention=layer_convention, hidden_dtype=hidden_dtype,
                     max_tokens_per_batch=max_tokens_per_batch, shard_mb=shard_mb, device=device,
                     target_backend=target_backend, check_samples=check_samples)
     if target_backend == "vllm":

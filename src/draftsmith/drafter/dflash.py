@@ -1,0 +1,272 @@
+"""The DFlash drafter (vLLM's `dflash` method, `DFlashDraftModel`): a few Qwen3-style decoder layers
+that draft a whole block of tokens in one non-causal pass, reading the target's features as keys
+and values of every layer.
+
+    c      = hidden_norm(fc(concat(aux_1 .. aux_n)))          Linear(nH -> H): one row per target position
+    x      = embed([anchor, MASK, ..., MASK])                 a block of B positions at anchor .. anchor+B-1
+    layer  : block rows: q, k, v from input_layernorm(x); q_norm, k_norm per head; RoPE at their positions
+             context rows: k = k_norm(k_proj(c)), v = v_proj(c) (no input norm), RoPE at their positions
+             every block row sees the context rows before the anchor and the whole block (no causal mask)
+             x = x + o_proj(attention);  x = x + mlp(post_attention_layernorm(x))
+    logits = lm_head(norm(x))                                 block row k (1..B-1) guesses token anchor+k
+
+The anchor is the last token the target has verified (its own feature is not known yet); the
+context rows are the target's features at every earlier position. Parameter names are the keys
+vLLM's `qwen3_dflash.py` loads (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`,
+`hidden_norm.weight`, `norm.weight`, `lm_head.weight`, `d2t`); the target's embedding is used
+frozen and not exported (vLLM shares the target's), and the MASK slots take a trained vector of
+their own, `mask_embedding` (exported as `mask_embedding.pt`, which vLLM substitutes for the
+embedding of `mask_token_id`).
+
+Training (`DFlashObjective`): per sample, a seeded set of anchors among the supervised positions,
+one block per anchor, all blocks of a sample in one pass under a block mask; block row k is scored
+against the target's distribution for token anchor+k (the teacher of `data.py`, position
+anchor+k-1), weighed by exp(-(k-1)/gamma) (`position_weights`). The sums come per block row, the
+shape of the training-time-test sums, so the loop, the held-out scores and the metrics are shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model import MLP, DrafterConfig, RMSNorm, repeat_kv, rope
+from .objective import teacher_distribution
+
+# DFlash paper (arXiv 2602.06036, Sec. 4): the loss decay gamma per block size.
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def decay_gamma(block_size: int) -> float:
+    """The paper's gamma for its block sizes; between them, the same ratio (about B / 2.2)."""
+    return PAPER_GAMMA.get(block_size, block_size * 7.0 / 16.0)
+
+
+def position_weights(block_size: int) -> torch.Tensor:
+    """[B-1] weight of block rows k = 1..B-1: exp(-(k-1)/gamma)."""
+    g = decay_gamma(block_size)
+    return torch.tensor([math.exp(-(k - 1) / g) for k in range(1, block_size)])
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    base: DrafterConfig          # hidden size, heads, MLP width, vocab sizes: the target's shape
+    num_layers: int              # draft decoder layers
+    block_size: int              # B: the anchor and B-1 drafted tokens
+    num_aux: int                 # target layers read
+    mask_token_id: int
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "base": self.base.to_dict()}
+
+
+class BlockAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def keys(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, kv_heads, T, d] of rows x [B, T, H] at `positions` [T] or [B, T]."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rope(k, positions, self.theta), v
+
+    def forward(self, x, positions, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """Block rows x [B, Q, H] attend to the context keys [B, kv, C, d] and to their own keys
+        under `mask` [B, 1, Q, C + Q] (True: visible)."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
+        q = rope(q, positions, self.theta)
+        k, v = self.keys(x, positions)
+        rep = self.heads // self.kv_heads
+        k = repeat_kv(torch.cat((ctx_k, k), dim=2), rep)
+        v = repeat_kv(torch.cat((ctx_v, v), dim=2), rep)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class BlockLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = BlockAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, ctx, ctx_positions, mask) -> torch.Tensor:
+        ctx_k, ctx_v = self.self_attn.keys(ctx, ctx_positions)
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _positions(b: int, n: int, device) -> torch.Tensor:
+    return torch.arange(n, device=device).expand(b, n)
+
+
+class DFlashDrafter(nn.Module):
+    """`embed`: the target's input embedding [V, H], used as is and frozen."""
+
+    def __init__(self, cfg: DFlashConfig, embed: torch.Tensor | None = None, d2t: torch.Tensor | None = None,
+                 t2d: torch.Tensor | None = None):
+        super().__init__()
+        base = cfg.base
+        self.config = cfg
+        if embed is not None and tuple(embed.shape) != (base.vocab_size, base.hidden_size):
+            raise ValueError(f"target embedding {tuple(embed.shape)} does not fit vocab {base.vocab_size} "
+                             f"x hidden {base.hidden_size}")
+        self.embed_tokens = nn.Embedding(base.vocab_size, base.hidden_size, _weight=embed, _freeze=True)
+        self.mask_embedding = nn.Parameter(self.embed_tokens.weight[cfg.mask_token_id].detach().float().clone())
+        self.fc = nn.Linear(cfg.num_aux * base.target_hidden_size, base.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(base.hidden_size, base.rms_norm_eps)
+        self.layers = nn.ModuleList(BlockLayer(base) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(base.hidden_size, base.rms_norm_eps)
+        self.lm_head = nn.Linear(base.hidden_size, base.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", d2t if d2t is not None else torch.zeros(base.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", t2d if t2d is not None else torch.zeros(base.vocab_size, dtype=torch.bool))
+
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """[B, L, nH] target features -> [B, L, H] context rows."""
+        return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+
+    def block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """[B, A] anchor tokens -> [B, A*block, H]: each anchor's embedding, then MASK slots."""
+        b, a = anchor_ids.shape
+        dtype = self.fc.weight.dtype
+        first = self.embed_tokens(anchor_ids).to(dtype)[:, :, None]
+        rest = self.mask_embedding.to(dtype).expand(b, a, self.config.block_size - 1, -1)
+        return torch.cat((first, rest), dim=2).reshape(b, a * self.config.block_size, -1)
+
+    def blocks(self, ctx, anchors, anchor_ids) -> torch.Tensor:
+        """Draft one block per anchor: ctx [B, C, H] context rows (row p = the target's feature at
+        position p; a block sees only rows before its anchor, so padding rows stay unseen),
+        anchors [B, A] positions (-1: none, its rows see only their own block), anchor_ids [B, A]
+        their tokens. Returns the normed states [B, A, block, H] (lm_head's input)."""
+        b, a = anchors.shape
+        n = self.config.block_size
+        c = ctx.shape[1]
+        dev = ctx.device
+        k = torch.arange(n, device=dev)
+        pos = (anchors.clamp_min(0)[:, :, None] + k).reshape(b, a * n)
+        block_of = torch.arange(a, device=dev).repeat_interleave(n)
+        sees_ctx = torch.arange(c, device=dev)[None, None, :] < anchors[:, :, None]        # [B, A, C]
+        sees_ctx = sees_ctx.repeat_interleave(n, dim=1)                                      # [B, A*n, C]
+        sees_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
+        mask = torch.cat((sees_ctx, sees_block), dim=2)[:, None]
+        x = self.block_embeddings(anchor_ids.clamp_min(0))
+        ctx_pos = _positions(b, c, dev)
+        for layer in self.layers:
+            x = layer(x, pos, ctx, ctx_pos, mask)
+        return self.norm(x).view(b, a, n, -1)
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(states)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def draft(self, ctx: torch.Tensor, anchor_id: int) -> list[int]:
+        """Greedy drafts (block_size-1 target ids) after `anchor_id`, what vLLM's `dflash` drafts:
+        ctx [L, H] the context rows (`context`) of the target's features at positions 0..L-1, the
+        anchor at position L."""
+        L = ctx.shape[0]
+        dev = ctx.device
+        states = self.blocks(ctx[None], torch.tensor([[L]], device=dev), torch.tensor([[anchor_id]], device=dev))
+        return self.to_target(self.logits(states[0, 0, 1:]).argmax(-1)).tolist()
+
+
+# -- anchors ---------------------------------------------------------------------------------------
+
+def anchors_of(sup: torch.Tensor, sample: int, epoch: int, seed: int, max_anchors: int) -> torch.Tensor:
+    """The anchors of one sample in one epoch: up to `max_anchors` positions a >= 1 whose first
+    drafted token (a+1) is supervised (sup[a]), drawn without replacement by a generator seeded by
+    (seed, epoch, sample), ascending. Block row k of an anchor a is then scored where sup[a+k-1]."""
+    cand = sup.nonzero().flatten()
+    cand = cand[cand >= 1]
+    if len(cand) <= max_anchors:
+        return cand
+    key = int(hashlib.sha256(f"{seed}/{epoch}/{sample}".encode()).hexdigest()[:15], 16)
+    g = torch.Generator().manual_seed(key)
+    return cand[torch.randperm(len(cand), generator=g)[:max_anchors]].sort().values
+
+
+def anchors_for(sup, seed: int, max_anchors: int, sample: int, epoch: int) -> torch.Tensor:
+    """`anchors_of` over a `data.Supervision` (picklable with functools.partial, for loader workers)."""
+    return anchors_of(sup[sample], sample, epoch, seed, max_anchors)
+
+
+def block_counts(sup: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B-1] scored rows per block row k = 1..B-1 over these anchors: sup[a+k-1] within the sample."""
+    n = len(sup)
+    out = torch.zeros(block_size - 1, dtype=torch.int64)
+    for k in range(1, block_size):
+        u = anchors + k - 1
+        u = u[u < n]
+        out[k - 1] = int(sup[u].sum())
+    return out
+
+
+class DFlashObjective(nn.Module):
+    """The drafter plus the frozen teacher head, as `TTTObjective`: forward(micro-batch) -> per block
+    row sums over its scored rows, soft CE [B-1] (with grad), and [3, B-1] without: teacher-argmax
+    hits, rows, teacher entropy."""
+
+    def __init__(self, drafter: DFlashDrafter, teacher_head: torch.Tensor):
+        super().__init__()
+        self.drafter = drafter
+        self.steps = drafter.config.block_size - 1
+        self.register_buffer("teacher_head", teacher_head, persistent=False)
+
+    def teacher(self, last):
+        return teacher_distribution(last, self.teacher_head)
+
+    def forward(self, aux, input_ids, sup, last, anchors):
+        p, target, entropy = self.teacher(last)
+        b, n = input_ids.shape
+        valid = anchors >= 0
+        ids = input_ids.gather(1, anchors.clamp_min(0))
+        states = self.drafter.blocks(self.drafter.context(aux), anchors, ids)   # [b, A, B, H]
+        row_of = sup.flatten().long().cumsum(0) - 1      # teacher row of each supervised position
+        ce, hits, count, ent = [], [], [], []
+        for k in range(1, self.drafter.config.block_size):
+            u = anchors + k - 1
+            keep = valid & (u < n)
+            keep = keep & sup.gather(1, u.clamp(0, n - 1))
+            bi, ai = keep.nonzero(as_tuple=True)
+            if len(bi) == 0:   # keep every parameter in the graph (DDP wants all gradients)
+                ce.append(0.0 * self.drafter.logits(states[:1, :1, k]).sum())
+                z = torch.zeros((), device=aux.device)
+                hits.append(z), count.append(z), ent.append(z)
+                continue
+            rows = row_of[bi * n + u[bi, ai]]
+            logits = self.drafter.logits(states[bi, ai, k]).float()
+            ce.append(-(p[rows] * F.log_softmax(logits, -1)).sum())
+            hits.append((logits.gather(1, target[rows, None]).squeeze(1) >= logits.amax(-1)).sum().float())
+            count.append(torch.tensor(float(len(bi)), device=aux.device))
+            ent.append(entropy[rows].sum())
+        return torch.stack(ce), torch.stack((torch.stack(hits), torch.stack(count), torch.stack(ent)))
+
+
+def build_dflash(cfg: DFlashConfig, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
+                 seed: int) -> DFlashDrafter:
+    """A freshly initialised DFlash drafter (seeded) with the target's embedding, frozen."""
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg, embed, d2t, t2d)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+    return model
