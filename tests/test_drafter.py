@@ -110,18 +110,24 @@ def test_read_heldout_says_to_run_stage_05_first(tmp_path):
 
 def test_notebook_05_holds_the_one_default_of_each_training_setting_under_the_field_name():
     """Every parameter of notebook 05 is a TrainConfig field of the same name or one of stage.run's
-    own (where it runs); TrainConfig has no default for any of them."""
+    own (where it runs, which drafters); TrainConfig has no default for any of them but the notebook's
+    own, taken from its declaration (the settings an EAGLE-3 run need not name)."""
     from dataclasses import MISSING, fields
 
     from draftsmith import parameters
     from draftsmith.paths import NOTEBOOKS_DIR
 
     declared = set(parameters.read_parameters(NOTEBOOKS_DIR / "05_train_drafter.ipynb"))
-    own = {"run_name", "outputs_dir", "target_model_path", "train_nproc", "nnodes", "rdzv_endpoint"}
+    own = {"run_name", "outputs_dir", "target_model_path", "train_nproc", "nnodes", "rdzv_endpoint", "drafter_kinds"}
     required = {f.name for f in fields(TrainConfig) if f.default is MISSING and f.default_factory is MISSING}
-    assert required - {"hidden_dir", "target_path", "out_dir"} == declared - own
+    from_notebook = {f.name for f in fields(TrainConfig) if f.default_factory is not MISSING}
+    assert from_notebook == {"train_layer_ids", "dflash_layers", "dflash_block_size", "dflash_anchors"}
+    for name in from_notebook:
+        field = next(f for f in fields(TrainConfig) if f.name == name)
+        assert field.default_factory() == parameters.declaration(name).default, name
+    assert (required | from_notebook) - {"hidden_dir", "target_path", "out_dir"} == declared - own
     for f in fields(TrainConfig):
-        if f.name not in required:   # a setting only TrainConfig knows: no notebook parameter for it
+        if f.name not in required | from_notebook:   # a setting only TrainConfig knows: no notebook parameter
             assert f.name not in declared and f"train_{f.name}" not in declared, f.name
     assert set(TrainConfig.LIBRARY_ONLY) == {f.name for f in fields(TrainConfig)} - declared
     with pytest.raises(TypeError, match="draft_vocab_size"):

@@ -20,22 +20,18 @@ serves it with `--speculative-config '{"method": "dflash", "model": DIR, "num_sp
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..targets.checkpoint import target_tensors
 from .dflash import DFlashConfig, DFlashDrafter
+from .export import DTYPES, read_export_config, read_weights, write_folder
 from .model import DrafterConfig
 from .vocab import used_ids
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_FILE = "mask_embedding.pt"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -103,21 +99,10 @@ def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DFlashCon
         tensors[key] = t.to(DTYPES[dtype]) if t.is_floating_point() else t.to(torch.int64)
     used_ids(tensors["d2t"], weights["t2d"].detach().cpu().bool())
     mask = weights["mask_embedding"].detach().cpu().to(DTYPES[dtype])
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
-    torch.save({"mask_token_id": cfg.mask_token_id, "embedding": mask.contiguous()}, tmp / MASK_FILE)
-    (tmp / "config.json").write_text(json.dumps(export_config(cfg, layer_ids, dtype, extra), indent=1))
-    old = out.with_name(out.name + ".old")
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-    return out
+
+    def mask_file(folder: Path) -> None:
+        torch.save({"mask_token_id": cfg.mask_token_id, "embedding": mask.contiguous()}, folder / MASK_FILE)
+    return write_folder(out_dir, tensors, export_config(cfg, layer_ids, dtype, extra), mask_file)
 
 
 def is_dflash_export(config: dict) -> bool:
@@ -141,16 +126,15 @@ def load_exported(export_dir: str | Path, target_path: str | Path, dtype: torch.
                   device: str | torch.device = "cpu") -> DFlashDrafter:
     """The DFlash drafter of an export folder, with the target's embedding, in eval mode."""
     export_dir = Path(export_dir)
-    config = json.loads((export_dir / "config.json").read_text())
+    config = read_export_config(export_dir)
     if not is_dflash_export(config):
-        raise ValueError(f"{export_dir}/config.json: architectures {config.get('architectures')}, "
+        raise ValueError(f"{export_dir}: config architectures {config.get('architectures')}, "
                          f"expected [{ARCHITECTURE!r}]")
     cfg = config_of_export(config)
-    with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
-        weights = {k: f.get_tensor(k) for k in f.keys()}
+    weights = read_weights(export_dir)
     shapes = expected_shapes(cfg)
     if set(weights) != set(shapes):
-        raise ValueError(f"{export_dir}/model.safetensors: keys differ from DFlash's: "
+        raise ValueError(f"{export_dir}: its weights' keys differ from DFlash's: "
                          f"missing {sorted(set(shapes) - set(weights))}, extra {sorted(set(weights) - set(shapes))}")
     mask = torch.load(export_dir / MASK_FILE, weights_only=True)
     if mask.get("mask_token_id") != cfg.mask_token_id:

@@ -31,6 +31,7 @@ from .vocab import used_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CONFIG, WEIGHTS = "config.json", "model.safetensors"   # an export folder's files (EAGLE-3's and DFlash's)
 
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -120,13 +121,20 @@ def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DrafterCo
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
     used_ids(tensors["d2t"], tensors["t2d"])
+    return write_folder(out_dir, tensors, export_config(cfg, layer_ids, engine, dtype, extra))
+
+
+def write_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict, extra=None) -> Path:
+    """Write an export folder whole, replacing any old one: the weights, config.json and `extra`
+    (tmp folder -> name), written beside and renamed, so a kill leaves the old export or the new."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(export_config(cfg, layer_ids, engine, dtype, extra), indent=1))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    (tmp / CONFIG).write_text(json.dumps(config, indent=1))
+    if extra is not None:
+        extra(tmp)
     old = out.with_name(out.name + ".old")
     if out.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -136,13 +144,18 @@ def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DrafterCo
     return out
 
 
+def read_weights(export_dir: str | Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(Path(export_dir) / WEIGHTS), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
 def read_export_config(export_dir: str | Path) -> dict:
     """The config.json of an export folder (FileNotFoundError if the folder holds no export)."""
-    return json.loads((Path(export_dir) / "config.json").read_text())
+    return json.loads((Path(export_dir) / CONFIG).read_text())
 
 
 def is_export(folder: str | Path) -> bool:
-    return (Path(folder) / "config.json").is_file()
+    return (Path(folder) / CONFIG).is_file()
 
 
 def config_of_export(config: dict) -> DrafterConfig:
@@ -162,11 +175,10 @@ def load_exported(export_dir: str | Path, target_path: str | Path, dtype: torch.
         raise ValueError(f"{export_dir}/config.json: architectures {config.get('architectures')}, "
                          f"expected [{ARCHITECTURE!r}]")
     cfg = config_of_export(config)
-    with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
-        weights = {k: f.get_tensor(k) for k in f.keys()}
+    weights = read_weights(export_dir)
     shapes = expected_shapes(cfg)
     if set(weights) != set(shapes):
-        raise ValueError(f"{export_dir}/model.safetensors: keys differ from EAGLE-3's: "
+        raise ValueError(f"{export_dir}/{WEIGHTS}: keys differ from EAGLE-3's: "
                          f"missing {sorted(set(shapes) - set(weights))}, extra {sorted(set(weights) - set(shapes))}")
     model = Eagle3Drafter(cfg, target_tensors(target_path)["embed"].to(dtype))
     missing, unexpected = model.load_state_dict(
@@ -191,10 +203,10 @@ def for_engine(export_dir: str | Path, engine: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        os.link(src / "model.safetensors", tmp / "model.safetensors")
+        os.link(src / WEIGHTS, tmp / WEIGHTS)
     except OSError:
-        shutil.copy2(src / "model.safetensors", tmp / "model.safetensors")
-    (tmp / "config.json").write_text(json.dumps(wanted, indent=1))
+        shutil.copy2(src / WEIGHTS, tmp / WEIGHTS)
+    (tmp / CONFIG).write_text(json.dumps(wanted, indent=1))
     shutil.rmtree(dst, ignore_errors=True)
     os.replace(tmp, dst)
     return dst

@@ -159,6 +159,11 @@ class Exports:
             write_json_atomic(self.path, self.items)
 
 
+def has_exports(run_or_dir, kind: str = "eagle3") -> bool:
+    """Whether stage 05 wrote exports of `kind` (a run's folder is not created by asking)."""
+    return (drafter_dir(run_or_dir, kind, create=False) / "exports.json").is_file()
+
+
 def read_exports(run_or_dir) -> list[dict]:
     """The drafter's exports in training order ({step, fraction, dir}); a folder that moved with its
     run is found beside exports.json."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .. import layers
 from ..drafter import dflash_export, load_exported
-from ..drafter.outputs import read_exports
+from ..drafter.outputs import has_exports, read_exports
 from ..drafter.export import for_engine, read_export_config
 from ..targets.identity import fingerprint
 from . import engine
@@ -57,7 +57,7 @@ def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, 
         drafters.append(("eagle3" if final else f"eagle3 {e['fraction']:.0%}", "eagle3", e["dir"],
                          {"step": e["step"], "fraction": e["fraction"], "dir": str(e["dir"]), "final": final,
                           "layer_ids": layer_ids}))
-    if dflash_dir and (Path(dflash_dir) / "exports.json").is_file():
+    if dflash_dir and has_exports(dflash_dir):
         e = read_exports(dflash_dir)[-1]
         drafters.append(("dflash", "dflash", e["dir"],
                          {"step": e["step"], "fraction": e["fraction"], "dir": str(e["dir"]), "final": True,
