@@ -35,7 +35,7 @@ WORDS = ("the function returns a list of values from the given file path and rai
          "object is not found so the caller can retry with another name or default").split()
 
 
-def make_hidden(target: Path, out: Path, n: int) -> Path:
+def make_hidden(target: Path, out: Path, n: int, layer_set: str = "eagle3") -> Path:
     """Hidden states of `target` over n synthetic chat samples, via stage 04's extractor."""
     from transformers import AutoTokenizer
 
@@ -52,7 +52,8 @@ def make_hidden(target: Path, out: Path, n: int) -> Path:
                      "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extract(target, [out / "tokens.jsonl"], out / "hidden", hidden_dtype="bf16", target_backend="hf", log=lambda m: None)
+    extract(target, [out / "tokens.jsonl"], out / "hidden", hidden_dtype="bf16", target_backend="hf",
+            layer_set=layer_set, log=lambda m: None)
     return out / "hidden"
 
 

@@ -125,6 +125,27 @@ def test_the_rank_count_is_counted_uncompiled_on_a_cpu_with_the_same_ranks(monke
     assert vllm_fixes.fix_cpu_rank_count_compile() is False      # nothing left to fix: nothing done
 
 
+def test_a_dflash_drafters_context_keys_are_normed_with_each_layers_own_weight(monkeypatch):
+    """vLLM 0.32.0's CPU rms_norm reads only the first row of a stacked [L, d] weight: a DFlash
+    drafter's context keys of every layer got layer 1's k_norm (found by stage 06's step-by-step
+    comparison with our decoder, tests/test_eval_vllm.py)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models import qwen3_dflash
+
+    monkeypatch.setattr(qwen3_dflash.DFlashQwen3Model, "_normalize_context_k",
+                        qwen3_dflash.DFlashQwen3Model._normalize_context_k)
+    assert vllm_fixes.grouped_rms_norm_is_wrong()                 # vLLM 0.32.0's CPU build as shipped
+    assert vllm_fixes.fix_cpu_dflash_context_k_norm() is True
+    keys = torch.randn(3, 5, 2, 32)                               # [layers, context tokens, kv heads, head dim]
+    weights = torch.rand(3, 32) + 0.5
+    got = qwen3_dflash.DFlashQwen3Model._normalize_context_k(
+        SimpleNamespace(_k_norm_weights=weights, _rms_norm_eps=1e-6), keys)
+    want = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + 1e-6) * weights[:, None, None, :]
+    assert torch.allclose(got, want, atol=1e-4)
+    assert vllm_fixes.fix_cpu_dflash_context_k_norm() is False   # nothing left to fix: nothing done
+
+
 def test_apply_fixes_names_and_logs_what_it_fixed(dispatcher, platform, monkeypatch):
     from vllm.utils import cpu_triton_utils
 

@@ -165,6 +165,51 @@ def fix_cpu_rank_count_compile() -> bool:
     return True
 
 
+def grouped_rms_norm_is_wrong() -> bool:
+    """Whether vLLM's `rms_norm` op, given a weight of one row per group ([L, d] over an input
+    [L, ..., d], what DFlash's context-key norm passes), normalises group i with its own row."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    x = torch.randn(2, 3, 1, 32, generator=torch.Generator().manual_seed(0))
+    w = torch.stack([torch.ones(32), torch.full((32,), 2.0)])
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-6)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w[:, None, None, :]
+    return not torch.allclose(out, want, atol=1e-4)
+
+
+def fix_cpu_dflash_context_k_norm() -> bool:
+    """vLLM 0.32.0's DFlash drafter normalises the context keys of all its layers in one call
+    (`_normalize_context_k`: `rms_norm` over [L, tokens, heads, d] with the layers' k_norm weights
+    stacked [L, d]); the CPU build's kernel applies the first row to every layer, so layers 2.. see
+    keys normed with layer 1's weights: drafts differ from the trained drafter's (acceptance a
+    little lower, silently). Where the kernel does that, each layer is normed with its own weight.
+    True when replaced."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu" or not grouped_rms_norm_is_wrong():
+        return False
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.models import qwen3_dflash
+
+    if getattr(qwen3_dflash.DFlashQwen3Model._normalize_context_k, "per_layer", False):
+        return False   # fixed already
+
+    def normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(all_k)
+        for i in range(all_k.shape[0]):
+            ops.rms_norm(out[i], all_k[i], self._k_norm_weights[i].contiguous(), self._rms_norm_eps)
+        return out
+
+    normalize_context_k.per_layer = True
+    qwen3_dflash.DFlashQwen3Model._normalize_context_k = normalize_context_k
+    return True
+
+
 FIXES = (
     (fix_kernel_rebind_scan, "vLLM's kernel-override scan trips over llvmlite's objects (numba loaded; vLLM 0.32.0 "
                              "CPU build); it now skips objects without a real instance dict"),
@@ -174,6 +219,9 @@ FIXES = (
                                 "at another dtype an MLA target now gets the reference CPU MLA backend"),
     (fix_cpu_rank_count_compile, "vLLM's CPU build compiles the logprob rank count with inductor at the first logprobs "
                                  "request (vLLM 0.32.0; tens of seconds); the sampler now counts uncompiled"),
+    (fix_cpu_dflash_context_k_norm, "vLLM's CPU rms_norm applies the first row of a stacked weight to every group "
+                                    "(vLLM 0.32.0): a DFlash drafter's context keys of every layer were normed with "
+                                    "layer 1's k_norm; each layer now gets its own"),
 )
 
 
