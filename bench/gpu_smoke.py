@@ -10,9 +10,12 @@ params/kimi-mini.yaml with the GPU settings:
   04     the features, captured in vLLM from the INT4 experts (tensor parallel 2 when two GPUs are
          visible), proven by stage 04's own check in the engine first, then checked against
          transformers on one sample (`verify_with_hf`)
-  05     the EAGLE-3 drafter trained on them and exported for vLLM and SGLang
-  06     vLLM serving every export as EAGLE-3 over the MLA target, beside vLLM's ngram and no
-         drafter, greedy and T = 1; our decoder over transformers beside it
+  05     the EAGLE-3 drafter trained on them and exported for vLLM and SGLang, and a DFlash drafter on
+         the same capture (stage 04 stores both drafters' layers, `layer_set: both`)
+  06     vLLM serving every export as EAGLE-3 over the MLA target and the DFlash export as `dflash`
+         (vLLM's CPU build serves DFlash over the Llama-shaped tiny target, tests/test_eval_vllm.py;
+         over MLA, like EAGLE-3, only here), beside vLLM's ngram and no drafter, greedy and T = 1;
+         our decoder over transformers beside it
 
 and prints one table: stage x setting -> ok / failed / GPU-only, tokens/s, acceptance length
 (docs/gpu.md). Each run has its own run folder (outputs/gpu-smoke-<time>/), so nothing is resumed.
@@ -51,7 +54,8 @@ def settings(target: str, tp: int, run_name: str, outputs_dir: str | None) -> li
     s = [("run_name", run_name), ("target_model_path", target),
          ("target_backend", "vllm"), ("tensor_parallel_size", str(tp)), ("verify_with_hf", "true"),
          ("eval_backend", "vllm"), ("eval_tensor_parallel", str(tp)), ("eval_engine_dtype", "bfloat16"),
-         ("eval_hf_crosscheck", "true"), ("eval_hf_crosscheck_all", "true"), ("eval_max_new_tokens", "64"), ("eval_temperatures", "[0.0, 1.0]")]
+         ("eval_hf_crosscheck", "true"), ("eval_hf_crosscheck_all", "true"), ("eval_max_new_tokens", "64"), ("eval_temperatures", "[0.0, 1.0]"),
+         ("layer_set", "both"), ("drafter_kinds", '["eagle3", "dflash"]')]
     return s + ([("outputs_dir", outputs_dir)] if outputs_dir else [])
 
 
@@ -132,7 +136,8 @@ def table(steps: dict[str, dict], run: Run, target: str, tp: int) -> pd.DataFram
     if own:
         row("04", f"stage 04's own check in vLLM, tp {tp}", own)
     s = steps["05"]
-    row("05", "EAGLE-3 training, exports", "ok" if s["rc"] == 0 else failed(s), seconds=s["seconds"])
+    row("05", "EAGLE-3 and DFlash training on one capture, exports", "ok" if s["rc"] == 0 else failed(s),
+        seconds=s["seconds"])
     s, path = steps["06"], report_path(run)
     report = json.loads(path.read_text()) if path.is_file() else None
     row("06", "the stage: every engine, then our decoder", failed(s) if s["rc"] else

@@ -203,3 +203,14 @@ def test_the_kimi_table_of_docs_dflash_md_is_what_stage_04_would_plan():
         assert cells[3] == f"{bytes_per_token(7168, 'fp8', len(ids)):,}"
         assert cells[4] == f"{60e6 * bytes_per_token(7168, 'bf16', len(ids)) / 2**40:.1f} TiB"
         assert cells[5] == f"{60e6 * bytes_per_token(7168, 'fp8', len(ids)) / 2**40:.1f} TiB"
+
+
+def test_the_transformers_check_and_its_figure_cover_every_stored_layer(both_dir, tiny_target):
+    from draftsmith.hidden import figures, verify
+
+    check = verify.verify_sample(tiny_target, both_dir, device="cpu")
+    stored = shards.HiddenShards(both_dir).index["layer_ids"]
+    assert check["layer_ids"] == stored and len(check["aux_rel_err"]) == len(stored) == 5
+    assert max(check["aux_rel_err"]) < 0.01 and check["top1_agreement"] == 1.0
+    assert len(check["stored_aux_norms"]) == len(stored)
+    assert set(figures.norm_figures(check, both_dir)) == {"norms"}

@@ -14,7 +14,7 @@ from ..targets.hooks import LayerOutputs
 class Target:
     """One sequence through the target with a KV cache. `forward(ids)` runs the new tokens and
     returns their logits [T, V] (float32, on the CPU) and, when `layer_ids` (output convention) are
-    given, the drafter's features aux [T, 3H]: the outputs of those decoder layers
+    given, the drafter's features aux [T, nH]: the outputs of those decoder layers
     (`target.hooks.LayerOutputs`)."""
 
     def __init__(self, model, layer_ids: list[int] | None = None):

@@ -191,7 +191,7 @@ class HiddenShards:
         return self._open[si]
 
     def sample(self, i: int, fields: tuple[str, ...] = FIELDS) -> dict[str, torch.Tensor]:
-        """aux [L, 3H], last [L, H] (float32), input_ids [L], loss_mask [L] of sample i; `fields`
+        """aux [L, nH], last [L, H] (float32), input_ids [L], loss_mask [L] of sample i; `fields`
         picks a subset, so a pass that needs only the tokens does not read the hidden states."""
         ref = self.samples[i]
         f = self._handle(ref.shard)

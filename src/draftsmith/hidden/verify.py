@@ -60,7 +60,7 @@ def verify_sample(target, hidden_dir, i: int = 0, device: str = "auto", trust_re
         stored_logits = head(s["last"].to(dev, head.weight.dtype)).float().cpu()
     idx = hs.index["hf_hidden_state_indices"]
     H = hs.hidden_size
-    aux = [s["aux"][:, j * H:(j + 1) * H] for j in range(3)]
+    aux = [s["aux"][:, j * H:(j + 1) * H] for j in range(len(idx))]   # every stored layer
     aux_err = [rel_err(a, ref[k]) for a, k in zip(aux, idx)]
     return {"sample_id": hs.samples[i].sample_id, "tokens": len(s["input_ids"]), "layer_ids": hs.index["layer_ids"],
             "aux_rel_err": aux_err, "last_rel_err": rel_err(s["last"], ref[-1]),

@@ -24,7 +24,7 @@ def pad_batch(batch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Capture:
-    """Calling it runs the decoder (not the lm_head) on a batch and returns aux [T, 3H] (the outputs
+    """Calling it runs the decoder (not the lm_head) on a batch and returns aux [T, nH] (the outputs
     of decoder layers `layer_ids`, side by side) and last [T, H] (the final hidden state after the
     final norm) of the real tokens, sample after sample, on the CPU."""
 

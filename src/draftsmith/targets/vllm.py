@@ -153,7 +153,7 @@ class VllmCapture:
 
     @torch.inference_mode()
     def __call__(self, batch, reference: bool = False):
-        """(aux [T, 3H], last [T, H]) of the batch's samples, one after the other; `reference`: also
+        """(aux [T, nH], last [T, H]) of the batch's samples, one after the other; `reference`: also
         the engine's own prompt logprobs, one {"chosen": [L-1], "top1": [L-1]} a sample (the logprob
         of each next token and the top-1 token, from the same forward pass)."""
         from safetensors.torch import load_file
