@@ -23,7 +23,7 @@ from draftsmith.hidden.extract import extract
 from draftsmith.paths import Run
 from draftsmith.targets.checkpoint import load_target, target_config
 from conftest import notebook_params
-from test_drafter import quiet, small_config, write_tokens
+from test_drafter import quiet, resumes_identically, small_config, write_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,17 +140,7 @@ def test_dflash_trains_exports_vllms_format_and_reloads_bit_for_bit(both_dir, ti
 
 
 def test_dflash_resumes_from_a_checkpoint_identically_and_refuses_other_settings(both_dir, tiny_target, tmp_path):
-    straight = dflash_config(both_dir, tiny_target, tmp_path / "a")
-    train.train(straight, log=quiet)
-    broken = replace(straight, out_dir=str(tmp_path / "b"), stop_at=5)
-    assert not train.train(broken, log=quiet)["finished"]
-    resumed = train.train(replace(broken, stop_at=0), log=quiet)
-    assert resumed["finished"]
-    a = torch.load(tmp_path / "a" / "checkpoints" / "step-0000009.pt", weights_only=False)
-    b = torch.load(tmp_path / "b" / "checkpoints" / "step-0000009.pt", weights_only=False)
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    assert outputs.read_metrics(tmp_path / "a") == outputs.read_metrics(tmp_path / "b")
+    broken = resumes_identically(dflash_config(both_dir, tiny_target, tmp_path / "a"), tmp_path)
     with pytest.raises(ValueError, match="dflash_block_size"):
         train.train(replace(broken, dflash_block_size=6), log=quiet)
 

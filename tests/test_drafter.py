@@ -307,8 +307,9 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
     assert torch.equal(again.fc.weight, loaded.fc.weight.to(torch.bfloat16))
 
 
-def test_resume_from_a_checkpoint_continues_identically(hidden_dir, tiny_target, tmp_path):
-    straight = small_config(hidden_dir, tiny_target, tmp_path / "a", train_epochs=1.0)
+def resumes_identically(straight: TrainConfig, tmp_path: Path) -> TrainConfig:
+    """Train `straight` (9 steps) into tmp/a, and again into tmp/b stopped at step 5 with a torn
+    metrics line, then resumed: the same weights, schedule and metrics. Returns b's config."""
     train.train(straight, log=quiet)
     broken = replace(straight, out_dir=str(tmp_path / "b"), stop_at=5)
     first = train.train(broken, log=quiet)
@@ -325,6 +326,11 @@ def test_resume_from_a_checkpoint_continues_identically(hidden_dir, tiny_target,
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert a["scheduler"] == b["scheduler"]
     assert outputs.read_metrics(tmp_path / "a") == outputs.read_metrics(tmp_path / "b")
+    return broken
+
+
+def test_resume_from_a_checkpoint_continues_identically(hidden_dir, tiny_target, tmp_path):
+    broken = resumes_identically(small_config(hidden_dir, tiny_target, tmp_path / "a", train_epochs=1.0), tmp_path)
     with pytest.raises(ValueError, match="lr"):
         train.train(replace(broken, train_lr=1e-2), log=quiet)
 

@@ -26,7 +26,7 @@ import torch
 
 from ..targets.checkpoint import target_tensors
 from .dflash import DFlashConfig, DFlashDrafter
-from .export import DTYPES, read_export_config, read_weights, write_folder
+from .export import DTYPES, read_export, write_folder
 from .model import DrafterConfig
 from .vocab import used_ids
 
@@ -126,16 +126,7 @@ def load_exported(export_dir: str | Path, target_path: str | Path, dtype: torch.
                   device: str | torch.device = "cpu") -> DFlashDrafter:
     """The DFlash drafter of an export folder, with the target's embedding, in eval mode."""
     export_dir = Path(export_dir)
-    config = read_export_config(export_dir)
-    if not is_dflash_export(config):
-        raise ValueError(f"{export_dir}: config architectures {config.get('architectures')}, "
-                         f"expected [{ARCHITECTURE!r}]")
-    cfg = config_of_export(config)
-    weights = read_weights(export_dir)
-    shapes = expected_shapes(cfg)
-    if set(weights) != set(shapes):
-        raise ValueError(f"{export_dir}: its weights' keys differ from DFlash's: "
-                         f"missing {sorted(set(shapes) - set(weights))}, extra {sorted(set(weights) - set(shapes))}")
+    _, cfg, weights = read_export(export_dir, ARCHITECTURE, config_of_export, expected_shapes)
     mask = torch.load(export_dir / MASK_FILE, weights_only=True)
     if mask.get("mask_token_id") != cfg.mask_token_id:
         raise ValueError(f"{export_dir}/{MASK_FILE}: mask_token_id {mask.get('mask_token_id')} differs from "

@@ -166,20 +166,26 @@ def config_of_export(config: dict) -> DrafterConfig:
     return DrafterConfig(**{f: config[f] for f in fields})
 
 
+def read_export(export_dir: str | Path, architecture: str, config_of, shapes_of) -> tuple[dict, object, dict]:
+    """(config.json, the drafter's config, the weights) of an export folder of `architecture`, its
+    keys checked against `shapes_of(config_of(config.json))`."""
+    config = read_export_config(export_dir)
+    if config.get("architectures") != [architecture]:
+        raise ValueError(f"{export_dir}/{CONFIG}: architectures {config.get('architectures')}, "
+                         f"expected [{architecture!r}]")
+    cfg = config_of(config)
+    weights = read_weights(export_dir)
+    shapes = shapes_of(cfg)
+    if set(weights) != set(shapes):
+        raise ValueError(f"{export_dir}/{WEIGHTS}: keys differ from {architecture}'s: "
+                         f"missing {sorted(set(shapes) - set(weights))}, extra {sorted(set(weights) - set(shapes))}")
+    return config, cfg, weights
+
+
 def load_exported(export_dir: str | Path, target_path: str | Path, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu") -> Eagle3Drafter:
     """The drafter of an export folder, with the target's embedding, in eval mode."""
-    export_dir = Path(export_dir)
-    config = read_export_config(export_dir)
-    if config.get("architectures") != [ARCHITECTURE]:
-        raise ValueError(f"{export_dir}/config.json: architectures {config.get('architectures')}, "
-                         f"expected [{ARCHITECTURE!r}]")
-    cfg = config_of_export(config)
-    weights = read_weights(export_dir)
-    shapes = expected_shapes(cfg)
-    if set(weights) != set(shapes):
-        raise ValueError(f"{export_dir}/{WEIGHTS}: keys differ from EAGLE-3's: "
-                         f"missing {sorted(set(shapes) - set(weights))}, extra {sorted(set(weights) - set(shapes))}")
+    _, cfg, weights = read_export(export_dir, ARCHITECTURE, config_of_export, expected_shapes)
     model = Eagle3Drafter(cfg, target_tensors(target_path)["embed"].to(dtype))
     missing, unexpected = model.load_state_dict(
         {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in weights.items()}, strict=False, assign=True)
