@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .model import MLP, DrafterConfig, RMSNorm, repeat_kv, rope
-from .objective import teacher_distribution
+from .objective import init_linears, teacher_distribution
 
 # DFlash paper (arXiv 2602.06036, Sec. 4): the loss decay gamma per block size.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -60,9 +60,6 @@ class DFlashConfig:
     block_size: int              # B: the anchor and B-1 drafted tokens
     num_aux: int                 # target layers read
     mask_token_id: int
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "base": self.base.to_dict()}
 
 
 class BlockAttention(nn.Module):
@@ -111,10 +108,6 @@ class BlockLayer(nn.Module):
         ctx_k, ctx_v = self.self_attn.keys(ctx, ctx_positions)
         x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def _positions(b: int, n: int, device) -> torch.Tensor:
-    return torch.arange(n, device=device).expand(b, n)
 
 
 class DFlashDrafter(nn.Module):
@@ -167,7 +160,7 @@ class DFlashDrafter(nn.Module):
         sees_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
         mask = torch.cat((sees_ctx, sees_block), dim=2)[:, None]
         x = self.block_embeddings(anchor_ids.clamp_min(0))
-        ctx_pos = _positions(b, c, dev)
+        ctx_pos = torch.arange(c, device=dev).expand(b, c)
         for layer in self.layers:
             x = layer(x, pos, ctx, ctx_pos, mask)
         return self.norm(x).view(b, a, n, -1)
@@ -265,8 +258,4 @@ def build_dflash(cfg: DFlashConfig, embed: torch.Tensor, d2t: torch.Tensor, t2d:
                  seed: int) -> DFlashDrafter:
     """A freshly initialised DFlash drafter (seeded) with the target's embedding, frozen."""
     torch.manual_seed(seed)
-    model = DFlashDrafter(cfg, embed, d2t, t2d)
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-    return model
+    return init_linears(DFlashDrafter(cfg, embed, d2t, t2d))

@@ -26,7 +26,7 @@ import torch
 
 from ..targets.checkpoint import target_tensors
 from .dflash import DFlashConfig, DFlashDrafter
-from .export import DTYPES, read_export, write_folder
+from .export import DTYPES, _portable, read_export, write_folder
 from .model import DrafterConfig
 from .vocab import used_ids
 
@@ -78,9 +78,7 @@ def export_config(cfg: DFlashConfig, layer_ids: list[int], dtype: str, extra: di
         "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
                           "target_layer_ids": list(layer_ids)},
         "draftsmith": {"kind": "dflash", "aux_layer_ids": list(layer_ids), "aux_layer_convention": "output",
-                       "engine": "vllm", **{k: v for k, v in (extra or {}).items() if k != "target"},
-                       **({"target": {k: v for k, v in extra["target"].items() if k != "path"}}
-                          if extra and isinstance(extra.get("target"), dict) else {})},
+                       "engine": "vllm", **_portable(extra or {})},
     }
 
 
@@ -103,10 +101,6 @@ def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DFlashCon
     def mask_file(folder: Path) -> None:
         torch.save({"mask_token_id": cfg.mask_token_id, "embedding": mask.contiguous()}, folder / MASK_FILE)
     return write_folder(out_dir, tensors, export_config(cfg, layer_ids, dtype, extra), mask_file)
-
-
-def is_dflash_export(config: dict) -> bool:
-    return config.get("architectures") == [ARCHITECTURE]
 
 
 def config_of_export(config: dict) -> DFlashConfig:

@@ -72,7 +72,11 @@ def step_weights(cfg: TrainConfig) -> torch.Tensor:
 def build_drafter(cfg: DrafterConfig, embed: torch.Tensor, vocab: DraftVocab, seed: int) -> Eagle3Drafter:
     """A freshly initialised drafter (seeded) with the target's embedding, frozen."""
     torch.manual_seed(seed)
-    model = Eagle3Drafter(cfg, embed, vocab.d2t, vocab.t2d)
+    return init_linears(Eagle3Drafter(cfg, embed, vocab.d2t, vocab.t2d))
+
+
+def init_linears(model: nn.Module) -> nn.Module:
+    """Every linear weight drawn from N(0, 0.02) (the caller seeds), both drafters' initialisation."""
     for m in model.modules():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
