@@ -30,11 +30,14 @@ from test_hidden import keys_of, shard_files, write_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = layers.default_layer_ids(8)  # output ids [1, 3, 4] = vLLM ids [2, 4, 5], plus 8 for `last`
-# vLLM computes in bf16 (8 significant bits), the reference in float32; over 8 layers the measured
-# error is under 1% of a layer's norm. Stated tolerance, per sample and stored layer: relative error
-# (norm of the difference over the norm of the reference) at most 2%, and every element within 5%
-# of the reference layer's largest magnitude in that sample.
-REL_TOL, ELEM_TOL = 0.02, 0.05
+# vLLM computes in bf16 (8 significant bits), the reference in float32. The error moves from run to
+# run, as the kill point changes which samples share a batch (and so how vLLM's kernels round):
+# worst over the 240 samples, relative 0.008-0.015 and max element 0.045-0.062 of the layer's
+# largest (`last`, the final norm's output) in two runs, CI's and one on an idle box. Stated
+# tolerance, per sample and stored layer, about twice the worst measured: relative error (norm of
+# the difference over the norm of the reference) at most 3%, every element within 10% of the
+# reference layer's largest magnitude.
+REL_TOL, ELEM_TOL = 0.03, 0.10
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +156,9 @@ def test_vllm_features_equal_the_hf_backend_within_bf16_tolerance(killed_then_re
     assert set(err) == {"layer 1", "layer 3", "layer 4", "last"}
     for name, (rel, elem) in err.items():
         assert rel <= REL_TOL and elem <= ELEM_TOL, (name, rel, elem)
-    # control: the neighbouring stored layer is far outside the tolerance, so a slip by one layer
-    # in vLLM's numbering would fail above
-    assert all(rel > REL_TOL for rel, _ in errors(hs, reference, shift=1).values())
+    # control: the neighbouring stored layer is outside the tolerance and at least twice as far as
+    # bf16's noise, so a slip by one layer in vLLM's numbering would fail above (measured: 0.044 and
+    # 0.09 against 0.014 and 0.013)
+    shifted = errors(hs, reference, shift=1)
+    print("  control, each aux layer against the next stored one:", {k: round(v[0], 4) for k, v in shifted.items()})
+    assert all(rel > REL_TOL and rel > 2 * err[name][0] for name, (rel, _) in shifted.items()), shifted
