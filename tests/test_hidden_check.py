@@ -187,7 +187,7 @@ def test_each_planted_fault_stops_stage_04_before_any_shard_with_its_cause(every
     assert failed is not None, f"{fault}: the check passed"
     record = failed.record
     assert not record["passed"] and FAULTS[fault] in record["cause"], (fault, record)
-    line = str(failed.value)
+    line = str(failed)
     assert "\n" not in line and FAULTS[fault] in line and "Likely cause" in line and record["problems"][0] in line
     assert not outputs.shard_files(tmp_path)                      # nothing written passes for a good shard
     with pytest.raises(ValueError, match="stage 04's own check failed"):
