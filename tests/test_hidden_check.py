@@ -158,36 +158,32 @@ def test_a_clean_fp8_capture_passes_its_looser_stored_bounds_and_the_tight_captu
 LAYER_SHIFTS = ("final state one layer early", "layer ids off by one (wrong layer_convention)")
 
 
-def planted(every_layer, target, tokens, tmp_path, fault, monkeypatch) -> check.CheckFailed | None:
-    """Stage 04 over `fault`: how its check stopped it (None: it passed)."""
+def planted(every_layer, target, tokens, tmp_path, fault, monkeypatch) -> tuple[dict, str | None]:
+    """Stage 04 over `fault`: its check's record, and the line the check stopped it with (None: passed)."""
     if fault == "wrong fp8 scales":
         monkeypatch.setattr(outputs, "quantize", wrong_scales(outputs.quantize))
     try:
-        run(every_layer, target, tokens, tmp_path, "clean" if fault == "wrong fp8 scales" else fault,
-            dtype="fp8" if fault == "wrong fp8 scales" else "bf16")
+        return run(every_layer, target, tokens, tmp_path, "clean" if fault == "wrong fp8 scales" else fault,
+                   dtype="fp8" if fault == "wrong fp8 scales" else "bf16")["check"], None
     except check.CheckFailed as failed:
-        return failed
-    return None
+        return failed.record, str(failed)
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_each_planted_fault_stops_stage_04_before_any_shard_with_its_cause(every_layer, target, tokens, tmp_path,
                                                                            fault, monkeypatch):
-    failed = planted(every_layer, target, tokens, tmp_path, fault, monkeypatch)
-    if failed is None and fault in LAYER_SHIFTS:
+    record, line = planted(every_layer, target, tokens, tmp_path, fault, monkeypatch)
+    if line is None and fault in LAYER_SHIFTS:
         # Not caught: then the shift must be one the bound does not promise to catch on this build, and
         # the check must still have measured it: under the bound, and many times a clean capture's error.
-        record = json.loads((tmp_path / outputs.CHECK).read_text())
         clean = run(every_layer, target, tokens, tmp_path / "clean", "clean")["check"]
         tol = check.tolerance_for("captured", record["engine_dtype"])
         got, floor = record["captured"]["logprob_mean_abs_err"], clean["captured"]["logprob_mean_abs_err"]
         assert got <= tol.mean_abs and got >= 5 * floor, (fault, got, floor, tol)
         print(row(target, every_layer.backend, fault + " (one layer adds less than the bound here)", record))
         return
-    assert failed is not None, f"{fault}: the check passed"
-    record = failed.record
+    assert line is not None, f"{fault}: the check passed"
     assert not record["passed"] and FAULTS[fault] in record["cause"], (fault, record)
-    line = str(failed)
     assert "\n" not in line and FAULTS[fault] in line and "Likely cause" in line and record["problems"][0] in line
     assert not outputs.shard_files(tmp_path)                      # nothing written passes for a good shard
     with pytest.raises(ValueError, match="stage 04's own check failed"):
