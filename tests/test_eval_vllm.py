@@ -220,3 +220,26 @@ def test_the_cpu_expand_stand_in_writes_every_requests_value_to_its_tokens():
     ints = torch.zeros(4, dtype=torch.int32)
     vllm_fixes.expand_to_tokens(ints, torch.tensor([4, 9], dtype=torch.int32), torch.tensor([1, 4]), 0, 0)
     assert ints.tolist() == [4, 9, 9, 9]
+
+
+def test_on_the_cpu_a_new_model_class_is_inspected_in_the_engines_own_process(tmp_path, monkeypatch):
+    """vLLM inspects a model class it has not cached in a second Python process (a guard for CUDA),
+    one more import of vLLM on every first run; on the CPU the fix inspects it in-process, and the
+    result is cached for the next start as vLLM caches its own (bench/bench_engine_start.py)."""
+    from vllm.model_executor.models import registry
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", registry._run_in_subprocess)   # restored afterwards
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))                              # nothing cached yet
+    assert vllm_fixes.fix_cpu_model_inspection_process() is True
+    assert vllm_fixes.fix_cpu_model_inspection_process() is False                     # applied once
+
+    run = registry.subprocess.run
+
+    def no_second_python(cmd, *args, **kwargs):
+        assert cmd != registry._SUBPROCESS_COMMAND, "the class was inspected in a second Python process"
+        return run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(registry.subprocess, "run", no_second_python)
+    info = registry._LazyRegisteredModel("vllm.model_executor.models.llama", "LlamaForCausalLM").inspect_model_cls()
+    assert info.architecture == "LlamaForCausalLM" and info.is_text_generation_model
+    assert [p.name for p in (tmp_path / "modelinfos").iterdir()] == ["vllm-model_executor-models-llama-LlamaForCausalLM.json"]

@@ -187,6 +187,7 @@ def layer_ids_vllm_reads(job: dict) -> dict:
 def main() -> int:
     job = json.loads(sys.stdin.read() if sys.argv[1] == "-" else Path(sys.argv[1]).read_text())
     if job.get("mode") == "layer_ids":
+        apply_fixes(log=_say)
         result = layer_ids_vllm_reads(job)
         print("[draftsmith-result] " + json.dumps(result), flush=True)
         return 0

