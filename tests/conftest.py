@@ -73,6 +73,7 @@ TIERS = {
     "test_generate_retry.py": "unit",
     "test_gpu_requirements.py": "network-resolver",
     "test_gpu_smoke.py": "unit",
+    "test_heap.py": "unit",
     "test_hidden.py": "unit",
     "test_hidden.py::test_two_rank_torchrun_gives_the_same_samples_as_one_process": "engine",
     "test_hidden.py::test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun": "engine",

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..files import replacing
+from ..heap import keep_freed_buffers
 from ..progress import wait_for_lock
 from .corpus import training_stream
 
@@ -243,22 +244,23 @@ def _train(model, stream: list[int], v: Variant, log, t0: float, checkpoint: Pat
     model.train()
     span = v.batch_size * v.seq_len
     ids = remap[torch.tensor(stream)]
-    for step in range(start, v.steps):
-        x = ids[step * span:(step + 1) * span].view(v.batch_size, v.seq_len)
-        h = model.model(inputs_embeds=F.embedding(x, table)).last_hidden_state[:, :-1].reshape(-1, v.hidden_size)
-        logits = torch.cat([h @ table.T, (h @ shared + log_n)[:, None]], dim=1)
-        loss = F.cross_entropy(logits, x[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(layers.parameters() + [table], 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        saved = (step + 1) % every == 0 or step + 1 == v.steps
-        if saved:
-            _save_checkpoint(checkpoint, key, step + 1, layers, table, shared, opt, sched)
-        if saved or step == start:
-            log(f"  step {step + 1}/{v.steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s"
-                + (", checkpoint saved)" if saved else ")"))
+    with keep_freed_buffers():
+        for step in range(start, v.steps):
+            x = ids[step * span:(step + 1) * span].view(v.batch_size, v.seq_len)
+            h = model.model(inputs_embeds=F.embedding(x, table)).last_hidden_state[:, :-1].reshape(-1, v.hidden_size)
+            logits = torch.cat([h @ table.T, (h @ shared + log_n)[:, None]], dim=1)
+            loss = F.cross_entropy(logits, x[:, 1:].reshape(-1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(layers.parameters() + [table], 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            saved = (step + 1) % every == 0 or step + 1 == v.steps
+            if saved:
+                _save_checkpoint(checkpoint, key, step + 1, layers, table, shared, opt, sched)
+            if saved or step == start:
+                log(f"  step {step + 1}/{v.steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s"
+                    + (", checkpoint saved)" if saved else ")"))
     with torch.no_grad():
         emb[seen] = table
     # Finish the shared row's optimisation alone (convex in it, and cheap: the hidden states stay
