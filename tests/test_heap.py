@@ -25,4 +25,4 @@ def test_a_freed_big_buffer_is_reused_inside_and_faulted_in_again_outside():
     with heap.keep_freed_buffers():
         _faults_of_a_big_buffer()
         assert _faults_of_a_big_buffer() < PAGES // 10      # the heap's block again, its pages already in
-    assert _faults_of_a_big_buffer() > PAGES // 2          # defaults back, the heap trimmed
+    assert _faults_of_a_big_buffer() > PAGES // 2          # handed back again, the heap trimmed

@@ -3,10 +3,12 @@
 glibc gives every freed block above its mmap threshold (at most 32 MiB by default) back to the
 operating system, and the next allocation of the same size faults each of its pages in again,
 zeroed. A training step on the CPU allocates and frees its logits, their softmax and their gradients
-every step: ~480 MB for the tiny target's build, whose steps spent about half their time in page
-faults. Inside `keep_freed_buffers` those blocks come from the heap and are reused step after step;
-on leaving, glibc's thresholds are set back to its defaults and the heap is trimmed. Where the C
-library is not glibc (macOS, musl) it changes nothing. `bench/bench_target_build.py` measures it.
+every step: ~480 MB for the tiny target's build, about a fifth of its step's time in page faults.
+Inside `keep_freed_buffers` those blocks come from the heap and are reused step after step. On
+leaving, the heap is trimmed and the thresholds are those glibc's own adjustment reaches once a
+process has freed a big block (32 MiB, and twice that for trimming): setting a threshold turns that
+adjustment off for good, so this is the state a long-running torch process is in anyway. Where the
+C library is not glibc (macOS, musl) it changes nothing. `bench/bench_target_build.py` measures it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import ctypes
 from contextlib import contextmanager
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # mallopt's parameter numbers (malloc.h)
-_DEFAULT = 128 * 1024                            # glibc's default for both
+_MMAP_MAX = 32 << 20                             # glibc's DEFAULT_MMAP_THRESHOLD_MAX (64-bit)
 _NEVER = 2**31 - 1                               # mallopt takes an int
 
 
@@ -39,6 +41,6 @@ def keep_freed_buffers():
         libc.mallopt(_M_TRIM_THRESHOLD, _NEVER)
         yield
     finally:
-        libc.mallopt(_M_MMAP_THRESHOLD, _DEFAULT)
-        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT)
         libc.malloc_trim(0)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_MAX)
