@@ -251,9 +251,10 @@ class Session:
     async def _poll_balance(self, reader: BalanceReader) -> None:
         while self.reason is None:
             await asyncio.wait((self.stopped,), timeout=self.opts.balance_poll_s)
+            spent = self.spend.spent
             balance = await reader.read()
             if balance is not None:
-                self.spend.set_balance(balance)
+                self.spend.set_balance(balance, spent)
                 self.wake.set()
 
     # -- the whole session -------------------------------------------------------------------
@@ -305,7 +306,8 @@ class Session:
                 self.check = ContextCheck(cat.context_length, self.max_tokens, self.opts.target_model_path,
                                           self.opts.trust_remote_code)
                 reader = BalanceReader(http, self.base)
-                self.spend.set_balance(await reader.read())
+                spent = self.spend.spent
+                self.spend.set_balance(await reader.read(), spent)
                 self.sampler = self._sampler(http, "openrouter")
                 background = [loop.create_task(self._poll_balance(reader)), loop.create_task(bookkeeping.tick(self))]
                 bookkeeping.save_manifest(self)

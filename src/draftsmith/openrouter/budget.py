@@ -200,9 +200,13 @@ class SpendBudget:
     def worst_cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         return self.prices.cost(prompt_tokens, completion_tokens)
 
-    def set_balance(self, balance: float | None) -> None:
+    def set_balance(self, balance: float | None, spent_when_asked: float | None = None) -> None:
+        """The account's balance as a poll read it. `spent_when_asked`: the run's spend when the poll
+        was sent (default: now). A request the server billed before it answered the poll may be
+        settled here while the answer is on its way; counting from the spend at sending subtracts
+        it again (until the next poll) rather than never."""
         self.balance = balance
-        self._spent_at_poll = self.spent
+        self._spent_at_poll = self.spent if spent_when_asked is None else min(spent_when_asked, self.spent)
 
     @property
     def balance_left(self) -> float | None:
