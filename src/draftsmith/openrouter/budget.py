@@ -18,7 +18,7 @@ BPE; max_tokens bounds the rest; the highest prices among the endpoints routing 
 per-request price) before it starts, and settled with what it cost when it ends - or, when its
 answer was lost, once `/generation` has told what it cost (until then the reservation stays). A request may start only if the run's spend plus
 all reservations stays within `spend_limit_usd`, and the account's balance (last polled, minus what
-was spent since) stays above the floor. So the limit holds even if every request in flight comes
+was spent since that poll was sent) stays above the floor. So the limit holds even if every request in flight comes
 back at its longest, on the most expensive provider.
 """
 
