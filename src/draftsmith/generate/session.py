@@ -248,13 +248,19 @@ class Session:
                 t.cancel()
 
     # -- background: balance polling, progress, periodic saves ------------------------------
+    async def _read_balance(self, reader: BalanceReader) -> bool:
+        """Reads the balance into the spend budget, counted from the spend when it was asked
+        (`SpendBudget.set_balance`); False when there was none to read (the last one stays)."""
+        spent = self.spend.spent
+        balance = await reader.read()
+        if balance is not None:
+            self.spend.set_balance(balance, spent)
+        return balance is not None
+
     async def _poll_balance(self, reader: BalanceReader) -> None:
         while self.reason is None:
             await asyncio.wait((self.stopped,), timeout=self.opts.balance_poll_s)
-            spent = self.spend.spent
-            balance = await reader.read()
-            if balance is not None:
-                self.spend.set_balance(balance, spent)
+            if await self._read_balance(reader):
                 self.wake.set()
 
     # -- the whole session -------------------------------------------------------------------
@@ -306,8 +312,7 @@ class Session:
                 self.check = ContextCheck(cat.context_length, self.max_tokens, self.opts.target_model_path,
                                           self.opts.trust_remote_code)
                 reader = BalanceReader(http, self.base)
-                spent = self.spend.spent
-                self.spend.set_balance(await reader.read(), spent)
+                await self._read_balance(reader)
                 self.sampler = self._sampler(http, "openrouter")
                 background = [loop.create_task(self._poll_balance(reader)), loop.create_task(bookkeeping.tick(self))]
                 bookkeeping.save_manifest(self)

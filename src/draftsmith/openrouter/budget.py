@@ -206,7 +206,7 @@ class SpendBudget:
         settled here while the answer is on its way; counting from the spend at sending subtracts
         it again (until the next poll) rather than never."""
         self.balance = balance
-        self._spent_at_poll = self.spent if spent_when_asked is None else min(spent_when_asked, self.spent)
+        self._spent_at_poll = self.spent if spent_when_asked is None else spent_when_asked
 
     @property
     def balance_left(self) -> float | None:
