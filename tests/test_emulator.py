@@ -526,6 +526,17 @@ def test_quirky_providers_change_text_or_billing_but_not_the_ids_served(emu, cli
     assert modes["dropped"] and modes["truncated"] and modes["full"]
 
 
+def test_an_endpoints_reasoning_quirks_come_at_their_rates_in_any_run_of_its_responses(tmp_path):
+    # SiliconFlow drops 10% and cuts 20% of its reasoning: 50 responses sent at once, in whatever order
+    # they arrive, carry 5 and 10 of them, give or take one (independent draws miss that 4 times in 10)
+    with running(QUIET, state_dir=tmp_path) as emu:
+        replies = post_at_once(emu, 50, max_tokens=40, provider={"order": ["siliconflow"], "allow_fallbacks": False})
+        lines = emu.ledger_lines()
+    assert [s for s, _, _ in replies] == [200] * 50
+    quirks = Counter(q for x in lines for q in x["quirks"])
+    assert len(lines) == 50 and 4 <= quirks["reasoning_dropped"] <= 6 and 9 <= quirks["reasoning_truncated"] <= 11, quirks
+
+
 def test_reasoning_exclude_and_disable(emu, client):
     j = _one_from(client, "moonshotai", reasoning={"exclude": True})
     assert j["choices"][0]["message"]["reasoning"] is None

@@ -130,8 +130,9 @@ def check_reasoning_causes_per_sample(report, ledger):
             want = {None}
         assert c["cause"] in want, (gid, led["quirks"], c)
         seen[c["cause"]] += 1
-    assert seen["dropped_reasoning"] and seen["truncated_reasoning"], \
-        f"too few reasoning quirks drawn for SiliconFlow to test both ({dict(seen)}); raise the sample count"
+    # the emulator draws an endpoint's quirks evenly: any 13 of SiliconFlow's responses hold a drop
+    assert sum(seen.values()) >= 13, f"SiliconFlow served {sum(seen.values())} samples, too few to hold both quirks"
+    assert seen["dropped_reasoning"] and seen["truncated_reasoning"], dict(seen)
     causes = report["providers"]["SiliconFlow"]["causes"]
     assert causes == {k: v for k, v in seen.items() if k}, (causes, seen)
 

@@ -65,7 +65,8 @@ class Quirks(Strict):
     `strip_whitespace`: leading/trailing whitespace stripped from the returned content.
     `reasoning_truncate_rate` / `reasoning_drop_rate`: the returned reasoning is cut to its first
     `quirks.TRUNCATE_CHARS` characters / null on that fraction of responses (reasoning_tokens and
-    completion_tokens still billed in full).
+    completion_tokens still billed in full); the draws follow each other evenly, so an endpoint's
+    responses, however few or reordered, carry the rate give or take one.
     `perturbed_model`: serves the target with Gaussian noise of this relative size added to its
     weights (as an undeclared quantization would); 0 = the real weights."""
 

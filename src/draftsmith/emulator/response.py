@@ -29,6 +29,7 @@ from .synthetic import SyntheticBackend
 from .wire import PROCESSING, JSONWriter, SSEWriter, error_body
 
 MAX_CHUNK_TOKENS = 16  # a stream chunk carries at most this many tokens
+GOLDEN = (5 ** 0.5 - 1) / 2  # the step of an endpoint's quirk draws
 
 
 class Responses:
@@ -40,6 +41,15 @@ class Responses:
         # would hold up the event loop (and every request in flight) for a second or more
         kinds = {ep.quirks.billing_tokenizer for ep in cfg.endpoints()}
         self._billing = {kind: Billing(vocab.encoding, kind) for kind in kinds}
+        self.served: Counter[str] = Counter()  # responses begun per endpoint tag (quirk draws)
+
+    def quirk_draw(self, ep: Endpoint) -> float:
+        """The next of `ep`'s quirk draws: a golden-ratio sequence from a seeded start, so any run of
+        its responses carries each quirk at its rate, give or take one (with rate 0.1, at least one
+        in any 13 responses), whichever requests they happen to be."""
+        n = self.served[ep.tag]
+        self.served[ep.tag] += 1
+        return (uniform("quirk", self.cfg.seed, ep.tag) + n * GOLDEN) % 1.0
 
     def billing(self, ep: Endpoint) -> Billing:
         """How `ep` counts billed tokens."""
@@ -86,7 +96,7 @@ class Responses:
         def due(n: int) -> float:  # when the n-th id (from 0) is produced, on the loop's clock
             return t0 + (ttft + n / tps) * scale
 
-        out = Output(self.vocab, req, ep, gen_id, cfg.model, uniform("quirk", cfg.seed, gen_id),
+        out = Output(self.vocab, req, ep, gen_id, cfg.model, self.quirk_draw(ep),
                      byok_fee_rate=cfg.byok_fee_rate if cfg.byok else None)
         headers = {"X-Generation-Id": gen_id}
         writer = SSEWriter(request, cfg.padding_interval_s, headers) if stream else \
