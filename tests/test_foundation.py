@@ -1,7 +1,9 @@
 """Foundation: datasets, API key handling, progress lines, the tiny target and its chat template."""
 
 import json
+import os
 import pickle
+import subprocess
 
 import pytest
 
@@ -269,3 +271,12 @@ def test_a_checkpoint_fingerprint_follows_its_config_and_weights(tmp_path):
     changed_weights = fingerprint(tmp_path)
     (tmp_path / "config.json").write_text('{"hidden_size": 5}')
     assert len({first, changed_weights, fingerprint(tmp_path)}) == 3
+
+
+def test_the_makefiles_recipes_keep_bytecode_where_the_environment_forbids_it():
+    # pip installs the venv with --no-compile: with PYTHONDONTWRITEBYTECODE passed on, every process of
+    # `make demo` and `make test` would compile every module it imports from source, every time
+    probe = "probe:\n\t@$(PY) -c 'import sys; print(sys.dont_write_bytecode)'"
+    r = subprocess.run(["make", "-s", "--eval", probe, "probe"], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", (r.stdout, r.stderr)
