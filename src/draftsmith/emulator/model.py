@@ -194,19 +194,22 @@ class Engine:
 
     def _sample_all(self, seqs: list[_Seq], logits: torch.Tensor, rows: list[int]) -> None:
         """Sample the next id of each of `seqs` from its row of `logits` [B, V] (batched softmax and
-        inverse-CDF draws; per-row work only for redraws). Rows of no sequence are computed along."""
+        inverse-CDF draws; per-row work only for redraws). Only the rows of `seqs` are taken: every
+        step below works row by row, so a row's numbers do not depend on which others are there."""
         v = self.vocab
+        if list(rows) != list(range(logits.shape[0])):
+            logits = logits[rows]
         logits[:, self.banned] = float("-inf")
-        inv_t = torch.ones(logits.shape[0], 1)
-        for r, s in zip(rows, seqs):
+        inv_t = torch.ones(len(seqs), 1)
+        for r, s in enumerate(seqs):
             # `</think>` once, in the reasoning; a thinking model closes it before ending
             logits[r, v.eos if s.in_reasoning else v.end_think] = float("-inf")
             # greedy rows keep T = 1 (their ranking is all that matters, and must not underflow to ties)
             inv_t[r] = 1.0 / s.job.temperature if s.job.temperature > 0 else 1.0
         # unnormalized probabilities, in place (the draws scale by the total): exp((logit - max) / T)
-        probs = logits.sub_(logits.max(dim=-1, keepdim=True).values).mul_(inv_t).exp_()
+        probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).mul_(inv_t).exp_()
         blocks = _block_sums(probs)
-        for r, s in zip(rows, seqs):
+        for r, s in enumerate(seqs):
             job = s.job
             if s.in_reasoning and job.reasoning_max_tokens is not None and s.n_reasoning >= job.reasoning_max_tokens:
                 t = v.end_think
