@@ -112,18 +112,23 @@ def custom_run(tmp_path_factory, tiny_target, target_tokenizer):
     learn the target's own greedy answers (the loop the test-sized target falls into differs from
     machine to machine), for long enough to draft them: the greedy tests need accepts."""
     return stage_05_run(tmp_path_factory.mktemp("outputs") / "vllm", tiny_target, target_tokenizer, epochs=6.0,
-                        export_fractions=[1.0], layer_ids=CAPTURED, train_layer_ids=CUSTOM, target_answers=True,
+                        export_fractions=[0.5, 1.0], layer_ids=CAPTURED, train_layer_ids=CUSTOM, target_answers=True,
                         lr=1e-2, dflash=DFLASH)
 
 
 def run_stage_06(run: Path, crosscheck: bool) -> dict:
+    """Stage 06 on the 4 held-out prompts and one benchmark of one prompt (`qa`)."""
     from draftsmith import cli
     from draftsmith.paths import REPO_ROOT
 
+    qa = run.parent / "qa.jsonl"
+    qa.write_text(json.dumps({"id": "q0", "messages": [{"role": "user", "content": "What is 12 * 7?"}]}) + "\n")
+    bench = json.dumps([{"name": "qa", "path": str(qa), "prompts": 1, "max_new_tokens": 8}])
     assert cli.main(["run", "06", "-f", str(REPO_ROOT / "params" / "smoke.yaml"), "-p", "outputs_dir",
                      str(run.parent), "-p", "run_name", run.name,
                      "-p", "eval_backend", "vllm", "-p", "eval_hf_crosscheck", str(crosscheck).lower(),
-                     "-p", "eval_prompts_per_dataset", "2", "-p", "eval_max_new_tokens", "24"]) == 0
+                     "-p", "eval_prompts_per_dataset", "2", "-p", "eval_max_new_tokens", "24",
+                     "-p", "eval_benchmarks", bench]) == 0
     return json.loads((run / "eval" / "report.json").read_text())
 
 
@@ -148,10 +153,10 @@ def test_with_no_crosscheck_the_stage_reports_and_plots_the_engines_numbers_alon
     assert engine_only_report["hf_crosscheck"] is False and engine_only_report["temperatures"] == {}
     assert not (custom_run / "eval" / "rounds.jsonl").exists()          # our decoder never ran
     greedy = engine_only_report["engine"]["temperatures"]["0"]["methods"]
-    assert list(greedy) == ["none", "ngram", "eagle3", "dflash"] and greedy["eagle3"]["acceptance_length"] > 1.0
+    assert list(greedy) == ["none", "ngram", "eagle3 50%", "eagle3", "dflash"] and greedy["eagle3"]["acceptance_length"] > 1.0
     assert greedy["dflash"]["k"] == DFLASH["dflash_block_size"] - 1 == len(greedy["dflash"]["position_acceptance"])
     figures = {p.name for p in (custom_run / "eval" / "figures").glob("*.png")}
-    assert figures == {"acceptance_by_dataset.png", "acceptance_vs_training.png", "per_position.png"}
+    assert figures == {"acceptance_by_dataset.png", "acceptance_vs_training.png", "per_position.png", "benchmarks.png"}
 
 
 def test_vllm_serves_the_drafter_with_the_layers_it_was_trained_on(engine_report, custom_run):
@@ -164,11 +169,25 @@ def test_vllm_serves_the_drafter_with_the_layers_it_was_trained_on(engine_report
     assert f["aux_layers_engine"] == f["aux_layers_gpu_runner"] == [k + 1 for k in layers.dflash_layer_ids(8)]
 
 
+def test_the_benchmarks_are_decoded_by_the_final_drafters_and_the_baselines_the_export_along_training_only_held_out(
+        engine_only_report, custom_run):
+    rows = [json.loads(line) for line in (custom_run / "eval" / "engine_rounds.jsonl").read_text().splitlines()]
+    decoded = {}
+    for r in rows:
+        decoded.setdefault(r["method"], set()).add(r["dataset"])
+    assert decoded["eagle3 50%"] == {"code", "chat"}
+    assert all(decoded[m] == {"code", "chat", "qa"} for m in ("none", "ngram", "eagle3", "dflash")), decoded
+    bench = engine_only_report["benchmarks"]["engine"]["temperatures"]
+    assert all(list(t["methods"]) == ["none", "ngram", "eagle3", "dflash"] for t in bench.values())
+    assert all(list(t["methods"]) == ["none", "ngram", "eagle3 50%", "eagle3", "dflash"]
+               for t in engine_only_report["engine"]["temperatures"].values())
+
+
 def test_greedy_vllm_with_the_drafter_gives_exactly_the_tokens_of_vllm_without_it(engine_report, custom_run):
     rows = [json.loads(line) for line in (custom_run / "eval" / "engine_rounds.jsonl").read_text().splitlines()]
     greedy = [r for r in rows if r["temperature"] == 0]
     ref = {(r["dataset"], r["sample_id"]): r["output"] for r in greedy if r["kind"] == "none"}
-    assert len(ref) == 4
+    assert len(ref) == 5                                                 # 4 held-out prompts and the benchmark's
     for r in greedy:
         assert r["output"] == ref[(r["dataset"], r["sample_id"])], f"{r['method']}: {r['sample_id']} differs"
     for kind in ("eagle3", "dflash"):
@@ -207,7 +226,7 @@ def test_beside_the_engine_our_decoder_measures_the_held_out_prompts_greedily_on
     numbers stand alone, and no comparison is reported there."""
     assert list(engine_report["temperatures"]) == ["0"] and engine_report["hf_scope"]["benchmarks"] is False
     rows = [json.loads(line) for line in (custom_run / "eval" / "rounds.jsonl").read_text().splitlines()]
-    assert {r["temperature"] for r in rows} == {0.0} and len(rows) == 4 * 4     # 4 methods x 4 held-out prompts
+    assert {r["temperature"] for r in rows} == {0.0} and len(rows) == 5 * 4     # 5 methods x 4 held-out prompts
     assert engine_report["engine"]["temperatures"]["1"]["vs_ours"] is None
     assert "did not measure this temperature" in figures.explain_engine(engine_report)
     assert set(figures.decoder_table(engine_report)["T"]) == {0.0}

@@ -388,7 +388,8 @@ def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_a
 def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_held_out_prompts(
         trained_run, tmp_path):
     """`draftsmith run 06` with `eval_benchmarks` (our decoder, `eval_backend: hf`): a user's JSONL
-    file and MT-bench's first question, both turns, every method at T = 0 and 1; a table row per
+    file and MT-bench's first question, both turns, the final drafter and both baselines at T = 0 and 1
+    (the export along training on the held-out prompts only); a table row per
     benchmark, the bar figure, the commands that measure the same in SGLang and vLLM, and no
     published column for a target that is not Kimi-K2.5."""
     import shutil
@@ -413,13 +414,15 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
         [("gsm8k", 2, 1, 8), ("mt_bench", 1, 2, 6)]
     assert set(report["prompts"]) == {"code", "chat"}                   # the held-out numbers are kept apart
     greedy = b["temperatures"]["0"]["methods"]
-    assert list(greedy) == ["none", "prompt lookup", "eagle3 50%", "eagle3"]
+    # the benchmarks compare the drafter a user ships; the export along training decodes the held-out prompts
+    assert list(greedy) == ["none", "prompt lookup", "eagle3"]
+    assert "eagle3 50%" in report["temperatures"]["0"]["methods"]
     assert set(greedy["eagle3"]["per_dataset"]) == {"gsm8k", "mt_bench"}
     assert greedy["none"]["acceptance_length"] == 1.0 and all(m["lossless"] for m in greedy.values())
     assert b["references"] is None and b["engine"] is None
     rows = [json.loads(line) for line in (run / "eval" / "rounds.jsonl").read_text().splitlines()]
     mt = [r for r in rows if r["dataset"] == "mt_bench"]
-    assert len(mt) == 8 and all(len(r["turns"]) == 2 for r in mt)     # 4 methods x 2 temperatures, both turns
+    assert len(mt) == 6 and all(len(r["turns"]) == 2 for r in mt)     # 3 methods x 2 temperatures, both turns
     assert all(len(r["output"]) == sum(t["output_tokens"] for t in r["turns"]) <= 12 for r in mt)
     assert {r["sample_id"] for r in rows if r["dataset"] == "gsm8k"} == {"g0", "g1"}
     table = figures.benchmark_table(report)

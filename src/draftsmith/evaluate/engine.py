@@ -68,14 +68,16 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
             eval_max_new_tokens: int, eval_temperatures: list[float], seed: int, settings: str,
             eval_engine_dtype: str, eval_tensor_parallel: int, trust_remote_code: bool, log=print) -> list[dict]:
     """Decode every prompt (`prompts.HeldoutPrompt`) with every method ({name, kind, fingerprint,
-    speculative_config, expect_layers (vLLM ids) or None, info}) at every temperature in vLLM,
-    appending to the run's engine rounds; returns the rows of these settings, measured now or before
-    (a method vLLM's CPU build cannot start has one row with its `gpu_only` line instead)."""
+    speculative_config, expect_layers (vLLM ids) or None, info, and skip_datasets: prompt sets it
+    does not decode}) at every temperature in vLLM, appending to the run's engine rounds; returns the
+    rows of these settings, measured now or before (a method vLLM's CPU build cannot start has one
+    row with its `gpu_only` line instead)."""
     out = outputs.engine_rounds_file(run)
     done = outputs.read_engine_rows(out, settings)
     gpu_only = {r["method_fingerprint"] for r in done.values() if r.get("gpu_only")}
     todo = [m for m in methods if m["fingerprint"] not in gpu_only and any(
-        (m["fingerprint"], float(t), p.dataset, p.sample_id) not in done for t in eval_temperatures for p in prompts)]
+        (m["fingerprint"], float(t), p.dataset, p.sample_id) not in done for t in eval_temperatures for p in prompts
+        if p.dataset not in m.get("skip_datasets", ()))]
     if todo:
         job = {"target": str(target), "eval_engine_dtype": eval_engine_dtype,
                "eval_tensor_parallel": eval_tensor_parallel, "trust_remote_code": trust_remote_code,

@@ -150,7 +150,8 @@ def run_job(job: dict) -> None:
         for t in job["eval_temperatures"]:
             n = 0
             for p in job["prompts"]:
-                if (m["fingerprint"], t, p["dataset"], p["sample_id"]) in done:
+                if (m["fingerprint"], t, p["dataset"], p["sample_id"]) in done or \
+                        p["dataset"] in m.get("skip_datasets", ()):
                     continue
                 sp = SamplingParams(max_tokens=p.get("max_new_tokens", job["eval_max_new_tokens"]), temperature=t,
                                     seed=prompt_seed(job["seed"], p["dataset"], p["sample_id"], 4) if t > 0 else None)

@@ -71,8 +71,9 @@ def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[dict], t
               if r["temperature"] == temperature and r["kind"] == "none"}
     same_target = sorted(key for key in none_e if none_o.get(key) == none_e[key])
     out = {"prompts": len(none_e), "same_no_drafter_output": len(same_target), "methods": {}}
+    measured = {fp for fp, _, _ in eng}
     for m in methods:
-        if m["kind"] not in ("eagle3", "dflash"):
+        if m["kind"] not in ("eagle3", "dflash") or m["fingerprint"] not in measured:
             continue
         steps_equal = outputs_equal = 0
         for ds, sid in none_e:

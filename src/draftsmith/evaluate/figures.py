@@ -159,7 +159,8 @@ def speedup_estimate(report: dict) -> Figure:
 
 
 def benchmarks(report: dict) -> Figure:
-    """Acceptance length per benchmark (MT-bench, HumanEval, user files), every method, the
+    """Acceptance length per benchmark (MT-bench, HumanEval, user files), every method measured there
+    (the final drafters, prompt lookup, no drafter), the
     engine's numbers when measured there; the published Kimi-K2.5 drafters' acceptance lengths as
     hatched grey bars beside ours when the report has them."""
     source, temps = benchmark_view(report)
@@ -333,8 +334,8 @@ def benchmark_view(report: dict) -> tuple[str, dict]:
 
 
 def benchmark_table(report: dict) -> pd.DataFrame:
-    """One row per (temperature, benchmark): acceptance length of every method (each export, vLLM's
-    ngram or our prompt lookup, no drafter), the final drafter per draft position and its output
+    """One row per (temperature, benchmark): acceptance length of every method measured there (the
+    final drafters, vLLM's ngram or our prompt lookup, no drafter), the final drafter per draft position and its output
     tok/s against no drafter; when the target is Kimi-K2.5 the published drafters' figures beside
     (`published`), for a benchmark they report. Empty when no benchmark was asked for."""
     if not report.get("benchmarks"):
