@@ -5,10 +5,10 @@
 PYTHON ?= python3
 
 # Python writes a module's bytecode into .venv the first time a process imports it, and every later
-# process reads it. Where PYTHONDONTWRITEBYTECODE is set (the development machines of this project set it) nothing is
-# ever written: the venv is installed with --no-compile (below), so every process, each stage's kernel,
-# the emulator and vLLM's engine among them, would compile every module it imports from source, every
-# time (bench/bench_bytecode.py). The recipes here run without it; Python's own default.
+# process reads it. Where PYTHONDONTWRITEBYTECODE is set (this project's development machines set it)
+# nothing is ever written: the venv is installed with --no-compile (below), so every process, each
+# stage's kernel, the emulator and vLLM's engine among them, would compile every module it imports
+# from source, every time (bench/bench_bytecode.py). The recipes here run without it, Python's default.
 unexport PYTHONDONTWRITEBYTECODE
 VENV   := .venv
 PY     := $(VENV)/bin/python
