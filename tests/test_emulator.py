@@ -528,13 +528,13 @@ def test_quirky_providers_change_text_or_billing_but_not_the_ids_served(emu, cli
 
 def test_an_endpoints_reasoning_quirks_come_at_their_rates_in_any_run_of_its_responses(tmp_path):
     # SiliconFlow drops 10% and cuts 20% of its reasoning: 50 responses sent at once, in whatever order
-    # they arrive, carry 5 and 10 of them, give or take one (independent draws miss that 4 times in 10)
+    # they arrive, carry 5 and 10 of them, give or take two (independent draws miss that about half the time)
     with running(QUIET, state_dir=tmp_path) as emu:
         replies = post_at_once(emu, 50, max_tokens=40, provider={"order": ["siliconflow"], "allow_fallbacks": False})
         lines = emu.ledger_lines()
     assert [s for s, _, _ in replies] == [200] * 50
     quirks = Counter(q for x in lines for q in x["quirks"])
-    assert len(lines) == 50 and 4 <= quirks["reasoning_dropped"] <= 6 and 9 <= quirks["reasoning_truncated"] <= 11, quirks
+    assert len(lines) == 50 and 3 <= quirks["reasoning_dropped"] <= 7 and 8 <= quirks["reasoning_truncated"] <= 12, quirks
 
 
 def test_reasoning_exclude_and_disable(emu, client):

@@ -66,7 +66,7 @@ class Quirks(Strict):
     `reasoning_truncate_rate` / `reasoning_drop_rate`: the returned reasoning is cut to its first
     `quirks.TRUNCATE_CHARS` characters / null on that fraction of responses (reasoning_tokens and
     completion_tokens still billed in full); the draws follow each other evenly, so an endpoint's
-    responses, however few or reordered, carry the rate give or take one.
+    responses, however few or reordered, carry the rate give or take two.
     `perturbed_model`: serves the target with Gaussian noise of this relative size added to its
     weights (as an undeclared quantization would); 0 = the real weights."""
 

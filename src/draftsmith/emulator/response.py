@@ -45,7 +45,7 @@ class Responses:
 
     def quirk_draw(self, ep: Endpoint) -> float:
         """The next of `ep`'s quirk draws: a golden-ratio sequence from a seeded start, so any run of
-        its responses carries each quirk at its rate, give or take one (with rate 0.1, at least one
+        its responses carries each quirk at its rate, give or take two (with rate 0.1, at least one
         in any 13 responses), whichever requests they happen to be."""
         n = self.served[ep.tag]
         self.served[ep.tag] += 1
