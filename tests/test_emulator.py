@@ -527,8 +527,9 @@ def test_quirky_providers_change_text_or_billing_but_not_the_ids_served(emu, cli
 
 
 def test_an_endpoints_reasoning_quirks_come_at_their_rates_in_any_run_of_its_responses(tmp_path):
-    # SiliconFlow drops 10% and cuts 20% of its reasoning: 50 responses sent at once, in whatever order
-    # they arrive, carry 5 and 10 of them, give or take two (independent draws miss that about half the time)
+    # SiliconFlow drops 10% and cuts 20% of its reasoning: 50 responses sent at once, in whatever
+    # order they arrive, carry 5 and 10 of them, give or take two (independent draws miss that about
+    # half the time)
     with running(QUIET, state_dir=tmp_path) as emu:
         replies = post_at_once(emu, 50, max_tokens=40, provider={"order": ["siliconflow"], "allow_fallbacks": False})
         lines = emu.ledger_lines()
