@@ -81,10 +81,18 @@ def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, 
     return ms, captured
 
 
+def on_benchmarks(m: Method) -> bool:
+    """Whether `m` decodes the field's benchmarks: they compare the drafter a user ships, so the
+    final drafters beside prompt lookup and no drafter do; the exports along training are measured
+    on the held-out prompts only (`acceptance_vs_training`)."""
+    return m.kind != "eagle3" or m.info["final"]
+
+
 def engine_methods_for(methods: list[Method], *, draft_tokens: int, lookup_min_ngram: int,
-                       lookup_max_ngram: int) -> list[dict]:
+                       lookup_max_ngram: int, benchmarks: list[str] = ()) -> list[dict]:
     """The same methods as vLLM engines: no speculation, vLLM's ngram, and every export written
-    for vLLM (`drafter.export.for_engine`), each expected to capture its own layers (output ids)."""
+    for vLLM (`drafter.export.for_engine`), each expected to capture its own layers (output ids).
+    An export along training skips the prompt sets named in `benchmarks` (`on_benchmarks`)."""
     out = [{"name": "none", "kind": "none", "fingerprint": "vllm-none", "speculative_config": None,
             "expect_layers": None, "info": {}},
            {"name": "ngram", "kind": "ngram", "fingerprint": f"vllm-ngram-{lookup_min_ngram}-{lookup_max_ngram}",
@@ -100,7 +108,8 @@ def engine_methods_for(methods: list[Method], *, draft_tokens: int, lookup_min_n
                         "speculative_config": engine.speculative_config("eagle3", draft_tokens, d),
                         "expect_layers": layers.engine_layer_ids(m.info["layer_ids"], "vllm"),
                         "info": {"step": m.info["step"], "fraction": m.info["fraction"], "dir": str(d),
-                                 "final": m.info["final"]}})
+                                 "final": m.info["final"]},
+                        **({} if on_benchmarks(m) else {"skip_datasets": sorted(benchmarks)})})
         elif m.kind == "dflash":   # its export is vLLM's format already; it drafts a whole block
             k = m.info["draft_tokens"]
             out.append({"name": m.name, "kind": "dflash", "fingerprint": "vllm-" + m.fingerprint,

@@ -20,7 +20,7 @@ from ..targets.checkpoint import load_target, resolve_target
 from ..targets.identity import target_identity
 from . import benchmarks, engine, engine_summary, outputs
 from .measure import decoder_report, decoder_scope
-from .methods import engine_methods_for, methods_for
+from .methods import engine_methods_for, methods_for, on_benchmarks
 from .metrics import DEFINITIONS
 from .published import references_for
 from .prompts import heldout_prompts
@@ -66,16 +66,10 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
     log(f"{len(prompts)} held-out prompts ({', '.join(f'{d}: {n}' for d, n in per_ds.items())}), "
         f"{len(methods)} methods, k = {draft_tokens}, up to {eval_max_new_tokens} new tokens, "
         f"T = {eval_temperatures}")
-    # the field's benchmarks compare the drafter a user ships: its final export, beside prompt lookup and
-    # no drafter; the exports along training are measured on the held-out prompts (acceptance_vs_training)
-    bench_methods = [m for m in methods if m.kind != "eagle3" or m.info["final"]]
     engine_methods = engine_rows = bench_engine_rows = all_rows = None
     if eval_backend == "vllm":
-        engine_methods = engine_methods_for(methods, draft_tokens=draft_tokens,
-                                            lookup_min_ngram=lookup_min_ngram, lookup_max_ngram=lookup_max_ngram)
-        for m in engine_methods:
-            if m["kind"] == "eagle3" and not m["info"]["final"]:
-                m["skip_datasets"] = sorted(s.name for s in specs)
+        engine_methods = engine_methods_for(methods, draft_tokens=draft_tokens, lookup_min_ngram=lookup_min_ngram,
+                                            lookup_max_ngram=lookup_max_ngram, benchmarks=[s.name for s in specs])
         # one engine start per method for both prompt sets; a benchmark's own max_new_tokens is a setting
         new_tokens = {"held-out": eval_max_new_tokens,
                       **{s.name: s.max_new_tokens or eval_max_new_tokens for s in specs}} \
@@ -99,7 +93,8 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
                        rounds_file=outputs.RoundsFile(run), target_fingerprint=fingerprint)   # rounds.jsonl read once
         by_t, hf_rows = decoder_report(model, methods, prompts, layer_ids, **decoder)
         if bench and scope["benchmarks"]:
-            bench_by_t, bench_hf_rows = decoder_report(model, bench_methods, bench, layer_ids, turns=turns, **decoder)
+            bench_by_t, bench_hf_rows = decoder_report(model, [m for m in methods if on_benchmarks(m)], bench,
+                                                       layer_ids, turns=turns, **decoder)
     engine_settings = dict(draft_tokens=draft_tokens, eval_temperatures=eval_temperatures,
                            eval_engine_dtype=eval_engine_dtype, eval_tensor_parallel=eval_tensor_parallel)
     engine_part = engine_summary.engine_report(engine_rows, engine_methods, hf_rows, **engine_settings) \
