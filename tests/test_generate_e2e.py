@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -442,7 +443,9 @@ def test_the_429_storm_answers_every_prompt_in_one_run(tmp_path):
 def test_money_bound_tail_stops_for_a_top_up_and_the_top_up_finishes(tmp_path):
     """Once the money left cannot finish the budgets and keeps fewer than half the slots busy, stage 02
     starts nothing new, lets what is in flight finish (nothing paid is lost), stops with how much to
-    top up; topping up that much finishes every budget. With the fraction at 0 it spends down further."""
+    top up; topping up that much finishes every budget. With the fraction at 0 it spends down until not
+    one more request fits. (Which of the two leaves more unspent is not fixed: the stop for a top-up
+    leaves what its last few requests were reserved beyond their cost, at most a few worst cases.)"""
     def job(fraction, name):
         with running(emu_config(credits=0.01, fault_scale=0.0), state_dir=tmp_path / f"emu-{name}") as emu:
             path = prompts_file(tmp_path / f"{name}.jsonl", 400, "tail")
@@ -465,11 +468,15 @@ def test_money_bound_tail_stops_for_a_top_up_and_the_top_up_finishes(tmp_path):
                 # met as every budget is: the last start stops once the next response would overshoot
                 assert 6000 - 32 < sum(x["usage"]["completion_tokens"] for x in saved(tmp_path / name, "p")) <= 6000 + 60
                 assert max(billed(emu).values()) == 1
-            return spent
+            return spent, r.message
 
-    early = job(0.5, "half")
-    late = job(0.0, "none")
-    assert early < late <= 0.01
+    _, early = job(0.5, "half")
+    in_flight = int(re.search(r"keeps only (\d+) of 16 requests", early)[1])
+    assert in_flight < 0.5 * 16, early
+    late, message = job(0.0, "none")
+    assert "ran out" in message and "keeps only" not in message, message
+    worst = float(re.search(r"the next request could cost \(\$([0-9.]+)", message)[1])
+    assert 0.01 - late < worst + 0.00005, (late, message)     # down to the floor: not one more fits
 
 
 def test_a_balance_for_a_tenth_of_the_slots_is_spent_down_to_the_floor(tmp_path):

@@ -96,6 +96,7 @@ class Session:
         self.tasks: set[asyncio.Task] = set()
         self.reason: str | None = None       # why the session ended (None while running)
         self.message = ""
+        self.balance_reader: BalanceReader | None = None     # None: a bare server, no balance
         self.blocked: tuple[str, float] | None = None   # (spend_limit | balance, worst cost) if dollars stopped a start
         self.winding_down: tuple[str, str] | None = None  # (reason, message): stopping for a top-up once in flight ends
         self.write_error: str | None = None                    # what the store could not write
@@ -157,6 +158,8 @@ class Session:
                     self.request_stop("finished")
                     break
                 if not self.recoveries:         # else their reservations may yet be freed
+                    if await self._balance_reread_fits():
+                        continue
                     self._stop_blocked()
                     break
             self.wake.clear()
@@ -198,6 +201,8 @@ class Session:
                 return worst
             self.blocked = (self.spend.binding, worst)
             if self.spend.reserved <= 1e-12 and not self.recoveries:
+                if await self._balance_reread_fits():
+                    continue
                 self._stop_blocked()
                 break
             self.money_freed.clear()
@@ -206,6 +211,18 @@ class Session:
             except asyncio.TimeoutError:
                 pass
         return 0.0
+
+    async def _balance_reread_fits(self) -> bool:
+        """Before the balance stops the run, with nothing in flight: read it again, and say whether
+        the blocked start now fits. Until a poll, the balance left counts from the spend when the
+        last poll was sent, so a bill the server had counted before answering it is counted twice
+        (`SpendBudget.set_balance`); with nothing in flight the balance read now is the whole truth."""
+        if (self.blocked is None or self.blocked[0] != "balance" or self.balance_reader is None
+                or self.spend.spent == self.spend.spent_at_poll):
+            return False
+        if not await self._read_balance(self.balance_reader):
+            return False
+        return self.spend.headroom() >= self.blocked[1]
 
     # -- stopping ---------------------------------------------------------------------------
     def _stop_blocked(self) -> None:
@@ -311,7 +328,7 @@ class Session:
                 self.spend.set_prices(cat.prompt_price, cat.completion_price, cat.request_price)
                 self.check = ContextCheck(cat.context_length, self.max_tokens, self.opts.target_model_path,
                                           self.opts.trust_remote_code)
-                reader = BalanceReader(http, self.base)
+                reader = self.balance_reader = BalanceReader(http, self.base)
                 await self._read_balance(reader)
                 self.sampler = self._sampler(http, "openrouter")
                 background = [loop.create_task(self._poll_balance(reader)), loop.create_task(bookkeeping.tick(self))]

@@ -190,7 +190,7 @@ class SpendBudget:
         self.spent = float(spent)       # the run's known spend, all sessions
         self.reserved = 0.0
         self.balance: float | None = None   # account balance at the last poll (None: unknown / uncapped)
-        self._spent_at_poll = 0.0
+        self.spent_at_poll = 0.0
         self.prices = Prices(0.0, 0.0, 0.0)    # the worst USD per token and per request
 
     def set_prices(self, prompt: float, completion: float, request: float | None = None) -> None:
@@ -206,13 +206,13 @@ class SpendBudget:
         settled here while the answer is on its way; counting from the spend at sending subtracts
         it again (until the next poll) rather than never."""
         self.balance = balance
-        self._spent_at_poll = self.spent if spent_when_asked is None else spent_when_asked
+        self.spent_at_poll = self.spent if spent_when_asked is None else spent_when_asked
 
     @property
     def balance_left(self) -> float | None:
         if self.balance is None:
             return None
-        return self.balance - (self.spent - self._spent_at_poll)
+        return self.balance - (self.spent - self.spent_at_poll)
 
     @property
     def limit_left(self) -> float:
