@@ -247,7 +247,8 @@ def test_on_the_cpu_a_new_model_class_is_inspected_in_the_engines_own_process(tm
     result is cached for the next start as vLLM caches its own (bench/bench_engine_start.py)."""
     from vllm.model_executor.models import registry
 
-    monkeypatch.setattr(registry, "_run_in_subprocess", registry._run_in_subprocess)   # restored afterwards
+    # as shipped (another test of this process may have applied the fix already); restored afterwards
+    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: pytest.fail("inspected in a second process"))
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))                              # nothing cached yet
     assert vllm_fixes.fix_cpu_model_inspection_process() is True
     assert vllm_fixes.fix_cpu_model_inspection_process() is False                     # applied once

@@ -158,6 +158,33 @@ def test_apply_fixes_names_and_logs_what_it_fixed(dispatcher, platform, monkeypa
     assert vllm_fixes.apply_fixes(said.append) == [] and len(said) == len(applied)
 
 
+def test_an_engine_without_a_tokenizer_drops_only_vllms_warning_that_its_warmup_could_not_render(monkeypatch):
+    """Stage 04's and 06's engines start with `skip_tokenizer_init`; vLLM's warm-up still renders a
+    chat message and warns, with a traceback, at every start. That warning alone is dropped."""
+    import logging
+
+    from vllm.renderers.base import BaseRenderer
+
+    logger = logging.getLogger("vllm.renderers.base")
+    monkeypatch.setattr(logger, "filters", [])          # as shipped; restored afterwards
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(f"{record.getMessage()}: {record.exc_info[1]!r}")
+    logger.addHandler(handler)
+    try:
+        assert vllm_fixes.quiet_tokenizerless_warmup() is True
+        assert vllm_fixes.quiet_tokenizerless_warmup() is False
+        for fail in (lambda: BaseRenderer.get_tokenizer(type("NoTokenizer", (), {"tokenizer": None})()),
+                     lambda: {}["chat_template"]):
+            try:
+                fail()
+            except Exception:
+                logger.warning("Chat template warmup failed", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["Chat template warmup failed: KeyError('chat_template')"]
+
+
 # ---- what the CPU build cannot run: one line, vLLM's own ---------------------------------------------
 
 def test_a_cpu_build_limit_is_one_gpu_only_line_with_vllms_error():

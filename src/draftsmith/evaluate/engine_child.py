@@ -104,14 +104,22 @@ def run_job(job: dict) -> None:
     from vllm import LLM, SamplingParams
 
     done = {tuple(key) for key in job["done"]}
-    # language_model_only: a multimodal wrapper (Kimi-K2.5) builds no vision tower
+    # language_model_only: a multimodal wrapper (Kimi-K2.5) builds no vision tower. skip_tokenizer_init:
+    # token ids in, token ids out, so an engine neither loads nor deep-copies the tokenizer (vLLM's
+    # renderer keeps two copies), and it stops at the generation config's end ids (or the config's),
+    # the ones our decoder stops at, not also at the tokenizer's eos
     common = dict(model=job["target"], dtype=job["eval_engine_dtype"], max_model_len=job["max_model_len"],
                   seed=job["seed"], tensor_parallel_size=job["eval_tensor_parallel"],
                   trust_remote_code=job["trust_remote_code"], enable_prefix_caching=False,
-                  enforce_eager=True, disable_log_stats=False, language_model_only=True)
+                  enforce_eager=True, disable_log_stats=False, language_model_only=True, skip_tokenizer_init=True)
     if job["eval_tensor_parallel"] == 1:
         common["distributed_executor_backend"] = "uni"
     fixed = "fix_cpu_expand_kernel" in apply_fixes(log=_say)
+    # vLLM collects garbage about ten times while an engine starts, and a full collection walks every
+    # object the process tracks: vLLM's, torch's and transformers' own are most of them, and live as
+    # long as the process. Frozen, the collections walk only what the engine made
+    # (bench/bench_engine_restart.py).
+    gc.freeze()
     out = Path(job["out"])
     gpu_only: dict[str, str] = {}   # method kind -> vLLM's line: one failed start stands for its kind
     for m in job["methods"]:
@@ -128,6 +136,7 @@ def run_job(job: dict) -> None:
                     raise
                 gpu_only[m["kind"]] = line
                 gc.collect()
+                gc.freeze()
         if line is not None:
             append_row(out, {"settings": job["settings"], "method": m["name"], "method_fingerprint": m["fingerprint"],
                              "kind": m["kind"], "gpu_only": line, "temperature": None, "dataset": None,
@@ -165,6 +174,7 @@ def run_job(job: dict) -> None:
             _say(f"{m['name']}: T={t:g}, {n} prompts decoded")
         del llm
         gc.collect()
+        gc.freeze()     # vLLM unfroze everything at its shutdown; what is left lives on
 
 
 def layer_ids_vllm_reads(job: dict) -> dict:

@@ -42,6 +42,7 @@ CPU build's limits (`target.vllm_limits`) answers `gpu_only` with vLLM's error l
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -132,6 +133,8 @@ def engine_kwargs(target: str, vllm_layer_ids: list[int], *, dtype: str = "bfloa
           # a reused prefix would skip the forward pass that fills the capture buffer
           "enable_prefix_caching": False,
           "disable_log_stats": True,
+          # token ids in, hidden states out: the engine neither loads nor copies the tokenizer
+          "skip_tokenizer_init": True,
           "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                  "draft_model_config": {"hf_config": {
                                      "eagle_aux_hidden_state_layer_ids": sorted(vllm_layer_ids)}}},
@@ -184,6 +187,9 @@ def serve(config: dict, requests, replies) -> None:
 
     t0 = time.perf_counter()
     apply_fixes(log=lambda m: print(f"[draftsmith] {m}", flush=True))
+    # the engine's start collects garbage about ten times: frozen, what the imports made is not walked
+    # each time (evaluate/engine_child.py)
+    gc.freeze()
     try:
         llm = LLM(**config["engine"])
     except Exception as e:

@@ -234,6 +234,31 @@ def fix_cpu_model_inspection_process() -> bool:
     return True
 
 
+def tokenizerless_warmup_warning(record) -> bool:
+    """The warning vLLM logs at an engine start without a tokenizer: its warm-up renders a chat
+    message, and with `skip_tokenizer_init` there is nothing to render with."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return record.getMessage() == "Chat template warmup failed" and "skip_tokenizer_init" in str(exc)
+
+
+def quiet_tokenizerless_warmup() -> bool:
+    """vLLM 0.32.0's `LLM` warms up the chat template at every start, even one with
+    `skip_tokenizer_init` (the engines here take token ids and return token ids, and never copy the
+    tokenizer): that warm-up fails, and vLLM logs the failure as a warning with a traceback, every
+    start. Only that warning is dropped. True when the filter was added."""
+    import logging
+
+    logger = logging.getLogger("vllm.renderers.base")
+    if any(getattr(f, "__name__", "") == "drop_tokenizerless_warmup" for f in logger.filters):
+        return False
+
+    def drop_tokenizerless_warmup(record) -> bool:
+        return not tokenizerless_warmup_warning(record)
+
+    logger.addFilter(drop_tokenizerless_warmup)
+    return True
+
+
 FIXES = (
     (fix_kernel_rebind_scan, "vLLM's kernel-override scan trips over llvmlite's objects (numba loaded; vLLM 0.32.0 "
                              "CPU build); it now skips objects without a real instance dict"),
@@ -249,6 +274,8 @@ FIXES = (
     (fix_cpu_model_inspection_process, "vLLM inspects a new model class in a second Python process, a guard for CUDA "
                                        "(vLLM 0.32.0; a second import of vLLM, tens of seconds on a first run); on "
                                        "the CPU it is inspected in this process"),
+    (quiet_tokenizerless_warmup, "vLLM warms up the chat template of an engine without a tokenizer and warns that it "
+                                 "cannot (vLLM 0.32.0); that warning is dropped"),
 )
 
 
