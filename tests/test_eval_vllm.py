@@ -232,6 +232,16 @@ def test_beside_the_engine_our_decoder_measures_the_held_out_prompts_greedily_on
     assert set(figures.decoder_table(engine_report)["T"]) == {0.0}
 
 
+def test_an_engine_process_started_early_is_gone_when_the_stage_fails_before_handing_it_a_job():
+    """Stage 06 starts the engine process first, so that it imports vLLM while the stage reads its
+    prompts and drafters; a stage that fails before `measure` leaves no process waiting."""
+    with pytest.raises(ValueError, match="before measuring"):
+        with engine.engine_process(1) as proc:
+            assert proc.poll() is None
+            raise ValueError("the stage failed before measuring")
+    assert proc.poll() is not None
+
+
 def test_the_cpu_expand_stand_in_writes_every_requests_value_to_its_tokens():
     out = torch.full((6,), -1.0)
     vllm_fixes.expand_to_tokens(out, torch.tensor([0.7, 0.0, 1.5]), torch.tensor([3, 3, 6], dtype=torch.int32), 0, 1)

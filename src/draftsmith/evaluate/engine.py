@@ -7,9 +7,10 @@ cross-check. Here every method is a vLLM engine serving the target: `none` (no s
 prompt is decoded alone (concurrency 1, the latency setting speculative decoding is for) at every
 temperature, as token ids, with the same `draft_tokens` (k) and `eval_max_new_tokens` as our decoder.
 
-Engines run in a child process (`python -m draftsmith.evaluate.engine_child JOB`, started like stage
+Engines run in a child process (`python -m draftsmith.evaluate.engine_child`, started like stage
 04's engine: `target.vllm.vllm_env`), one after the other in that process; what it counts and
-checks is described there. Each decoded prompt is one line of the engine's rounds file (`outputs`),
+checks is described there. The stage starts it first (`engine_process`), so it imports vLLM while
+the stage reads its prompts and drafters, and hands it its job file when `measure` is reached. Each decoded prompt is one line of the engine's rounds file (`outputs`),
 keyed by the settings, so a re-run starts no engine whose lines are all there. On GPUs with the real
 target: docs/gpu.md, "Stage 06 on GPUs".
 """
@@ -20,6 +21,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ..paths import Run
 from ..targets.vllm import die_with_parent, vllm_env
@@ -64,14 +67,55 @@ def settings_key(target_fingerprint: str, draft_tokens: int, new_tokens: int | d
                       sort_keys=True)
 
 
+@contextmanager
+def engine_process(eval_tensor_parallel: int, start: bool = True) -> Iterator[subprocess.Popen | None]:
+    """The engine process, started now (None unless `start`): it imports vLLM and applies the fixes,
+    tens of seconds on a small CPU, while the stage reads its prompts and loads the drafters, then
+    waits for `measure` to hand it its job. On leaving, a process still running (it got no job, or
+    the stage failed) is killed."""
+    if not start:
+        yield None
+        return
+    env = {**vllm_env(in_process=eval_tensor_parallel == 1), **RPC_ENV}
+    proc = subprocess.Popen([sys.executable, "-m", CHILD, "--job-on-stdin"], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+def _run_job(proc: subprocess.Popen, job_file, log) -> None:
+    """Hand the engine process its job and relay its `[draftsmith]` lines until it ends."""
+    proc.stdin.write(f"{job_file}\n")
+    proc.stdin.close()
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = (tail + [line.rstrip()])[-40:]
+        if line.startswith("[draftsmith] "):
+            log(line[len("[draftsmith] "):].rstrip())
+    if proc.wait():
+        raise RuntimeError(f"the vLLM engine process failed (exit {proc.returncode}); its last lines:\n"
+                           + "\n".join(tail))
+
+
 def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: list, *, draft_tokens: int,
             eval_max_new_tokens: int, eval_temperatures: list[float], seed: int, settings: str,
-            eval_engine_dtype: str, eval_tensor_parallel: int, trust_remote_code: bool, log=print) -> list[dict]:
+            eval_engine_dtype: str, eval_tensor_parallel: int, trust_remote_code: bool, log=print,
+            proc: subprocess.Popen | None = None) -> list[dict]:
     """Decode every prompt (`prompts.HeldoutPrompt`) with every method ({name, kind, fingerprint,
     speculative_config, expect_layers (vLLM ids) or None, info, and skip_datasets: prompt sets it
     does not decode}) at every temperature in vLLM, appending to the run's engine rounds; returns the
     rows of these settings, measured now or before (a method vLLM's CPU build cannot start has one
-    row with its `gpu_only` line instead)."""
+    row with its `gpu_only` line instead). `proc`: the engine process `engine_process` started
+    (default: one started here)."""
     out = outputs.engine_rounds_file(run)
     done = outputs.read_engine_rows(out, settings)
     gpu_only = {r["method_fingerprint"] for r in done.values() if r.get("gpu_only")}
@@ -90,17 +134,8 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
         job_file = outputs.write_engine_job(run, job)
         log(f"vLLM {VLLM_VERSION}: {len(todo)} engine(s) to start ({', '.join(m['name'] for m in todo)}), "
             f"{len(prompts)} prompts x {len(eval_temperatures)} temperatures each")
-        env = {**vllm_env(in_process=eval_tensor_parallel == 1), **RPC_ENV}
-        tail: list[str] = []
-        with subprocess.Popen([sys.executable, "-m", CHILD, str(job_file)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent) as proc:
-            for line in proc.stdout:
-                tail = (tail + [line.rstrip()])[-40:]
-                if line.startswith("[draftsmith] "):
-                    log(line[len("[draftsmith] "):].rstrip())
-        if proc.returncode:
-            raise RuntimeError(f"the vLLM engine process failed (exit {proc.returncode}); its last lines:\n"
-                               + "\n".join(tail))
+        with engine_process(eval_tensor_parallel, start=proc is None) as started:
+            _run_job(proc or started, job_file, log)
         done = outputs.read_engine_rows(out, settings)
     keys = {m["fingerprint"] for m in methods}
     return [r for key, r in done.items() if key[0] in keys]

@@ -1,7 +1,9 @@
 """The vLLM engine process of stage 06: serves the target with each method in turn and decodes the prompts.
 
-Started by `engine.measure` (`python -m draftsmith.evaluate.engine_child JOB`) with a job file,
-or with a job on stdin (`-`) to report the aux layer ids vLLM parses from exports.
+Started by `engine.engine_process` (`python -m draftsmith.evaluate.engine_child --job-on-stdin`): it
+imports vLLM, then reads the path of its job file from stdin (`engine.measure` writes it). By hand:
+`... engine_child JOB` with a job file; `... engine_child -` with a job on stdin reports the aux
+layer ids vLLM parses from exports.
 
 Counting, vLLM's own: per request, the spec-decode counters' increase over its `generate` call
 (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
@@ -98,7 +100,25 @@ def _turns(llm, p: dict, sp, job: dict, draft_tokens: int) -> dict:
     return row
 
 
-def run_job(job: dict) -> None:
+def prepare() -> bool:
+    """Import vLLM and apply `target.vllm_fixes` (tens of seconds on a small CPU, done before the job
+    arrives when the stage starts this process early: `engine.engine_process`), then freeze what is
+    alive; True when the CPU expand kernel was replaced (recorded on every row)."""
+    import gc
+
+    import vllm  # noqa: F401
+
+    fixed = "fix_cpu_expand_kernel" in apply_fixes(log=_say)
+    # vLLM collects garbage about ten times while an engine starts, and a full collection walks every
+    # object the process tracks: vLLM's, torch's and transformers' own are most of them, and live as
+    # long as the process. Frozen, the collections walk only what the engine made
+    # (bench/bench_engine_restart.py).
+    gc.freeze()
+    return fixed
+
+
+def run_job(job: dict, fixed: bool) -> None:
+    """Every method of `job` in turn, one engine each (`prepare` has run)."""
     import gc
 
     from vllm import LLM, SamplingParams
@@ -114,12 +134,6 @@ def run_job(job: dict) -> None:
                   enforce_eager=True, disable_log_stats=False, language_model_only=True, skip_tokenizer_init=True)
     if job["eval_tensor_parallel"] == 1:
         common["distributed_executor_backend"] = "uni"
-    fixed = "fix_cpu_expand_kernel" in apply_fixes(log=_say)
-    # vLLM collects garbage about ten times while an engine starts, and a full collection walks every
-    # object the process tracks: vLLM's, torch's and transformers' own are most of them, and live as
-    # long as the process. Frozen, the collections walk only what the engine made
-    # (bench/bench_engine_restart.py).
-    gc.freeze()
     out = Path(job["out"])
     gpu_only: dict[str, str] = {}   # method kind -> vLLM's line: one failed start stands for its kind
     for m in job["methods"]:
@@ -196,13 +210,17 @@ def layer_ids_vllm_reads(job: dict) -> dict:
 
 
 def main() -> int:
-    job = json.loads(sys.stdin.read() if sys.argv[1] == "-" else Path(sys.argv[1]).read_text())
-    if job.get("mode") == "layer_ids":
+    """`JOB` (a job file), `--job-on-stdin` (vLLM imported first, then the job file's path read from
+    stdin; nothing read: exit) or `-` (a layer-ids job on stdin)."""
+    if sys.argv[1] == "-":
+        job = json.loads(sys.stdin.read())
         apply_fixes(log=_say)
-        result = layer_ids_vllm_reads(job)
-        print("[draftsmith-result] " + json.dumps(result), flush=True)
+        print("[draftsmith-result] " + json.dumps(layer_ids_vllm_reads(job)), flush=True)
         return 0
-    run_job(job)
+    fixed = prepare()
+    path = sys.stdin.readline().strip() if sys.argv[1] == "--job-on-stdin" else sys.argv[1]
+    if path:
+        run_job(json.loads(Path(path).read_text()), fixed)
     return 0
 
 

@@ -42,47 +42,53 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
         raise ValueError("eval_hf_crosscheck is false and eval_backend is hf: nothing would measure; "
                          "set eval_backend: vllm (or eval_hf_crosscheck: true)")
     ours = eval_backend == "hf" or eval_hf_crosscheck
-    # the run's DFlash drafter, when stage 05 trained one on the same features, is measured beside
-    dflash_dir = None if drafter_dir else drafter_outputs.drafter_dir(run, "dflash", create=False)
-    drafter_dir = Path(drafter_dir) if drafter_dir else drafter_outputs.drafter_dir(run)
-    target_path = resolve_target(target_model_path, log=log)
-    prompts = heldout_prompts(run, drafter_dir, eval_prompts_per_dataset)
-    specs = benchmarks.parse_benchmarks(eval_benchmarks)
-    clash = sorted({p.dataset for p in prompts} & {s.name for s in specs})
-    if clash:
-        raise ValueError(f"eval_benchmarks: {clash} also name held-out datasets of this run; rename the benchmark")
-    turns = benchmarks.load_turns(target_path, trust_remote_code) if specs else None
-    bench = benchmarks.benchmark_prompts(specs, turns, log) if specs else []
-    bench_keys = {(p.dataset, p.sample_id) for p in bench}
-    model = load_target(target_path, "auto") if ours else None
-    methods, layer_ids = methods_for(drafter_dir, target_path,
-                                     model.get_input_embeddings().weight.device if ours else "cpu",
-                                     lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram,
-                                     dflash_dir=dflash_dir)
-    fingerprint = target_identity(target_path, trust_remote_code)["fingerprint"]
-    per_ds: dict[str, int] = {}
-    for p in prompts:
-        per_ds[p.dataset] = per_ds.get(p.dataset, 0) + 1
-    log(f"{len(prompts)} held-out prompts ({', '.join(f'{d}: {n}' for d, n in per_ds.items())}), "
-        f"{len(methods)} methods, k = {draft_tokens}, up to {eval_max_new_tokens} new tokens, "
-        f"T = {eval_temperatures}")
-    engine_methods = engine_rows = bench_engine_rows = all_rows = None
-    if eval_backend == "vllm":
-        engine_methods = engine_methods_for(methods, draft_tokens=draft_tokens, lookup_min_ngram=lookup_min_ngram,
-                                            lookup_max_ngram=lookup_max_ngram, benchmarks=[s.name for s in specs])
-        # one engine start per method for both prompt sets; a benchmark's own max_new_tokens is a setting
-        new_tokens = {"held-out": eval_max_new_tokens,
-                      **{s.name: s.max_new_tokens or eval_max_new_tokens for s in specs}} \
-            if specs else eval_max_new_tokens
-        all_rows = engine.measure(
-            run, target_path, engine_methods, prompts + bench, draft_tokens=draft_tokens,
-            eval_max_new_tokens=eval_max_new_tokens, eval_temperatures=eval_temperatures, seed=seed,
-            eval_engine_dtype=eval_engine_dtype, eval_tensor_parallel=eval_tensor_parallel,
-            trust_remote_code=trust_remote_code,
-            settings=engine.settings_key(fingerprint, draft_tokens, new_tokens, seed, eval_engine_dtype), log=log)
-        names = {s.name for s in specs}
-        engine_rows = [r for r in all_rows if r["dataset"] not in names]
-        bench_engine_rows = [r for r in all_rows if r.get("gpu_only") or (r["dataset"], r["sample_id"]) in bench_keys]
+    # the engine process imports vLLM while the prompts and drafters are read (engine.engine_process)
+    with engine.engine_process(eval_tensor_parallel, start=eval_backend == "vllm") as child:
+        # the run's DFlash drafter, when stage 05 trained one on the same features, is measured beside
+        dflash_dir = None if drafter_dir else drafter_outputs.drafter_dir(run, "dflash", create=False)
+        drafter_dir = Path(drafter_dir) if drafter_dir else drafter_outputs.drafter_dir(run)
+        target_path = resolve_target(target_model_path, log=log)
+        prompts = heldout_prompts(run, drafter_dir, eval_prompts_per_dataset)
+        specs = benchmarks.parse_benchmarks(eval_benchmarks)
+        clash = sorted({p.dataset for p in prompts} & {s.name for s in specs})
+        if clash:
+            raise ValueError(f"eval_benchmarks: {clash} also name held-out datasets of this run; "
+                             f"rename the benchmark")
+        turns = benchmarks.load_turns(target_path, trust_remote_code) if specs else None
+        bench = benchmarks.benchmark_prompts(specs, turns, log) if specs else []
+        bench_keys = {(p.dataset, p.sample_id) for p in bench}
+        model = load_target(target_path, "auto") if ours else None
+        methods, layer_ids = methods_for(drafter_dir, target_path,
+                                         model.get_input_embeddings().weight.device if ours else "cpu",
+                                         lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram,
+                                         dflash_dir=dflash_dir)
+        fingerprint = target_identity(target_path, trust_remote_code)["fingerprint"]
+        per_ds: dict[str, int] = {}
+        for p in prompts:
+            per_ds[p.dataset] = per_ds.get(p.dataset, 0) + 1
+        log(f"{len(prompts)} held-out prompts ({', '.join(f'{d}: {n}' for d, n in per_ds.items())}), "
+            f"{len(methods)} methods, k = {draft_tokens}, up to {eval_max_new_tokens} new tokens, "
+            f"T = {eval_temperatures}")
+        engine_methods = engine_rows = bench_engine_rows = all_rows = None
+        if eval_backend == "vllm":
+            engine_methods = engine_methods_for(methods, draft_tokens=draft_tokens,
+                                                lookup_min_ngram=lookup_min_ngram, lookup_max_ngram=lookup_max_ngram,
+                                                benchmarks=[s.name for s in specs])
+            # one engine start per method for both prompt sets; a benchmark's own max_new_tokens is a setting
+            new_tokens = {"held-out": eval_max_new_tokens,
+                          **{s.name: s.max_new_tokens or eval_max_new_tokens for s in specs}} \
+                if specs else eval_max_new_tokens
+            all_rows = engine.measure(
+                run, target_path, engine_methods, prompts + bench, draft_tokens=draft_tokens,
+                eval_max_new_tokens=eval_max_new_tokens, eval_temperatures=eval_temperatures, seed=seed,
+                eval_engine_dtype=eval_engine_dtype, eval_tensor_parallel=eval_tensor_parallel,
+                trust_remote_code=trust_remote_code,
+                settings=engine.settings_key(fingerprint, draft_tokens, new_tokens, seed, eval_engine_dtype),
+                log=log, proc=child)
+            names = {s.name for s in specs}
+            engine_rows = [r for r in all_rows if r["dataset"] not in names]
+            bench_engine_rows = [r for r in all_rows
+                                 if r.get("gpu_only") or (r["dataset"], r["sample_id"]) in bench_keys]
     by_t, hf_rows, bench_by_t, bench_hf_rows = {}, None, {}, None   # our decoder's summaries and rows
     scope = None
     if ours:
