@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 MODES = ("as before", "now")
@@ -59,14 +57,10 @@ def child(mode: str, target: str, engines: int) -> None:
 
 
 def run(mode: str, target: str, engines: int) -> dict:
+    from bench_engine_start import child_result     # this folder is on the path of a script run from it
     from draftsmith.targets.vllm import vllm_env
 
-    r = subprocess.run([sys.executable, __file__, "--child", mode, "--target", target, "--engines", str(engines)],
-                       env=vllm_env(), capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"{mode}: the engine process failed:\n{(r.stdout + r.stderr)[-3000:]}")
-    line = next(x for x in r.stdout.splitlines() if x.startswith("[result] "))
-    return json.loads(line.split(" ", 1)[1])
+    return child_result(__file__, mode, ["--target", target, "--engines", str(engines)], vllm_env())
 
 
 def main() -> None:

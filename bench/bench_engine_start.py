@@ -37,17 +37,20 @@ def child(mode: str, target: str) -> None:
     print("[result] " + json.dumps({"up_s": up, "tokens": list(out)}), flush=True)
 
 
-def start(mode: str, target: str) -> dict:
-    from draftsmith.targets.vllm import vllm_env
-
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**vllm_env(), "VLLM_CACHE_ROOT": cache}
-        r = subprocess.run([sys.executable, __file__, "--child", mode, "--target", target], env=env,
-                           capture_output=True, text=True)
+def child_result(script: str, mode: str, args: list[str], env: dict) -> dict:
+    """Run `script --child MODE ARGS` in a new process with `env`; the JSON of its `[result]` line."""
+    r = subprocess.run([sys.executable, script, "--child", mode, *args], env=env, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"{mode}: the engine process failed:\n{(r.stdout + r.stderr)[-3000:]}")
     line = next(x for x in r.stdout.splitlines() if x.startswith("[result] "))
     return json.loads(line.split(" ", 1)[1])
+
+
+def start(mode: str, target: str) -> dict:
+    from draftsmith.targets.vllm import vllm_env
+
+    with tempfile.TemporaryDirectory() as cache:
+        return child_result(__file__, mode, ["--target", target], {**vllm_env(), "VLLM_CACHE_ROOT": cache})
 
 
 def main() -> None:
