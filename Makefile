@@ -36,12 +36,12 @@ $(STAMP): requirements.txt requirements-common.txt requirements-benchmarks.txt p
 demo: $(STAMP)
 	$(VENV)/bin/draftsmith run all -f params/demo.yaml
 
-# `make test` runs every tier; `make test-fast` the library and the emulator tiers (a few minutes),
+# `make test` runs every tier and ends with its 15 slowest tests and the total; `make test-fast` the library and the emulator tiers (a few minutes),
 # without importing the other tiers' files. The built-in targets the chosen tests use are built before
 # the first test (tests/conftest.py), outside any test's time-out, and cached afterwards.
 FAST_TIERS := unit or emulator
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "$(FAST_TIERS)"

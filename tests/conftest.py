@@ -164,6 +164,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(tier)
 
 
+def pytest_configure(config):
+    """Every process the tests start tallies its engine starts, papermill runs, torchrun launches and
+    target builds into one file (`draftsmith.events`); the terminal summary prints the counts."""
+    import tempfile
+
+    from draftsmith import events
+
+    if not os.environ.get(events.ENV):
+        fd, path = tempfile.mkstemp(prefix="draftsmith-events-", suffix=".txt")
+        os.close(fd)
+        os.environ[events.ENV] = path
+
+
+def pytest_terminal_summary(terminalreporter):
+    from draftsmith import events
+
+    path = os.environ.get(events.ENV)
+    counts = events.tally(path) if path else {}
+    if counts:
+        terminalreporter.write_line("expensive steps of this run: " + ", ".join(f"{k} {n}" for k, n in counts.items()))
+
+
 def pytest_collection_finish(session):
     """Builds the built-in targets the selected tests' tiers use, saying which, before any test runs."""
     config = session.config

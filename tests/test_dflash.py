@@ -201,6 +201,9 @@ def test_the_transformers_check_and_its_figure_cover_every_stored_layer(both_dir
     check = verify.verify_sample(tiny_target, both_dir, device="cpu")
     stored = shards.HiddenShards(both_dir).index["layer_ids"]
     assert check["layer_ids"] == stored and len(check["aux_rel_err"]) == len(stored) == 5
-    assert max(check["aux_rel_err"]) < 0.01 and check["top1_agreement"] == 1.0
+    # the check's own bf16 tolerance (stored in bf16, compared in float32): a near-tie in the built target's
+    # logits may flip one argmax on another machine, so exact agreement is not what the check promises
+    max_err, min_top1 = verify.TOLERANCE["bf16"]
+    assert max(check["aux_rel_err"] + [check["last_rel_err"]]) < max_err and check["top1_agreement"] >= min_top1
     assert len(check["stored_aux_norms"]) == len(stored)
     assert set(figures.norm_figures(check, both_dir)) == {"norms"}

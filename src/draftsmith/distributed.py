@@ -43,6 +43,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from . import events
+
 
 @dataclass
 class Dist:
@@ -195,6 +197,7 @@ def torchrun(nproc: int, module: str, args: list[str], *, nnodes: int = 1, rdzv_
            f"--nproc-per-node={nproc}", "-m", module, *args]
     log("$ " + " ".join(cmd))
     for attempt in range(1, attempts + 1):
+        events.note("torchrun launch")
         tail = collections.deque(maxlen=400)
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             for line in proc.stdout:
