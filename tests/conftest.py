@@ -121,6 +121,7 @@ TIERS = {
     "test_tokens_outputs.py": "unit",
     "test_tokens_stage.py": "unit",
     "test_tokens_verdict.py": "unit",
+    "test_vllm_fixes.py": "unit",
 }
 # the built-in targets a tier's tests use: built (or found in the cache) before the first test runs,
 # so that no build counts against a test's time-out; "kimi-mini" builds "kimi-mini-bf16" with it

@@ -1,14 +1,21 @@
 """bench/gpu_smoke.py's CPU path: the plan it would run on GPUs, checked by the CLI, and its refusal
-to run without them. (The GPU run itself is never part of CI: docs/gpu.md.)"""
+to run without them; its node preflight (`draftsmith.node_preflight`), each message with torch made
+to read as a GPU node, the all-reduce in real processes. (The GPU run itself is never part of CI:
+docs/gpu.md.)"""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+import types
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
+
+from draftsmith import node_preflight as npf
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_smoke.py"
@@ -71,3 +78,200 @@ def test_the_gpu_check_without_vllm_plans_transformers_on_the_gpu_and_its_own_de
             assert setting in c + " ", f"{setting!r} missing from {c}"
     assert lines[-1] == ("parameters of 01_providers, 02_generate, 03_validate_tokens, 04_hidden_states, "
                          "05_train_drafter, 06_evaluate: ok")
+
+
+# ---- the node preflight (`--preflight`, draftsmith.node_preflight) ------------------------------
+
+def test_on_this_machine_the_preflight_says_in_one_line_that_there_is_no_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = smoke("--preflight", "--params", "params/kimi-k2.5.yaml")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert len(done.stdout.strip().splitlines()) == 1 and not done.stderr.strip()
+    assert done.stdout.startswith("gpu_smoke: no GPU: torch ") and ".venv-gpu/bin/python" in done.stdout
+
+
+def driver_file(tmp_path: Path, version: str | None) -> Path:
+    """/proc/driver/nvidia/version as the open kernel module writes it (absent for None)."""
+    path = tmp_path / "nvidia-version"
+    if version:
+        path.write_text(f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {version}  Release Build  "
+                        f"(dvs-builder@U22-I3-AF03-09-1)  Thu Oct 16 2025\nGCC version:  gcc version 13.3.0\n")
+    return path
+
+
+@pytest.fixture
+def node(monkeypatch):
+    """torch made to read as a CUDA build on a node the test describes (nothing else of torch changes)."""
+    import torch
+
+    def install(n=8, cuda="13.0", free_gib=94.0, total_gib=95.6, peer=lambda i, j: True):
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        props = types.SimpleNamespace(name="NVIDIA RTX PRO 6000 Blackwell Server Edition",
+                                      total_memory=int(total_gib * 2**30), major=12, minor=0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+        free = free_gib if isinstance(free_gib, list) else [free_gib] * n
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (int(free[i] * 2**30), int(total_gib * 2**30)))
+        monkeypatch.setattr(torch.cuda, "can_device_access_peer", peer)
+    return install
+
+
+def test_without_a_usable_gpu_the_line_names_the_driver_or_the_build_to_fix(node, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    line = npf.no_gpu(driver_file(tmp_path, None))
+    assert "is a CPU build and no NVIDIA driver is loaded" in line and "make gpu-venv" in line
+    node(n=0, cuda="13.0")
+    assert "install NVIDIA driver 580 or newer" in npf.no_gpu(driver_file(tmp_path, None))
+    node(n=8, cuda="13.0")
+    assert npf.no_gpu(driver_file(tmp_path, None)) is None               # GPUs work; the version is unread
+    line = npf.no_gpu(driver_file(tmp_path, "575.57.08"))
+    assert line.startswith("no GPU: NVIDIA driver 575.57.08 is too old for torch ")
+    assert line.endswith("built for CUDA 13.0: install NVIDIA driver 580 or newer")
+    assert npf.no_gpu(driver_file(tmp_path, "580.95.05")) is None
+    node(n=8, cuda="12.8")
+    assert npf.no_gpu(driver_file(tmp_path, "575.57.08")) is None        # CUDA 12 runs on 525 and newer
+    node(n=0, cuda="13.0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    line = npf.no_gpu(driver_file(tmp_path, "580.95.05"))
+    assert "no GPU visible" in line and "CUDA_VISIBLE_DEVICES is ''" in line and "nvidia-smi" in line
+
+
+def test_the_gpus_their_memory_and_the_peer_matrix(node):
+    node(n=8)
+    [gpus] = npf.gpu_findings(8, 0.9)
+    assert gpus.status is npf.Status.OK
+    assert gpus.line == "8 x NVIDIA RTX PRO 6000 Blackwell Server Edition, 95.6 GiB, compute capability 12.0"
+    node(n=4)
+    short = npf.gpu_findings(8, 0.9)[1]
+    assert short.status is npf.Status.FAILED
+    assert "lower tensor_parallel_size and eval_tensor_parallel to 4" in short.line
+    node(n=8, free_gib=[94.0] * 3 + [65.6] + [94.0] * 4)
+    busy = npf.gpu_findings(8, 0.9)[1]
+    assert busy.status is npf.Status.FAILED and busy.line.startswith("GPU 3 has 30.0 of 95.6 GiB in use")
+    assert "gpu_memory_utilization" in busy.line and "nvidia-smi" in busy.line
+
+    peer = npf.peer_finding()
+    assert peer.line.startswith("all 56 ordered pairs") and "NCCL_P2P_DISABLE=1" in peer.line
+    assert len(peer.detail) == 9 and peer.detail[1].split() == ["0", "-"] + ["Y"] * 7
+    node(n=8, peer=lambda i, j: (i < 4) == (j < 4))                    # two switches, no path between
+    peer = npf.peer_finding()
+    assert peer.line.startswith("24 of 56 ordered pairs") and "NCCL_P2P_DISABLE=1" in peer.line
+    assert peer.detail[1].split() == ["0", "-", "Y", "Y", "Y", "N", "N", "N", "N"]
+    node(n=8, peer=lambda i, j: False)
+    assert "host memory" in npf.peer_finding().line
+
+
+def test_a_real_all_reduce_over_gloo_processes_passes_with_checked_sums():
+    found = npf.all_reduce(2, timeout_s=240, backend="gloo", mib=4, slow_gbps=None)
+    assert found.status is npf.Status.OK, found.line
+    assert found.line.startswith("2-rank gloo all-reduce of 4 MiB: ") and found.line.endswith("sums right")
+
+
+def test_a_hung_all_reduce_is_killed_at_its_time_out_and_names_nccl_p2p_disable(tmp_path, monkeypatch):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    hang = f"import os, time; open({str(pids)!r} + f'/{{os.getpid()}}', 'w'); time.sleep(600)"
+    monkeypatch.setattr(npf, "rank_command", lambda *a: [sys.executable, "-c", hang])
+    found = npf.all_reduce(8, timeout_s=3, backend="gloo")
+    assert found.status is npf.Status.FAILED
+    assert found.line.startswith("the 8-rank gloo all-reduce of 256 MiB did not finish in 3 s")
+    assert "NCCL_P2P_DISABLE=1" in found.line
+    for pid in pids.iterdir():  # every rank that started was killed (and reaped)
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid.name), 0)
+
+
+def test_a_failing_rank_wrong_sums_and_a_crawl_each_get_their_line(monkeypatch):
+    def ranks(script):
+        monkeypatch.setattr(npf, "rank_command", lambda rank, world, backend, mib, out:
+                            [sys.executable, "-c", script.format(rank=rank, out=str(out))])
+
+    ranks("import sys, time\nif {rank} == 1: sys.exit('NCCL error: unhandled system error')\ntime.sleep(600)")
+    found = npf.all_reduce(2, timeout_s=120, backend="nccl")
+    assert found.status is npf.Status.FAILED
+    assert "failed on rank 1 (exit 1: NCCL error: unhandled system error)" in found.line
+    assert "NCCL_DEBUG=INFO" in found.line
+
+    record = "import json, pathlib\nif {rank} == 0: pathlib.Path('{out}', 'rank0.json').write_text(json.dumps(" \
+             "dict(ranks=8, backend='nccl', mib=256, seconds=%s, correct=%s)))"
+    ranks(record % (0.5, True))                  # 256 MiB in 0.5 s over 8 ranks: 0.94 GB/s of bus bandwidth
+    found = npf.all_reduce(8, timeout_s=120)
+    assert found.status is npf.Status.FAILED and "crawls: 500.0 ms each, bus bandwidth 0.9 GB/s" in found.line
+    assert "NCCL_P2P_DISABLE=1" in found.line
+    ranks(record % (0.02, False))
+    found = npf.all_reduce(8, timeout_s=120)
+    assert found.status is npf.Status.FAILED and "returned wrong sums" in found.line
+    ranks(record % (0.02, True))
+    found = npf.all_reduce(8, timeout_s=120)
+    assert found.status is npf.Status.OK and "bus bandwidth 23.5 GB/s, sums right" in found.line
+    assert npf.all_reduce(1, timeout_s=120).status is npf.Status.SKIPPED
+
+
+def run_values(tmp_path: Path, **more) -> dict:
+    values = {"outputs_dir": str(tmp_path), "run_name": "job", "target_model_path": "tiny-test",
+              "hidden_dtype": "bf16", "layer_set": "eagle3", "layer_ids": [],
+              "datasets": [{"name": "a", "path": "a.jsonl", "output_token_budget": 1_000_000},
+                           {"name": "b", "path": "b.jsonl", "output_token_budget": 2_000_000}]}
+    return values | more
+
+
+def test_the_disk_is_checked_against_stage_04s_features_with_stage_04s_arithmetic(tmp_path, monkeypatch):
+    import shutil
+
+    from draftsmith.hidden.plan import bytes_per_token
+    from draftsmith.targets.checkpoint import resolve_target, target_config
+
+    hidden = target_config(resolve_target("tiny-test"))["hidden_size"]
+    per_token = bytes_per_token(hidden, "bf16", 3)
+    found = npf.disk_finding(run_values(tmp_path))                     # before stage 03: the budgets
+    assert found.status is npf.Status.OK
+    assert f"(3,000,000 tokens x {per_token:,} B, bf16; counted: the datasets' output_token_budget" in found.line
+    tokens = tmp_path / "job" / "tokens"
+    tokens.mkdir(parents=True)
+    (tokens / "report.json").write_text(json.dumps({"datasets": {"a": {"tokens_kept": 1_500_000},
+                                                                 "b": {"tokens_kept": 2_500_000},
+                                                                 "c": {"tokens_kept": 9_000_000}}}))
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=4_000_000 * per_token))
+    found = npf.disk_finding(run_values(tmp_path))                     # a and b: stage 03's counts
+    assert found.status is npf.Status.FAILED
+    assert f"(4,000,000 tokens x {per_token:,} bytes, dtype bf16)" in found.line
+    assert "point outputs_dir at a bigger disk or hidden_dtype fp8" in found.line
+    assert "counted: stage 03's kept tokens" in found.line
+    assert npf.disk_finding(run_values(tmp_path, hidden_dtype="fp8")).status is npf.Status.OK
+    found = npf.disk_finding(run_values(tmp_path, target_model_path=str(tmp_path / "nowhere")))
+    assert found.status is npf.Status.FAILED and found.line.endswith("set target_model_path")
+
+
+def test_the_preflight_prints_one_line_per_check_and_fails_on_a_busy_gpu(node, tmp_path, monkeypatch, capsys):
+    """The report as `--preflight` prints it, on a 2-GPU node torch is made to describe, whose
+    all-reduce runs as real gloo processes (a CPU has no NCCL)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPT)
+    gpu_smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_smoke)
+    real = npf.all_reduce
+    monkeypatch.setattr(npf, "all_reduce", lambda ranks, timeout_s: real(ranks, timeout_s, backend="gloo", mib=4))
+    monkeypatch.setattr(npf, "DRIVER_FILE", driver_file(tmp_path, "580.95.05"))
+    overrides = [("run_name", "job"), ("outputs_dir", str(tmp_path)), ("target_model_path", "tiny-test"),
+                 ("tensor_parallel_size", "2")]
+    node(n=2)
+    assert gpu_smoke.preflight(gpu_smoke.PARAMS, overrides, 240) == 1    # gloo over 4 MiB crawls: below 5 GB/s
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("node preflight, params/kimi-mini.yaml -p run_name job")
+    checks = [(line[2:10].strip(), line[10:22].strip()) for line in lines[1:] if line[2:3].strip()]
+    assert [c for _, c in checks] == ["driver", "GPUs", "peer access", "all-reduce", "disk"]
+    assert dict((c, s) for s, c in checks) == {"driver": "ok", "GPUs": "ok", "peer access": "ok",
+                                               "all-reduce": "FAILED", "disk": "ok"}
+    assert "NVIDIA 580.95.05; torch " in lines[1] and "needs 580 or newer" in lines[1]
+    node(n=2, free_gib=[94.0, 40.0])
+    assert gpu_smoke.preflight(gpu_smoke.PARAMS, overrides, 240) == 1
+    out = capsys.readouterr().out
+    assert "  FAILED  GPUs        GPU 1 has 55.6 of 95.6 GiB in use before any engine starts" in out

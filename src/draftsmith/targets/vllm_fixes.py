@@ -91,8 +91,13 @@ def fix_kernel_rebind_scan() -> bool:
     vLLM's ngram proposer, and by Kimi-K2.5's image processor) loads llvmlite, whose `ffi.lib` answers
     `__dict__` with a function wrapper: the engine dies at start with `AttributeError:
     '_lib_fn_wrapper' object has no attribute 'get'`. Where the scan trips over such an object, the
-    dispatcher's `vars` is replaced by `instance_dict` (its other uses see no difference). True
-    when replaced."""
+    dispatcher's `vars` is replaced by `instance_dict` (its other uses see no difference). Only on
+    the CPU platform: the stand-ins exist only there, and the probe walks every loaded module,
+    which a GPU engine has no reason to risk. True when replaced."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":
+        return False
     from vllm.triton_utils import dispatcher
 
     if not kernel_scan_trips(dispatcher._rebind_kernels):
