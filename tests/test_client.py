@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from draftsmith.openrouter import client
+from draftsmith.openrouter.deadline import SLOWEST_TOKENS_PER_S, KeepaliveWatch, request_deadline
 
 OK = {"id": "gen-1", "provider": "Novita", "model": "moonshotai/kimi-k2.5", "object": "chat.completion",
       "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop",
@@ -355,3 +356,82 @@ def test_body_of_the_wrong_shape_is_a_retry_not_a_crash():
     body["choices"][0]["message"] = "not an object"
     f = _post(json.dumps(body).encode())
     assert (f.action, f.kind) == ("retry", "bad_response")
+
+
+# --- progress rules, unreadable bodies, the response cache -----------------------------------
+
+def _keepalive(first: bytes, beat: bytes, seconds: float, headers: dict):
+    """A 200 that sends `first`, then `beat` every 0.05 s for `seconds`: a socket never idle."""
+    async def handler(request):
+        resp = web.StreamResponse(status=200, headers=headers)
+        await resp.prepare(request)
+        await resp.write(first)
+        for _ in range(int(seconds / 0.05)):
+            await asyncio.sleep(0.05)
+            await resp.write(beat)
+        return resp
+    return handler
+
+
+def test_a_stream_of_comments_alone_is_given_up_when_no_data_chunk_comes():
+    """The read timeout never fires (a comment every 0.05 s); no data chunk for progress_s does."""
+    first = _sse({**HEAD, "choices": [{"index": 0, "delta": {"content": "Hi"}}]}, done=False, comments=False)
+    watch = KeepaliveWatch()
+
+    async def go(s, url):
+        return await client.complete(s, url, {}, b"{}", True, aiohttp.ClientTimeout(total=None, sock_read=0.3),
+                                     progress_s=0.6, watch=watch)
+    f = _serve(_keepalive(first, b": OPENROUTER PROCESSING\n\n", 5, {"X-Generation-Id": "gen-st"}), go)
+    assert (f.action, f.kind) == ("retry", "stalled") and f.maybe_billed and f.generation_id == "gen-2"
+    assert watch.waiting() == 0     # over: no longer counted
+
+
+def test_a_padded_json_body_is_given_up_at_its_deadline_and_counted_while_it_waits():
+    watch = KeepaliveWatch()
+    seen_waiting = []
+
+    async def go(s, url):
+        t = asyncio.ensure_future(client.complete(s, url, {}, b"{}", False,
+                                                  aiohttp.ClientTimeout(total=None, sock_read=0.3),
+                                                  deadline_s=1.0, watch=watch))
+        while not t.done():
+            seen_waiting.append(watch.waiting(0.2))
+            await asyncio.sleep(0.05)
+        return await t
+    f = _serve(_keepalive(b"\n", b"\n", 5, {"X-Generation-Id": "gen-pad"}), go)
+    assert (f.action, f.kind) == ("retry", "deadline") and f.maybe_billed and f.generation_id == "gen-pad"
+    assert "padding only" in f.message and max(seen_waiting) == 1 and watch.waiting() == 0
+
+
+def test_the_deadline_derives_from_max_tokens_at_the_slowest_credible_rate_unless_given():
+    assert request_deadline(8192, 600.0) == pytest.approx(600 + 8192 / SLOWEST_TOKENS_PER_S)
+    assert request_deadline(8192, 600.0, 120.0) == 120.0
+
+
+@pytest.mark.parametrize("raw,kind", [
+    (json.dumps(OK).encode().replace(b"Hello.", b"Hel\xff\xfelo."), "bad_bytes"),
+    (json.dumps(OK).encode()[:60], "bad_json"),
+    (b"[1, 2]", "bad_json"),
+    (b"   \n  ", "empty"),
+    (json.dumps({"id": "gen-1", "choices": []}).encode(), "no_choices"),
+])
+def test_a_200_body_that_cannot_be_read_may_have_been_billed(raw, kind):
+    f = _post(raw, headers={"X-Generation-Id": "gen-1"})
+    assert (f.action, f.kind) == ("retry", kind) and f.maybe_billed and f.generation_id == "gen-1"
+
+
+def test_a_stream_chunk_that_is_not_utf8_may_have_been_billed():
+    raw = STREAM_OK.replace(b'"Hi"', b'"H\xffi"')
+    f = _post(raw, stream=True)
+    assert (f.action, f.kind) == ("retry", "bad_bytes") and f.maybe_billed and f.generation_id == "gen-2"
+
+
+def test_a_reply_from_the_response_cache_is_no_new_sample():
+    hit = _post(json.dumps(OK).encode(), headers={"X-OpenRouter-Cache-Status": "HIT"})
+    assert (hit.action, hit.kind, hit.cost) == ("retry", "cached", OK["usage"]["cost"]) and not hit.maybe_billed
+    zeroed = json.loads(json.dumps(OK))
+    zeroed["usage"].update(prompt_tokens=0, completion_tokens=0, total_tokens=0, cost=0,
+                           completion_tokens_details={"reasoning_tokens": 0})
+    f = _post(json.dumps(zeroed).encode())
+    assert (f.kind, f.cost) == ("cached", 0)
+    assert isinstance(_post(json.dumps(OK).encode(), headers={"X-OpenRouter-Cache-Status": "MISS"}), client.Reply)

@@ -617,3 +617,59 @@ def test_router_faults_answer_retryable_404s_and_503s_at_their_rates_and_a_retry
 def test_router_faults_are_checked_fields(tmp_path):
     with pytest.raises(ValueError, match="router_faults.outage_code"):
         running({"router_faults": {"outage_code": "sometimes"}}, state_dir=tmp_path).__enter__()
+
+
+def test_a_stall_keeps_the_connection_alive_then_ends_with_a_524_and_bills_nothing(tmp_path):
+    prov = [{**ONE[0], "faults": {"stall": 1.0}}]
+    with running({"providers": prov, "stall_s": 0.6, "padding_interval_s": 0.1, "generation_delay_s": 0},
+                 state_dir=tmp_path) as emu:
+        h = emu.key.header()
+        r = httpx.post(emu.base_url + "/chat/completions", json=body(), headers=h, timeout=10)
+        assert r.status_code == 200 and r.content[:3] == b"\n\n\n"          # padded, then the error body
+        assert json.loads(r.content)["error"]["code"] == 524
+        r = httpx.post(emu.base_url + "/chat/completions", json=body(stream=True), headers=h, timeout=10)
+        comments, data = sse_events(r.text)
+        assert len(comments) >= 4 and data[-1]["error"]["code"] == 524 and data[-1] != "[DONE]"
+        lines = emu.ledger_lines()
+    assert [(x["error"], x["billed"], x["cost"]) for x in lines] == [("stall", False, 0.0)] * 2
+
+
+def test_bad_bytes_are_billed_in_full_and_are_not_utf8(tmp_path):
+    prov = [{**ONE[0], "faults": {"bad_bytes": 1.0}}]
+    with running({"providers": prov, "generation_delay_s": 0}, state_dir=tmp_path) as emu:
+        h = emu.key.header()
+        for stream in (False, True):
+            r = httpx.post(emu.base_url + "/chat/completions", json=body(stream=stream), headers=h, timeout=10)
+            assert r.status_code == 200
+            with pytest.raises(UnicodeDecodeError):
+                r.content.decode("utf-8")
+            assert r.content.decode("utf-8", "replace").count("\ufffd") >= 1
+        lines = emu.ledger_lines()
+    assert [(x["error"], x["billed"]) for x in lines] == [("bad_bytes", True)] * 2 and all(x["cost"] > 0 for x in lines)
+
+
+@pytest.mark.parametrize("mode,header,cached", [("off", None, False), ("off", "true", True), ("preset", None, True),
+                                                ("preset", "false", False), ("always", "false", True)])
+def test_the_response_cache_answers_a_repeated_request_with_usage_zeroed(tmp_path, mode, header, cached):
+    clean = [{**ONE[0], "faults": {}}]
+    with running({"providers": clean, "response_cache": mode, "generation_delay_s": 0}, state_dir=tmp_path) as emu:
+        h = {**emu.key.header(), **({"X-OpenRouter-Cache": header} if header else {})}
+        first, again = (httpx.post(emu.base_url + "/chat/completions", json=body(temperature=1.0), headers=h,
+                                   timeout=10) for _ in range(2))
+        stream = httpx.post(emu.base_url + "/chat/completions", json=body(temperature=1.0, stream=True), headers=h,
+                            timeout=10)
+        lines = emu.ledger_lines()
+    a, b = first.json(), again.json()
+    assert a["id"] != b["id"] and a["usage"]["completion_tokens"] > 0
+    if not cached:
+        assert "X-OpenRouter-Cache-Status" not in again.headers or again.headers["X-OpenRouter-Cache-Status"] == "MISS"
+        assert all(x["billed"] for x in lines)
+        return
+    assert first.headers["X-OpenRouter-Cache-Status"] == "MISS" and again.headers["X-OpenRouter-Cache-Status"] == "HIT"
+    assert b["choices"][0]["message"] == a["choices"][0]["message"]      # verbatim, whatever the temperature
+    assert (b["usage"]["prompt_tokens"], b["usage"]["completion_tokens"], b["usage"]["cost"]) == (0, 0, 0)
+    _, data = sse_events(stream.text)
+    assert stream.headers["X-OpenRouter-Cache-Status"] == "HIT" and data[-1] == "[DONE]"
+    assert "".join(d["choices"][0]["delta"]["content"] for d in data[:-1] if d["choices"]) == \
+        a["choices"][0]["message"]["content"] and data[-2]["usage"]["cost"] == 0
+    assert [x["error"] for x in lines] == [None, "cache_hit", "cache_hit"] and lines[1]["cost"] == 0

@@ -153,7 +153,9 @@ def test_a_storm_of_faults_still_completes(tmp_path, stream):
         assert_whole_and_unique(rows)
         assert len(rows) == 50
         kinds = r.session["errors_by_kind"]
-        assert kinds.get("http_429", 0) > 0 and kinds.get("timeout", 0) > 0 and kinds.get("empty", 0) > 0
+        # a hung stream is cut by the read timeout or, as early, by the rule of no data chunk for as long
+        hung = kinds.get("timeout", 0) + kinds.get("stalled", 0)
+        assert kinds.get("http_429", 0) > 0 and hung > 0 and kinds.get("empty", 0) > 0
         assert kinds.get("stream_error" if stream else "error_in_200", 0) > 0
         assert r.session["concurrency_cuts"] >= 1
         # hung and cut answers are billed (OpenRouter bills a request the client gave up on): every

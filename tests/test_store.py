@@ -78,7 +78,19 @@ def test_permanent_failures_are_skipped_exhausted_ones_retried(tmp_path):
     s.write_error({"sample_id": "y", "action": "exhausted", "kind": "http_429"})
     s.close()
     s = DatasetStore(tmp_path)
-    assert s.permanent == {"x"}
+    assert set(s.permanent) == {"x"} and s.failed_for_good("x", "h-any") and not s.failed_for_good("y", "h-any")
+    s.close()
+
+
+def test_a_failure_for_good_holds_only_for_the_words_it_failed_in(tmp_path):
+    s = DatasetStore(tmp_path)
+    s.write_error({"sample_id": "x", "prompt_hash": "h1", "action": "permanent", "kind": "too_long"})
+    assert s.failed_for_good("x", "h1") and not s.failed_for_good("x", "h2")
+    s.close()
+    s = DatasetStore(tmp_path)
+    assert s.failed_for_good("x", "h1") and not s.failed_for_good("x", "h2")   # reworded: asked again
+    s.write("x", json.dumps({"sample_id": "x", "prompt_hash": "h2"}))
+    assert not s.failed_for_good("x", "h2") and not s.permanent
     s.close()
 
 
@@ -209,3 +221,15 @@ def test_room_is_refused_naming_what_the_plan_needs_and_what_is_free(tmp_path):
     problem = store.room_problem(tmp_path, free * 2)
     assert "not enough free space" in problem and str(tmp_path) in problem and "free" in problem
     assert store.expected_bytes(prompt_bytes=200, responses=10, tokens=1000) > 10 * 200 + 1000
+
+
+def test_answers_set_aside_count_in_spend_not_in_what_is_passed_on(tmp_path):
+    (tmp_path / store.SUPERSEDED).write_text(
+        json.dumps({**json.loads(line("old", cost=0.25)), "set_aside": {"reason": "reworded", "time": 1.0}}) + "\n")
+    s = DatasetStore(tmp_path)
+    s.write("a", line("a", cost=0.5))
+    s.close()
+    s = DatasetStore(tmp_path)
+    assert s.done == {"a"} and s.totals.samples == 1 and s.totals.cost == 0.5
+    assert s.set_aside.samples == 1 and s.set_aside.cost == 0.25
+    s.close()

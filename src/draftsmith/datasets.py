@@ -5,10 +5,14 @@ message up to and including its last user turn. A relative dataset path is taken
 repository root, as every default path is, so a notebook opened by hand finds the demo data.
 
 Duplicates, one rule: a sample is known by its id, the row's `id` or, when it has none, a hash of
-its prompt. A row whose id an earlier row already had is skipped and reported with both line
+its prompt (`prompt_hash`). A row whose id an earlier row already had is skipped and reported with both line
 numbers ("same id as line 3" / "same prompt as line 3"). Rows with distinct ids are all kept, even
 with equal prompts. Malformed rows (bad JSON, bad fields, bytes that are not UTF-8) are reported
 with file and line and skipped, never silently: they are collected in `DatasetReader.problems`.
+
+A sample's identity across runs is its id and `prompt_hash` of its prompt messages, both recorded
+on its stage-02 line: the same id with other messages is the same sample reworded
+(generate/prompt_edits.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Prompt:
     dataset: str
     messages: list[dict]
     line: int
+    prompt_hash: str    # prompt_hash(messages): with sample_id, what the sample is
 
 
 @dataclass(frozen=True)
@@ -78,9 +83,14 @@ def parse_datasets(datasets: list[dict]) -> list[DatasetSpec]:
     return specs
 
 
-def stable_id(messages: list[dict]) -> str:
+def prompt_hash(messages: list[dict]) -> str:
+    """The hash of a prompt's messages ({role, content} each, in order): "h" and 16 hex digits of
+    the SHA-256 of their JSON with sorted keys and no spaces. Equal messages, equal hash."""
     blob = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return "h" + hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+stable_id = prompt_hash     # the id of a row without one is the hash of its prompt
 
 
 def row_messages(row: dict) -> list[dict]:
@@ -164,10 +174,11 @@ class DatasetReader:
                     if not isinstance(row, dict):
                         raise ValueError("row is not a JSON object")
                     messages = prompt_of(row_messages(row))
+                    phash = prompt_hash(messages)
                     rid = row.get("id")
                     what = "id"
                     if rid is None:
-                        rid, what = stable_id(messages), "prompt"
+                        rid, what = phash, "prompt"
                     elif not isinstance(rid, (str, int)) or isinstance(rid, bool) or str(rid) == "":
                         raise ValueError(f"field 'id' must be a non-empty string or int, got {rid!r}")
                     rid = str(rid)
@@ -178,7 +189,7 @@ class DatasetReader:
                     continue
                 seen[rid] = lineno
                 self.count += 1
-                yield Prompt(rid, self.spec.name, messages, lineno)
+                yield Prompt(rid, self.spec.name, messages, lineno, phash)
 
     def summary(self) -> str:
         if not self.problems:

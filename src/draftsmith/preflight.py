@@ -23,6 +23,7 @@ from .imports import ImportSpec, answered, parse_imports, to_raw
 from . import parameters
 from .paths import Run, check_name
 from .distributed import rendezvous_args
+from .generate import prompt_edits
 
 
 def prepare(stages_all: list[parameters.Stage], chosen: list[parameters.Stage], file: str | None,
@@ -96,6 +97,11 @@ def dataset_summaries(values: dict) -> list[str]:
         (imported if n and n == reader.count else sample).append(spec.name)
     out.append(f"{len(sample)} datasets to sample through the API: {', '.join(sample) or 'none'}; "
                f"{len(imported)} imported: {', '.join(imported) or 'none'}")
+    try:    # a re-run: the prompt files as they are now against the answers saved (generate/prompt_edits.py)
+        out += [e.summary() for e in prompt_edits.check(Run(values["outputs_dir"], values["run_name"]), specs,
+                                                         bool(values.get("keep_removed_prompts")))]
+    except ValueError as e:
+        out.append(f"saved answers not compared with the prompt files: {e}")
     return out
 
 

@@ -37,7 +37,12 @@ class Faults(Strict):
     `X-Generation-Id`; the connection stays silent for `hang_s`, then closes),
     `cut_after_billing` (non-streaming: generated and billed in full, headers sent, then the
     connection closes before the body completes; streaming: the stream is cut mid-way, billed in
-    full unless the endpoint `supports_cancellation`, then for the tokens produced so far)."""
+    full unless the endpoint `supports_cancellation`, then for the tokens produced so far),
+    `stall` (no provider answers: the router keeps the connection alive with keep-alive, SSE
+    comments or whitespace padding of a JSON body, for the config's `stall_s` real seconds, then
+    ends it with a 524: an error chunk, or an error body inside the 200; nothing is billed),
+    `bad_bytes` (generated and billed in full, but the JSON body, or one chunk of a stream,
+    carries bytes that are not UTF-8 inside the text)."""
 
     rate_limit: float = 0.0
     bad_gateway: float = 0.0
@@ -49,6 +54,8 @@ class Faults(Strict):
     empty_200: float = 0.0
     hang: float = 0.0
     cut_after_billing: float = 0.0
+    stall: float = 0.0
+    bad_bytes: float = 0.0
 
     def scaled(self, factor: float) -> "Faults":
         return Faults(**{k: min(1.0, v * factor) for k, v in self.model_dump().items()})

@@ -2,7 +2,8 @@
 
 validate (an unknown model: 400 `model_not_found`) -> prompt ids (chat template) -> key checks (403)
 -> the router's own faults (faults.Router) -> routing (404/503) -> credit checks
-(402) -> reserve its worst-case cost -> try endpoints in order: a provider that is down, at
+(402) -> reserve its worst-case cost -> the response cache (cache.py: a hit is answered at once)
+-> try endpoints in order: a provider that is down, at
 capacity (429) or fails before its first token (an injected fault) hands the request on to the
 next one silently; when none is left the last one's error goes back -> the response
 (`response.Responses`).
@@ -96,6 +97,11 @@ class Chat:
 
     async def _serve(self, request, req, prompt_ids, candidates, t_start):
         cfg, pkey = self.cfg, req["prompt_key"]
+        cached = self.responses.cache.get(req, request.headers)
+        if cached is not None:      # the response cache answers before any provider is tried
+            return await self.responses.replay(request, req, cached, _gen_id(),
+                                               [{"provider": cached.ep.tag, "status": 200, "reason": "cache_hit"}],
+                                               prompt_ids, t_start)
         nth = self.asked[pkey]
         self.asked[pkey] += 1
         attempts, last = [], None

@@ -10,6 +10,7 @@ tokenizer (`Billing`), and the ledger line written before the client has the las
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import random
 import secrets
@@ -19,6 +20,7 @@ from collections import Counter
 from aiohttp import web
 
 from .backends import Job, Vocab
+from .cache import STATUS_HEADER, ResponseCache
 from .catalogue import Endpoint
 from .config import EmulatorConfig
 from .faults import uniform
@@ -28,6 +30,7 @@ from .quirks import Billing
 from .synthetic import SyntheticBackend
 from .wire import PROCESSING, JSONWriter, SSEWriter, error_body
 
+BILLED = (None, "cut_after_billing", "bad_bytes")  # the faults of a response billed as generated
 MAX_CHUNK_TOKENS = 16  # a stream chunk carries at most this many tokens
 GOLDEN = (5 ** 0.5 - 1) / 2  # the step of an endpoint's quirk draws
 
@@ -42,6 +45,7 @@ class Responses:
         kinds = {ep.quirks.billing_tokenizer for ep in cfg.endpoints()}
         self._billing = {kind: Billing(vocab.encoding, kind) for kind in kinds}
         self.served: Counter[str] = Counter()  # responses begun per endpoint tag (quirk draws)
+        self.cache = ResponseCache(cfg.response_cache, cfg.cache_ttl_s)
 
     def quirk_draw(self, ep: Endpoint) -> float:
         """The next of `ep`'s quirk draws: a golden-ratio sequence from a seeded start, so any run of
@@ -99,10 +103,16 @@ class Responses:
         out = Output(self.vocab, req, ep, gen_id, cfg.model, self.quirk_draw(ep),
                      byok_fee_rate=cfg.byok_fee_rate if cfg.byok else None)
         headers = {"X-Generation-Id": gen_id}
+        caching = self.cache.enabled(request.headers)
+        if caching:
+            headers[STATUS_HEADER] = "MISS"
         writer = SSEWriter(request, cfg.padding_interval_s, headers) if stream else \
             JSONWriter(request, cfg.padding_interval_s, headers)
+        writer.spoil = fault == "bad_bytes"
         if fault == "hang":
             return await self._hang(writer, req, ep, out, attempts, prompt_ids, nth, t_start, due)
+        if fault == "stall":
+            return await self._stall(writer, req, ep, out, attempts, prompt_ids, t_start)
         stop_after = {"mid_stream": max(1, int(rng.random() * min(req["max_tokens"], 64))),
                       "error_200": 0, "empty_200": 0}.get(fault)
         cut_at = max(1, int(rng.random() * min(req["max_tokens"], 64))) \
@@ -174,9 +184,8 @@ class Responses:
         cancelled = gone and ep.supports_cancellation
         if cancelled:
             self.stats["cancelled"] += 1
-        billed = fault in (None, "cut_after_billing")
-        finish = None if fault in ("empty_200",) else "error" if fault not in (None, "cut_after_billing") \
-            else out.finish_reason
+        billed = fault in BILLED
+        finish = None if fault in ("empty_200",) else "error" if fault not in BILLED else out.finish_reason
         # the ledger line exists before the client has the last byte (as /generation would)
         self.record(gen_id, ep, req, out, 200, attempts, finish=finish, billed=billed, error=fault,
                      t_start=t_start, prompt_ids=prompt_ids, cancelled=cancelled,
@@ -184,6 +193,8 @@ class Responses:
         self.stats["served" if fault is None else f"fault_{fault}"] += 1
         if gone:
             return writer.resp or web.Response(status=499)
+        if fault is None and caching:
+            self.cache.put(req, request.headers, out)
         if fault == "cut_after_billing":  # non-streaming: billed in full, lost on the wire
             return await writer.cut(out.message(out.usage(self.billing(ep), prompt_ids, True), finish))
         try:
@@ -207,15 +218,15 @@ class Responses:
                 writer.event(out.chunk(r, c, finish="error", error=err))
                 await writer.end()
                 return writer.resp
-            finish = out.finish_reason if fault is None else None
-            if fault is None:
+            finish = out.finish_reason if fault in BILLED else None
+            if fault in BILLED:
                 writer.event(out.chunk("", "", finish=finish))
-            writer.event(out.usage_chunk(out.usage(billing, prompt_ids, billed=fault is None), finish))
+            writer.event(out.usage_chunk(out.usage(billing, prompt_ids, billed=fault in BILLED), finish))
             await writer.done()
             return writer.resp
         if fault == "error_200":
             return await writer.body(error_body(502, "Provider returned error", err["metadata"]))
-        usage = out.usage(billing, prompt_ids, billed=fault is None)
+        usage = out.usage(billing, prompt_ids, billed=fault in BILLED)
         if fault == "mid_stream":
             return await writer.body(out.message(usage, "error", error=err))
         if fault == "empty_200":
@@ -252,6 +263,65 @@ class Responses:
         await asyncio.sleep(max(0.0, t_hang + self.cfg.hang_s - loop.time()))
         writer.close_connection()
         return writer.resp or web.Response(status=200)
+
+    async def _stall(self, writer, req, ep, out: Output, attempts, prompt_ids, t_start):
+        """No provider answers: the router keeps the connection alive with keep-alive (SSE comments,
+        or whitespace padding of the JSON body) for `stall_s`, then ends it with a 524 (an error chunk,
+        or an error body inside the 200). Nothing is billed; the ledger line is written when the
+        stall ends or the client leaves, whichever comes first."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.cfg.stall_s
+        self.stats["fault_stall"] += 1
+        err = {"code": 524, "message": "A timeout occurred while waiting for the upstream model",
+               "metadata": {"provider_name": ep.name, "error_type": "timeout"}}
+        try:
+            if isinstance(writer, SSEWriter):
+                await writer.open()
+            else:
+                await writer.send_headers()
+                writer.start_keepalive()
+            while not writer.gone and loop.time() < end:
+                await asyncio.sleep(min(self.cfg.padding_interval_s, max(0.0, end - loop.time())))
+            if not writer.gone:
+                if isinstance(writer, SSEWriter):
+                    writer.event(out.chunk("", "", finish="error", error=err))
+                    await writer.end()
+                else:
+                    await writer.body(error_body(524, err["message"], err["metadata"]))
+        except ConnectionResetError:
+            pass
+        finally:
+            writer.stop_keepalive()
+            self.record(out.gen_id, ep, req, out, 200, attempts, finish="error", billed=False, error="stall",
+                        t_start=t_start, prompt_ids=prompt_ids)
+        return writer.resp or web.Response(status=499)
+
+    async def replay(self, request, req, cached: Output, gen_id: str, attempts, prompt_ids, t_start):
+        """A cache hit: the cached response verbatim, with usage zeroed, a new generation id and
+        `X-OpenRouter-Cache-Status: HIT`; nothing billed."""
+        out = copy.copy(cached)
+        out.gen_id, out.created = gen_id, int(time.time())
+        zero = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cost": 0.0,
+                "is_byok": self.cfg.byok, "prompt_tokens_details": {"cached_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": 0},
+                "cost_details": {"upstream_inference_cost": 0.0 if self.cfg.byok else None,
+                                 "upstream_inference_prompt_cost": 0.0, "upstream_inference_completions_cost": 0.0}}
+        headers = {"X-Generation-Id": gen_id, STATUS_HEADER: "HIT"}
+        self.stats["cache_hit"] += 1
+        self.record(gen_id, out.ep, req, out, 200, attempts, finish=out.finish_reason, billed=False,
+                    error="cache_hit", t_start=t_start, prompt_ids=prompt_ids)
+        if not req["stream"]:
+            return web.json_response(out.message(zero, out.finish_reason), headers=headers)
+        writer = SSEWriter(request, self.cfg.padding_interval_s, headers)
+        try:
+            await writer.open()
+            writer.event(out.chunk(out.reasoning, out.content))
+            writer.event(out.chunk("", "", finish=out.finish_reason))
+            writer.event(out.usage_chunk(zero, out.finish_reason))
+            await writer.done()
+        except ConnectionResetError:
+            writer.stop_keepalive()
+        return writer.resp
 
     def record(self, gen_id, ep: Endpoint, req, out, status, attempts, *, finish, billed, error, t_start,
                 prompt_ids, cancelled=False, ttft_s=None) -> None:

@@ -4,8 +4,8 @@ Endpoints (under /api/v1): POST chat/completions (JSON or SSE), GET key, credits
 models, models/{author}/{slug}/endpoints; POST admin/topup and GET admin/state (emulator only,
 admin key). The parts, one concern each: `accounts` (keys, credits, the ledger, the 403/402 money
 checks), `listing` (the public catalogue), `chat` (a request from its body to the endpoint that
-answers it: `request` parses it, `routing` orders the endpoints) and `response` (generating,
-pacing, faults, quirks, billing, the ledger line). The wire format is the one OpenRouter documents
+answers it: `request` parses it, `routing` orders the endpoints), `cache` (OpenRouter's response
+cache) and `response` (generating, pacing, faults, quirks, billing, the ledger line). The wire format is the one OpenRouter documents
 (field names, error envelope, `X-Generation-Id` header, padding, SSE comments, usage chunk); every
 response validates against the official SDK's models (tests/test_openrouter_conformance.py).
 """

@@ -5,7 +5,8 @@ for `interval` seconds; chunks are `data: {json}` lines, then a usage chunk with
 then `data: [DONE]`. Events ready at the same moment go out in one write (fewer syscalls). Non-streaming responses that take longer than `interval` commit to HTTP 200
 and send whitespace every `interval` as keep-alive, so the JSON body (or an error body, still with
 status 200) follows leading whitespace. Every response carries the `headers` it was given (the
-server passes `X-Generation-Id`). `cut` sends the headers and part of the body, then closes the
+server passes `X-Generation-Id`). `spoil` makes the next text sent carry bytes that are not
+UTF-8 (a provider's broken encoding). `cut` sends the headers and part of the body, then closes the
 connection (a response lost on the wire). A client gone away shows up as ConnectionResetError.
 Errors go out in OpenRouter's envelope, `{"error": {code, message, metadata}, "user_id"}`; an error
 about whether the model can be served carries `error.availability` {code, retryable, retry_after,
@@ -48,6 +49,20 @@ def _dumps(obj) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
+NOT_UTF8 = b"\xff\xfe"    # never valid in UTF-8
+
+
+def spoiled(data: bytes) -> bytes | None:
+    """`data` (a body or chunk) with bytes that are not UTF-8 put inside its text (the content,
+    else the reasoning); None when it carries no text."""
+    for key in (b'"content":"', b'"reasoning":"'):
+        i = data.find(key)
+        if i >= 0 and data[i + len(key):i + len(key) + 1] != b'"':
+            i += len(key) + 1
+            return data[:i] + NOT_UTF8 + data[i:]
+    return None
+
+
 class _Writer:
     def __init__(self, request: web.Request, interval: float, headers: dict | None = None):
         self.request, self.interval, self.headers = request, interval, dict(headers or {})
@@ -56,6 +71,7 @@ class _Writer:
         self._last = asyncio.get_running_loop().time()
         self._keepalive: asyncio.Task | None = None
         self.gone = False
+        self.spoil = False      # the next text sent carries bytes that are not UTF-8 (`spoiled`)
 
     async def _write(self, data: bytes) -> None:
         async with self._lock:
@@ -121,7 +137,12 @@ class SSEWriter(_Writer):
 
     def event(self, obj) -> None:
         """Queue one `data:` event; `flush` sends the queued ones in one write."""
-        self._buf.append(b"data: " + _dumps(obj) + b"\n\n")
+        data = _dumps(obj)
+        if self.spoil:
+            bad = spoiled(data)
+            if bad is not None:
+                data, self.spoil = bad, False
+        self._buf.append(b"data: " + data + b"\n\n")
 
     async def flush(self) -> None:
         if self._buf:
@@ -154,11 +175,14 @@ class JSONWriter(_Writer):
     async def body(self, obj, status: int = 200) -> web.StreamResponse:
         """The JSON body: a plain response if nothing was sent yet, else after the padding."""
         self.stop_keepalive()
+        data = _dumps(obj)
+        if self.spoil:
+            data = spoiled(data) or data + NOT_UTF8
         async with self._lock:
             if self.resp is None:
-                return web.Response(body=_dumps(obj), status=status, content_type="application/json",
+                return web.Response(body=data, status=status, content_type="application/json",
                                     headers=self.headers)
-            await self._write_locked(_dumps(obj))
+            await self._write_locked(data)
             await self.resp.write_eof()
             return self.resp
 

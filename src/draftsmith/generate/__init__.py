@@ -10,6 +10,7 @@ The parts:
   money.py        what a money stop says, and when the money-bound tail stops for a top-up
   bookkeeping.py  progress, the timeline, the manifest, the closing message
   prompt_queue.py the prompts still to do, per dataset, read lazily from the files
+  prompt_edits.py the prompt files as they are now against the saved answers: reworded and removed set aside
   bare_server.py  the user's own vLLM or SGLang server in place of OpenRouter
   figures.py      tables and figures of what the stage wrote (notebook 02)
 What is saved, and how a re-run resumes without paying twice: outputs.py.

@@ -10,7 +10,10 @@ back for longer than `outage_limit_s`, and a sample that alone meets them for th
 spending attempts (a prompt no provider can serve is not an outage). An answer lost
 after a provider took the request may still be billed: its reservation is held until
 `GET /generation` says what it cost (pricing.generation_cost); without a generation id it is
-counted at its worst case.
+counted at its worst case. That includes a request given up because it made no progress (a
+stream without data for `request_timeout_s`, any request past its deadline, keep-alive or not:
+openrouter/deadline.py) and a 200 whose body cannot be read; each spends one attempt. A reply
+from OpenRouter's response cache is no new sample: not saved, it spends an attempt.
 
 The session gives its `Sampler` what the attempts use (the wire, the money, the counts,
 the controllers, the stop to wait on) and makes the stop a sample returns (`Stop`, `NotSaved`):
@@ -31,6 +34,7 @@ import aiohttp
 from ..datasets import Prompt
 from ..openrouter import client
 from ..openrouter.budget import SpendBudget
+from ..openrouter.deadline import KeepaliveWatch
 from ..openrouter.pricing import generation_cost
 from ..openrouter.retry import Aimd, backoff_delay
 from ..progress import Progress
@@ -65,6 +69,9 @@ class Wire:
     source: str
     billed: bool
     model: str
+    deadline_s: float | None = None         # a request not over by then is given up (openrouter/deadline.py)
+    progress_s: float | None = None         # a stream with no data chunk for this long is given up
+    watch: KeepaliveWatch | None = None     # counts the requests waiting on keep-alive alone
 
     @functools.cached_property
     def url(self) -> str:
@@ -122,7 +129,9 @@ class Sampler:
                 counts.attempts += 1
                 seen = {}
                 t0 = time.monotonic()
-                res = await client.complete(w.http, w.url, None, body, w.stream, seen=seen)
+                res = await client.complete(w.http, w.url, None, body, w.stream, seen=seen,
+                                            progress_s=w.progress_s if w.stream else None,
+                                            deadline_s=w.deadline_s, watch=w.watch)
                 if isinstance(res, client.Reply):
                     latency = time.monotonic() - t0
                     self.aimd.observe_latency(latency)
@@ -245,7 +254,8 @@ class Sampler:
         else:
             self.counts.exhausted_samples += 1
         try:
-            d.store.write_error({"sample_id": p.sample_id, "dataset": d.name, "action": action, "kind": res.kind,
+            d.store.write_error({"sample_id": p.sample_id, "prompt_hash": p.prompt_hash, "dataset": d.name,
+                                 "action": action, "kind": res.kind,
                                  "status": res.status, "message": res.message, "provider": res.provider,
                                  "attempts": attempts, "time": round(time.time(), 3)})
         except OSError as e:
@@ -260,7 +270,8 @@ def _response_line(w: Wire, d: DatasetQueue, p: Prompt, msgs_json: str, res: cli
                    latency: float, started: float) -> str:
     """The raw_responses.jsonl line; the prompt and the settings are already JSON."""
     rec = _LINE.encode({
-        "sample_id": p.sample_id, "dataset": d.name, "content": res.content, "reasoning": res.reasoning,
+        "sample_id": p.sample_id, "prompt_hash": p.prompt_hash, "dataset": d.name, "content": res.content,
+        "reasoning": res.reasoning,
         "finish_reason": res.finish_reason, "native_finish_reason": res.native_finish_reason,
         "provider": res.provider, "model": res.model, "generation_id": res.generation_id, "usage": res.usage,
         "attempts": attempt, "latency_s": round(latency, 3), "started_at": round(started, 3),

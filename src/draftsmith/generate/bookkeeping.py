@@ -47,13 +47,16 @@ def point(session) -> None:
 
 
 def progress_fields(session, rate: float) -> dict:
+    """The progress line's fields; `padding`: the requests whose reply has been keep-alive alone
+    (whitespace, SSE comments) for longer than request_timeout_s, each given up at its deadline."""
     f = {}
     for d in session.datasets:
         b = d.spec.output_token_budget
         f[d.name] = f"{short(d.budget.done)}/{short(b)}" if b else short(d.budget.done)
     f.update(samples=session.counts.samples, spent=f"${session.spend.spent:.4f}/{session.spend.limit:g}",
              tok_s=round(rate), in_flight=f"{session.in_flight}/{session.aimd.limit}",
-             err=f"{100 * sum(session.counts.errors_by_kind.values()) / max(1, session.counts.attempts):.1f}%")
+             err=f"{100 * sum(session.counts.errors_by_kind.values()) / max(1, session.counts.attempts):.1f}%",
+             padding=session.watch.waiting(session.opts.request_timeout_s))
     return f
 
 
@@ -114,6 +117,11 @@ def result(session) -> GenerationResult:
         paid = f"Paid for and not saved this session: ${lost:.4f} ({'; '.join(parts)})"
     else:
         paid = "Nothing paid for was lost"
+    cached = c.errors_by_kind.get("cached", 0)
+    if cached:
+        paid += (f". {cached} replies came from OpenRouter's response cache (copies of earlier answers, usage "
+                 f"zeroed) although every request sends X-OpenRouter-Cache: false: none was saved; turn caching "
+                 f"off in the key's preset")
     if done:
         head = session.message + ": " if session.reason == "nothing_to_do" else "finished: "
         msg = f"{head}{summary}; {spent}. {paid}."

@@ -20,6 +20,7 @@ class Options:
     money_bound_stop_fraction: float = parameters.default_field("money_bound_stop_fraction")
     max_attempts: int = parameters.default_field("max_attempts")
     request_timeout_s: float = parameters.default_field("request_timeout_s")
+    request_deadline_s: float | None = parameters.default_field("request_deadline_s")
     stop_grace_s: float = parameters.default_field("stop_grace_s")
     balance_poll_s: float = 15.0
     fsync_s: float = 5.0
@@ -35,10 +36,14 @@ class Options:
         for name in ("concurrency", "max_attempts"):
             if not isinstance(getattr(self, name), int):
                 raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        d = self.request_deadline_s
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0):
+            raise ValueError(f"request_deadline_s must be a number of seconds > 0, or None (derived from max_tokens), "
+                             f"got {d!r}")
 
 
 _NOTEBOOK = ("concurrency", "spend_limit_usd", "balance_floor_usd", "money_bound_stop_fraction", "max_attempts",
-             "request_timeout_s", "stop_grace_s", "outage_limit_s")
+             "request_timeout_s", "request_deadline_s", "stop_grace_s", "outage_limit_s")
 
 
 @dataclass

@@ -6,9 +6,12 @@ and on close (a power cut loses at most the last interval). On open, a torn last
 (or, if it is whole JSON that only lacks its newline, completed) and the ids already there are
 loaded: those samples are never requested again. `errors.jsonl` next to it records samples that
 failed for good in a session (permanent failures are skipped on resume, exhausted retries are
-tried again). `<run>/generate/manifest.json` is rewritten atomically: the run's config without
-secrets, totals, and one entry per session (start, resume, how it ended). `<run>/generate/timeline.jsonl`
-gets a line every second of every session (money, slots, tokens).
+tried again). `superseded.jsonl` next to it keeps the answers set aside because their prompt was
+reworded or removed from the prompt file (prompt_edits.py moves them): paid for, so never deleted,
+and counted in the run's spend, but not passed on. `<run>/generate/manifest.json` is rewritten
+atomically: the run's config without secrets, totals, and one entry per session (start, resume,
+how it ended). `<run>/generate/timeline.jsonl` gets a line every second of every session (money,
+slots, tokens).
 
 One process writes a run's stage 02 at a time: `writer_lock` holds an exclusive OS lock on
 `<run>/generate/writer.lock` (it dies with its process, so there is never a stale lock to clear),
@@ -17,8 +20,8 @@ take whole (full, or any write error) is cut off again at once and the error rai
 never hold a torn line; `room_problem` checks the free space against what a run expects to write.
 
 This module is the only one that knows these files' names: other stages, the report and the
-benches read them through `read_responses`, `read_errors`, `read_manifest` and `read_timeline`
-(a torn last line is left out, any other damage is an error naming file:line).
+benches read them through `read_responses`, `read_superseded`, `read_errors`, `read_manifest` and
+`read_timeline` (a torn last line is left out, any other damage is an error naming file:line).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ..files import read_jsonl, repair_tail, write_json_atomic
 from ..paths import Run
 
 RESPONSES, ERRORS = "raw_responses.jsonl", "errors.jsonl"        # per dataset
+SUPERSEDED = "superseded.jsonl"                                  # per dataset: answers set aside
 MANIFEST, TIMELINE = "manifest.json", "timeline.jsonl"           # per run
 LOCK = "writer.lock"                                             # per run: who writes it now
 
@@ -49,6 +53,17 @@ def responses_file(run: Run, dataset: str) -> Path:
 def read_responses(run: Run, dataset: str):
     """(line number, response) for every saved response of `dataset`; nothing if none was saved."""
     return read_jsonl(responses_file(run, dataset))
+
+
+def superseded_file(run: Run, dataset: str) -> Path:
+    """Where stage 02 keeps the answers of `dataset` set aside (reworded or removed prompts)."""
+    return run.root / "generate" / dataset / SUPERSEDED
+
+
+def read_superseded(run: Run, dataset: str):
+    """(line number, response) for every answer of `dataset` set aside: a raw_responses line with
+    `set_aside` {reason: reworded | removed, time} added."""
+    return read_jsonl(superseded_file(run, dataset))
 
 
 def read_errors(run: Run, dataset: str):
@@ -222,7 +237,8 @@ class Totals:
 
 
 class DatasetStore:
-    """The response and error files of one dataset."""
+    """The response and error files of one dataset. `totals` count the answers passed on,
+    `set_aside` those kept in superseded.jsonl (their cost is part of the run's spend)."""
 
     def __init__(self, folder: Path, fsync_s: float = 5.0):
         self.folder = Path(folder)
@@ -232,7 +248,7 @@ class DatasetStore:
         self.fsync_s = fsync_s
         self.notes = [n for n in (repair_tail(self.raw_path), repair_tail(self.err_path)) if n]
         self.done: set[str] = set()
-        self.permanent: set[str] = set()
+        self.permanent: dict[str, str | None] = {}   # sample id -> the prompt hash it failed for good under
         self.totals = Totals()
         self.providers: dict[str, Totals] = {}
         self.lengths: list[tuple[float, int]] = []   # (seconds, completion tokens) of each saved sample
@@ -247,7 +263,10 @@ class DatasetStore:
             self.count(r)
         for _, e in read_jsonl(self.err_path):
             if e.get("action") == "permanent" and e.get("sample_id") not in self.done:
-                self.permanent.add(e["sample_id"])
+                self.permanent[e["sample_id"]] = e.get("prompt_hash")
+        self.set_aside = Totals()
+        for _, r in read_jsonl(self.folder / SUPERSEDED):
+            self.set_aside.add(r.get("usage") or {}, r.get("finish_reason"))
         self._raw = _Lines(self.raw_path)
         self._err = _Lines(self.err_path)
         self._last_sync = time.monotonic()
@@ -268,6 +287,7 @@ class DatasetStore:
             raise RuntimeError(f"sample {sample_id!r} is already in {self.raw_path}")
         self._raw.append(line)
         self.done.add(sample_id)
+        self.permanent.pop(sample_id, None)
         try:
             self._maybe_sync()
         except OSError:
@@ -276,7 +296,16 @@ class DatasetStore:
     def write_error(self, entry: dict) -> None:
         self._err.append(json.dumps(entry, ensure_ascii=False))
         if entry.get("action") == "permanent":
-            self.permanent.add(entry["sample_id"])
+            self.permanent[entry["sample_id"]] = entry.get("prompt_hash")
+
+    def failed_for_good(self, sample_id: str, prompt_hash: str) -> bool:
+        """Did this sample fail for good (a 400, too long for the context) in the words it has now?
+        One that failed under other words (reworded since) is asked again; a failure recorded
+        without its prompt's hash counts whatever the words."""
+        if sample_id not in self.permanent:
+            return False
+        failed_under = self.permanent[sample_id]
+        return failed_under is None or failed_under == prompt_hash
 
     def _maybe_sync(self) -> None:
         if time.monotonic() - self._last_sync >= self.fsync_s:

@@ -1,8 +1,9 @@
 """The prompts still to do, per dataset: streamed from the file, one looked ahead.
 
-Samples already saved, or failed for good in an earlier session, are passed over (that is the
-resume). Prompts too long for the context are set aside in errors.jsonl with the reason, so a
-re-run does not try them again. Memory holds one prompt per dataset, not the dataset.
+Samples already saved, or failed for good in an earlier session in the words they have now, are
+passed over (that is the resume). Prompts too long for the context are set aside in errors.jsonl
+with the reason, so a re-run does not try them again (until they are reworded). Memory holds
+one prompt per dataset, not the dataset.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ class DatasetQueue:
                 p = next(self._it, None)
                 if p is None:
                     self.exhausted = True
-                elif p.sample_id not in self.store.done and p.sample_id not in self.store.permanent and not (
-                        self.answered and (p.sample_id in self.answered or stable_id(p.messages) in self.answered)):
+                elif (p.sample_id not in self.store.done and not self.store.failed_for_good(p.sample_id, p.prompt_hash)
+                      and not (self.answered and (p.sample_id in self.answered
+                                                  or stable_id(p.messages) in self.answered))):
                     self._pending, self._bound, self._checked = p, prompt_tokens_bound(p.messages), False
             if self._pending is None or check is None or self._checked:
                 return None if self._pending is None else (self._pending, self._bound)
@@ -91,5 +93,6 @@ class DatasetQueue:
 
     def _skip(self, p: Prompt, reason: str) -> None:
         self.skipped += 1
-        self.store.write_error({"sample_id": p.sample_id, "dataset": self.name, "action": "permanent",
-                                "kind": "too_long", "message": reason, "attempts": 0, "time": round(time.time(), 3)})
+        self.store.write_error({"sample_id": p.sample_id, "prompt_hash": p.prompt_hash, "dataset": self.name,
+                                "action": "permanent", "kind": "too_long", "message": reason, "attempts": 0,
+                                "time": round(time.time(), 3)})

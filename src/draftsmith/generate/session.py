@@ -4,9 +4,14 @@ prompts (round robin), so the run stays full until the last budget is reached; e
 reserves its worst-case dollars first (openrouter/budget.py). A worker runs one sample's attempts
 (attempts.py) and takes the next job itself.
 
+Every request has a deadline (openrouter/deadline.py: `request_deadline_s`, by default from
+`max_tokens` and the slowest credible rate), and a stream one more rule (no data chunk for
+`request_timeout_s`): keep-alive never holds a slot past them, so neither the end of a run nor a
+stop waits on a stalled request for longer. Requests carry `X-OpenRouter-Cache: false`.
+
 A stop (balance gone, spend limit, a refusal, SIGINT/SIGTERM) starts nothing new, gives the
-requests in flight `stop_grace_s` to finish and be saved, asks the cost of what it gave up on,
-and closes the files, so a re-run resumes exactly where this one ended. After an interrupt or a
+requests in flight `stop_grace_s` (at most the deadline) to finish and be saved, asks the cost
+of what it gave up on, and closes the files, so a re-run resumes exactly where this one ended. After an interrupt or a
 write error that asking is cut to `STOPPED_PATIENCE_S` (what it does not learn is counted at its
 worst case), so a stop button frees the cell in seconds.
 
@@ -29,6 +34,7 @@ import aiohttp
 from ..openrouter import client
 from . import outputs
 from ..openrouter.budget import SpendBudget, TokenBudget
+from ..openrouter.deadline import KeepaliveWatch, request_deadline
 from ..datasets import DatasetSpec
 from ..paths import Run
 from ..openrouter.pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints
@@ -58,11 +64,14 @@ class Session:
         """`policy`: (native_precision, allow_unknown) when there is no stage-01 routing and the
         session must build it from the endpoint list; `settings["provider"]` is then laid over it."""
         self.base = base_url.rstrip("/")
-        self._headers = {**api_key.header(), "Content-Type": "application/json", "X-Title": "draftsmith"}
+        self._headers = {**api_key.header(), "Content-Type": "application/json", "X-Title": "draftsmith",
+                         **client.NO_CACHE}
         self.opts, self.config, self.log = opts, config, log
         self.folder = run.dir("generate")
         self.model, self.provider, self.max_tokens = settings["model"], settings.get("provider") or {}, settings["max_tokens"]
         self.stop_grace_s = opts.stop_grace_s
+        self.deadline_s = request_deadline(self.max_tokens, opts.request_timeout_s, opts.request_deadline_s)
+        self.watch = KeepaliveWatch()       # the requests waiting on keep-alive alone (the progress line)
         self.settings, self.policy = settings, policy
         self.sent = client.sent_parameters(settings)
 
@@ -80,7 +89,7 @@ class Session:
             for duration, n in saved.lengths:
                 budget.add(n, duration)
             saved.lengths = []
-            spent += saved.totals.cost
+            spent += saved.totals.cost + saved.set_aside.cost    # answers set aside were paid for too
             self.datasets.append(DatasetQueue(spec, saved, budget))
         self.spend = SpendBudget(opts.spend_limit_usd, opts.balance_floor_usd, spent)
         self.aimd = Aimd(opts.concurrency)
@@ -104,7 +113,8 @@ class Session:
         self.recoveries: set[asyncio.Task] = set()             # asking /generation what one cost
         self._rr = 0
         self.entry = {"started": bookkeeping.now(), "status": "running",      # this session's line in the manifest
-                      "samples_at_start": sum(len(d.store.done) for d in self.datasets)}
+                      "samples_at_start": sum(len(d.store.done) for d in self.datasets),
+                      "request_deadline_s": round(self.deadline_s, 3)}
         self.manifest.sessions.append(self.entry)
         self.timeline = outputs.open_timeline(run)    # a point every second (bookkeeping.point)
 
@@ -373,7 +383,8 @@ class Session:
         """What this session's attempts use (attempts.py), the request settings final."""
         wire = attempts.Wire(http, self.base, client.BodyMaker(self.settings), bool(self.settings.get("stream")),
                              json.dumps(self.settings, ensure_ascii=False, separators=(",", ":")), source,
-                             billed=self.server is None, model=self.model)
+                             billed=self.server is None, model=self.model, deadline_s=self.deadline_s,
+                             progress_s=self.opts.request_timeout_s, watch=self.watch)
         return attempts.Sampler(wire, self.spend, self.counts, self.aimd, self.outage, self.progress, self.opts,
                                 self.stopped, self.money_freed, self.wake, self.recoveries, self.reserve)
 
@@ -395,15 +406,17 @@ class Session:
             background.cancel()
 
     async def _drain(self) -> None:
-        """Let the requests in flight finish, for `stop_grace_s` at most; give up on the rest."""
+        """Let the requests in flight finish, for `stop_grace_s` and never longer than a request's
+        deadline (each ends by its own anyway); give up on the rest."""
         if not self.tasks:
             return
-        _, pending = await asyncio.wait(set(self.tasks), timeout=self.stop_grace_s)
+        grace = min(self.stop_grace_s, self.deadline_s)
+        _, pending = await asyncio.wait(set(self.tasks), timeout=grace)
         for t in pending:
             t.cancel()
         if pending:
             await asyncio.wait(pending)
-            self.log(f"gave up on {len(pending)} requests still in flight after {self.stop_grace_s:.0f}s")
+            self.log(f"gave up on {len(pending)} requests still in flight after {grace:.0f}s")
 
     def _apply_policy(self, eps: list[dict]) -> None:
         """No stage-01 routing: route only where the precision policy allows (the `provider`

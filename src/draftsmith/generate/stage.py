@@ -6,6 +6,7 @@ open at `base_url` (tests and benchmarks that start their own server). See the p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import threading
 from pathlib import Path
@@ -17,7 +18,7 @@ from ..datasets import parse_datasets
 from ..imports import answered, parse_imports
 from ..paths import Run, resolve
 from ..providers import outputs as stage_01
-from . import bookkeeping, run_settings
+from . import bookkeeping, prompt_edits, run_settings
 from .session import Session
 from .options import GenerationResult, GenerationStopped, Options
 
@@ -36,7 +37,8 @@ def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, m
            top_p: float | None = None, seed: int | None = None, provider: dict | None = None,
            reasoning: dict | None = None, stream: bool = False, native_precision: str | None = None,
            allow_unknown_quantization: bool = False, imports: list[dict] | None = None, log=print,
-           allow_changed_settings: bool = False, **options) -> GenerationResult:
+           allow_changed_settings: bool = False, keep_removed_prompts: bool = False,
+           **options) -> GenerationResult:
     """Generate responses for `datasets` into `run.dir("generate")`, resuming whatever is there.
     `options`: the other fields of `Options` (balance_floor_usd, max_attempts, request_timeout_s, ...).
     Without stage 01's routing, `native_precision` is required: the session then applies the
@@ -45,8 +47,12 @@ def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, m
 
     One process writes a run at a time (outputs.writer_lock: a second one raises RunBusy naming the
     holder). A run that holds answers made under other settings is refused (SettingsChanged,
-    naming each difference) unless `allow_changed_settings`. A write error at the store (a full
-    disk) ends the session and raises GenerationStopped with what was paid for and not saved.
+    naming each difference) unless `allow_changed_settings`. Saved answers are first compared with
+    the prompt files as they are now (prompt_edits.py): the counts are logged per dataset, answers
+    to reworded prompts are set aside and the prompts asked again, answers to removed prompts are
+    set aside unless `keep_removed_prompts`; nothing paid for is deleted. A write error at the
+    store (a full disk) ends the session and raises GenerationStopped with what was paid for and
+    not saved.
 
     Runs its own event loop (in a thread when one is already running, as in Jupyter). SIGINT and
     SIGTERM stop it cleanly; a second SIGINT gives up on the requests in flight at once."""
@@ -76,7 +82,12 @@ def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, m
     shaping = run_settings.data_settings(settings, policy, opts.target_model_path)
     with outputs.writer_lock(run):
         diff = run_settings.check(run, [s.name for s in specs], shaping, allow_changed_settings)
+        edits = prompt_edits.apply(run, specs, keep_removed_prompts)
+        for e in edits:
+            log(e.summary())
         session = Session(base_url, api_key, run, specs, settings, opts, config, log, policy)
+        if edits:
+            session.entry["prompt_edits"] = prompt_edits.as_record(edits)
         session.manifest.settings = {**(session.manifest.settings or {}), **{s.name: shaping for s in specs}}
         if diff:
             session.entry["settings_changed"] = diff
@@ -87,6 +98,13 @@ def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, m
                 log(f"{d.name}: prompts that an import file answers are skipped (stage 03 reads that file)")
         _run_with_signals(session)
     result = bookkeeping.result(session)
+    noted = [e for e in edits if e.reworded or e.removed or e.set_aside]
+    if noted:
+        said = "; ".join(f"{e.dataset}: {e.reworded} reworded (asked again), {e.removed} removed ("
+                         + ("passed on: keep_removed_prompts" if e.kept_removed else "not passed on")
+                         + f"), {e.set_aside} answers set aside in {outputs.SUPERSEDED} (paid for, kept, not passed on)"
+                         for e in noted)
+        result = dataclasses.replace(result, message=f"{result.message} Against the prompt files: {said}.")
     if result.reason in ("write_error", "no_room"):     # the disk cannot take more: the notebook stops here
         raise GenerationStopped(result.message)
     return result

@@ -2,6 +2,8 @@
 
     client.py     one chat completion: the request body, the POST, every outcome sorted into what to do next
     retry.py      backoff with jitter, and the AIMD limit on requests in flight
+    deadline.py   when a request that makes no progress behind keep-alive is given up, and the
+                  count of requests waiting on padding alone
     pricing.py    the endpoint list (`fetch_endpoints`), the worst price of a request, the quantization
                   families, the bill of a lost answer and the balance left (`BalanceReader`)
     endpoints.py  the endpoint table and the precision policy (the `provider` routing object)

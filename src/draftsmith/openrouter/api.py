@@ -19,7 +19,7 @@ import aiohttp
 
 from ..progress import Progress
 from .apikey import ApiKey
-from .client import Reply, complete
+from .client import NO_CACHE, Reply, complete
 from .pricing import BalanceReader, fetch_endpoints
 from .retry import backoff_delay
 
@@ -48,7 +48,7 @@ def blocking(headers: dict, timeout: float, work: Callable[[aiohttp.ClientSessio
 class Api:
     def __init__(self, base_url: str, key: ApiKey, timeout: float = 120.0, attempts: int = 6):
         self.base_url, self.timeout, self.attempts = base_url.rstrip("/"), timeout, attempts
-        self._headers = {**key.header(), "Content-Type": "application/json"}
+        self._headers = {**key.header(), "Content-Type": "application/json", **NO_CACHE}
 
     def _blocking(self, work: Callable[[aiohttp.ClientSession], Awaitable[T]]) -> T:
         return blocking(self._headers, self.timeout, work)

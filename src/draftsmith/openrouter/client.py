@@ -4,7 +4,9 @@ Every way a request can end is sorted into what the engine should do next (docs/
 
   Reply                       a usable completion (`finish_reason` stop, length, ...) - keep it
   Failure(action="retry")     408, 5xx from a provider, an error inside a 200 body or a stream, an
-                              empty 200, a cut stream, a hung or dropped connection - a real failure:
+                              empty 200, a cut stream, a hung or dropped connection, a request past
+                              its deadline or a stream without data (deadline.py), a 200 whose body
+                              cannot be read, a reply from the response cache - a real failure:
                               spends one of the sample's attempts
   Failure(action="throttle")  429, 402 in-flight spending budget - wait it out (backoff, lower
                               concurrency); never spends an attempt
@@ -33,6 +35,14 @@ engine can ask `GET /generation` what they cost. With the user's own provider ke
 `usage.cost` is OpenRouter's fee and the provider's bill is `cost_details.upstream_inference_cost`;
 the cost kept here is their sum.
 
+A 200 whose body cannot be read (bytes that are not UTF-8, cut JSON, the wrong shape, no body) may
+have been billed too: `maybe_billed`. Abandoned by a rule of deadline.py (a stream with no data
+chunk for `progress_s`, a request past `deadline_s`, however much keep-alive came), likewise.
+
+A reply from OpenRouter's response cache (`X-OpenRouter-Cache-Status: HIT`, or `usage` zeroed
+with text) is a copy of an earlier answer, billed nothing: `Failure(kind="cached")`, never a new
+sample. Callers send `X-OpenRouter-Cache: false` (`NO_CACHE`) so that none should come.
+
 Bodies may start with whitespace padding (json.loads skips it); streams carry `:` comment lines
 and the usage in a final chunk with no choices. A bare vLLM or SGLang server (generate/bare_server.py) is
 read the same way; its reasoning may come as `reasoning_content`, and vLLM's sampled ids
@@ -45,12 +55,17 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import re
 import time
 from dataclasses import dataclass
 
 import aiohttp
 
+from .deadline import KeepaliveWatch
+
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 520, 522, 524, 529})
+NO_CACHE = {"X-OpenRouter-Cache": "false"}   # OpenRouter's response cache off for this request
+CACHE_STATUS = "X-OpenRouter-Cache-Status"   # HIT on a reply served from the cache
 
 
 @dataclass(slots=True)
@@ -245,24 +260,31 @@ def _cost(u) -> float:
 
 
 def parse_completion(raw: bytes) -> Reply | Failure:
-    """A non-streaming 200 body (possibly whitespace-padded)."""
+    """A non-streaming 200 body (possibly whitespace-padded). A body that cannot be read (no
+    body, bytes that are not UTF-8, cut or other JSON, no choices and no usage) may have been
+    billed: `maybe_billed`, its generation id the body's when it can be read (else the caller's)."""
     if not raw.strip():
-        return Failure("retry", "empty", "HTTP 200 with an empty body")
+        return Failure("retry", "empty", "HTTP 200 with an empty body", maybe_billed=True)
     try:
         obj = json.loads(raw)
+    except UnicodeDecodeError as e:
+        return Failure("retry", "bad_bytes", f"HTTP 200 body is not UTF-8 ({e.reason} at byte {e.start})",
+                       maybe_billed=True, generation_id=_body_id(raw))
     except ValueError:
-        return Failure("retry", "bad_json", f"HTTP 200 body is not JSON: {raw[:120]!r}")
+        return Failure("retry", "bad_json", f"HTTP 200 body is not JSON: {raw.strip()[:120]!r}", maybe_billed=True,
+                       generation_id=_body_id(raw))
     if not isinstance(obj, dict):
-        return Failure("retry", "bad_json", "HTTP 200 body is not a JSON object")
+        return Failure("retry", "bad_json", "HTTP 200 body is not a JSON object", maybe_billed=True)
     if obj.get("error"):
         f = classify_error(200, obj["error"], in_200=True)
         f.cost = _cost(obj.get("usage"))
         return f
     choices = obj.get("choices")
-    if not choices or not isinstance(choices[0], dict):
-        f = Failure("retry", "no_choices", "HTTP 200 without choices", provider=obj.get("provider"))
-        f.cost = _cost(obj.get("usage"))
-        return f
+    if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+        gid = obj.get("id") if isinstance(obj.get("id"), str) else None
+        return Failure("retry", "no_choices", "HTTP 200 without choices", provider=obj.get("provider"),
+                       cost=_cost(obj.get("usage")), maybe_billed=not isinstance(obj.get("usage"), dict),
+                       generation_id=gid)
     choice = choices[0]
     msg = choice.get("message") or {}
     res = _reply(obj, msg.get("content"), msg.get("reasoning") or msg.get("reasoning_content"),
@@ -270,6 +292,15 @@ def parse_completion(raw: bytes) -> Reply | Failure:
     if isinstance(res, Reply):
         res.output_ids, res.prompt_ids = _ids(choice.get("token_ids")), _ids(obj.get("prompt_token_ids"))
     return res
+
+
+_GEN_ID = re.compile(rb'"id"\s*:\s*"(gen-[A-Za-z0-9_-]{1,100})"')
+
+
+def _body_id(raw: bytes) -> str | None:
+    """The generation id named in a body that cannot be parsed, if it can be seen."""
+    m = _GEN_ID.search(raw[:4096])
+    return m[1].decode("ascii") if m else None
 
 
 def _ids(v) -> list[int] | None:
@@ -295,7 +326,10 @@ def _reply(head: dict, content, reasoning, finish, native, usage, choice_error=N
     return Reply(content or "", reasoning or None, finish, native, provider, head.get("model"), head.get("id"), u)
 
 
-async def _read_stream(resp: aiohttp.ClientResponse) -> Reply | Failure:
+async def _read_stream(resp: aiohttp.ClientResponse, progress_s: float | None = None,
+                       watch: KeepaliveWatch | None = None, token: int | None = None) -> Reply | Failure:
+    """The SSE stream of a 200. No data chunk (a token, reasoning, the usage, a finish, an error)
+    for `progress_s` (None: no such rule) gives it up as stalled, however many comments came."""
     head: dict = {}
     content: list[str] = []
     reasoning: list[str] = []
@@ -303,38 +337,61 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> Reply | Failure:
     output_ids: list[int] = []
     prompt_ids = None
     done = False
-    async for line in resp.content:
-        if not line.startswith(b"data:"):
-            continue                              # blank separators, `: OPENROUTER PROCESSING`, event:
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            done = True
-            break
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return Failure("retry", "bad_json", f"stream chunk is not JSON: {data[:120]!r}",
-                           provider=head.get("provider"))
-        if not head:
-            head = {"id": chunk.get("id"), "provider": chunk.get("provider"), "model": chunk.get("model")}
-        prompt_ids = prompt_ids or _ids(chunk.get("prompt_token_ids"))
-        if chunk.get("error"):
-            f = classify_error(200, chunk["error"], in_200=True)
-            f.kind, f.provider, f.cost = "stream_error", f.provider or head.get("provider"), _cost(chunk.get("usage"))
-            return f
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for c in chunk.get("choices") or ():
-            delta = c.get("delta") or {}
-            if delta.get("content"):
-                content.append(delta["content"])
-            if delta.get("reasoning") or delta.get("reasoning_content"):
-                reasoning.append(delta.get("reasoning") or delta["reasoning_content"])
-            output_ids += _ids(c.get("token_ids")) or ()
-            if c.get("finish_reason"):
-                finish, native = c["finish_reason"], c.get("native_finish_reason")
-                if c.get("error"):
-                    return _reply(head, None, None, "error", native, usage, c["error"])
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(progress_s) as quiet:
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue                      # blank separators, `: OPENROUTER PROCESSING`, event:
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = json.loads(data)
+                except UnicodeDecodeError as e:
+                    return Failure("retry", "bad_bytes", f"stream chunk is not UTF-8 ({e.reason})",
+                                   provider=head.get("provider"), maybe_billed=True, generation_id=head.get("id"))
+                except ValueError:
+                    return Failure("retry", "bad_json", f"stream chunk is not JSON: {data[:120]!r}",
+                                   provider=head.get("provider"), maybe_billed=True, generation_id=head.get("id"))
+                if not head:
+                    head = {"id": chunk.get("id"), "provider": chunk.get("provider"), "model": chunk.get("model")}
+                prompt_ids = prompt_ids or _ids(chunk.get("prompt_token_ids"))
+                if chunk.get("error"):
+                    f = classify_error(200, chunk["error"], in_200=True)
+                    f.kind, f.provider = "stream_error", f.provider or head.get("provider")
+                    f.cost = _cost(chunk.get("usage"))
+                    return f
+                moved = False
+                if chunk.get("usage"):
+                    usage, moved = chunk["usage"], True
+                for c in chunk.get("choices") or ():
+                    delta = c.get("delta") or {}
+                    if delta.get("content"):
+                        content.append(delta["content"])
+                        moved = True
+                    if delta.get("reasoning") or delta.get("reasoning_content"):
+                        reasoning.append(delta.get("reasoning") or delta["reasoning_content"])
+                        moved = True
+                    more = _ids(c.get("token_ids"))
+                    if more:
+                        output_ids += more
+                        moved = True
+                    if c.get("finish_reason"):
+                        finish, native, moved = c["finish_reason"], c.get("native_finish_reason"), True
+                        if c.get("error"):
+                            return _reply(head, None, None, "error", native, usage, c["error"])
+                if moved:
+                    if progress_s is not None:
+                        quiet.reschedule(loop.time() + progress_s)
+                    if watch is not None:
+                        watch.progress(token)
+    except TimeoutError:
+        if not quiet.expired():
+            raise                                 # the request's own deadline (complete)
+        return Failure("retry", "stalled", f"no data in the stream for {progress_s:g}s (keep-alive comments only)",
+                       provider=head.get("provider"), maybe_billed=True, generation_id=head.get("id"))
     if not done and not (finish and usage):
         return Failure("retry", "stream_cut", "stream ended before [DONE]", provider=head.get("provider"),
                        cost=_cost(usage), maybe_billed=usage is None, generation_id=head.get("id"))
@@ -344,28 +401,70 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> Reply | Failure:
     return res
 
 
+async def _read_body(resp: aiohttp.ClientResponse, watch: KeepaliveWatch | None, token: int | None) -> bytes:
+    """A JSON body; the watch learns when its first byte other than padding comes."""
+    if watch is None:
+        return await resp.read()
+    parts: list[bytes] = []
+    padding = True
+    async for chunk in resp.content.iter_any():
+        if padding and chunk.strip():
+            padding = False
+            watch.end(token)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _cached(res: Reply, headers) -> bool:
+    """A reply served from OpenRouter's response cache: the header says HIT, or text came with
+    usage zeroed (no prompt and no completion tokens)."""
+    if str(headers.get(CACHE_STATUS, "")).strip().upper() == "HIT":
+        return True
+    u = res.usage
+    return u.get("prompt_tokens") == 0 and u.get("completion_tokens") == 0 and bool(res.content or res.reasoning)
+
+
 async def complete(session: aiohttp.ClientSession, url: str, headers: dict | None, body: bytes, stream: bool,
-                   timeout: aiohttp.ClientTimeout | None = None, seen: dict | None = None) -> Reply | Failure:
+                   timeout: aiohttp.ClientTimeout | None = None, seen: dict | None = None,
+                   progress_s: float | None = None, deadline_s: float | None = None,
+                   watch: KeepaliveWatch | None = None) -> Reply | Failure:
     """POST one chat completion and classify the outcome; never raises for a bad answer or network trouble.
     `headers` and `timeout` default to the session's (which must then carry the key and a read timeout).
     `seen["generation_id"]` is set as soon as the response headers name it, so a caller that gives
-    up on the request (cancels it) still knows which generation to ask the bill of."""
+    up on the request (cancels it) still knows which generation to ask the bill of.
+    `progress_s`: a stream with no data chunk for this long is given up (`stalled`); `deadline_s`:
+    a request not over within this long is given up (`deadline`), keep-alive or not (deadline.py);
+    `watch` counts this request while its reply is keep-alive alone."""
     kw = {"timeout": timeout} if timeout is not None else {}
     seen = {} if seen is None else seen
     answered = False        # a provider took the request: from here on a lost answer may be billed
+    sent = time.monotonic()
+    token = None
     try:
-        async with session.post(url, data=body, headers=headers, **kw) as resp:
-            status = resp.status
-            if status == 200:
-                answered = True
-                seen["generation_id"] = resp.headers.get("X-Generation-Id")
-                res = await _read_stream(resp) if stream else parse_completion(await resp.read())
-                if isinstance(res, Failure) and not res.generation_id:
-                    res.generation_id = seen["generation_id"]
-                return res
-            raw = await resp.read()
-            ra = retry_after_seconds(resp.headers.get("Retry-After"))
+        async with asyncio.timeout(deadline_s) as limit:
+            async with session.post(url, data=body, headers=headers, **kw) as resp:
+                status = resp.status
+                if status == 200:
+                    answered = True
+                    seen["generation_id"] = resp.headers.get("X-Generation-Id")
+                    if watch is not None:
+                        token = watch.begin(sent)
+                    res = await _read_stream(resp, progress_s, watch, token) if stream \
+                        else parse_completion(await _read_body(resp, watch, token))
+                    if isinstance(res, Reply) and _cached(res, resp.headers):
+                        res = Failure("retry", "cached", "a reply from OpenRouter's response cache (a copy of an "
+                                      "earlier answer, usage zeroed): not a new sample", provider=res.provider,
+                                      cost=res.usage.get("cost") or 0.0, generation_id=res.generation_id)
+                    if isinstance(res, Failure) and not res.generation_id:
+                        res.generation_id = seen["generation_id"]
+                    return res
+                raw = await resp.read()
+                ra = retry_after_seconds(resp.headers.get("Retry-After"))
     except asyncio.TimeoutError:
+        if limit.expired():
+            idle = token is not None and watch.waits(token)
+            return _lost(Failure("retry", "deadline", f"not over within its {deadline_s:g}s deadline"
+                                 + (" (keep-alive padding only)" if idle else "")), seen, answered)
         return _lost(Failure("retry", "timeout", "no data within the read timeout (hung connection)"), seen, answered)
     except aiohttp.ClientPayloadError as e:
         return _lost(Failure("retry", "connection", f"response cut off: {type(e).__name__}"), seen, True)
@@ -374,6 +473,9 @@ async def complete(session: aiohttp.ClientSession, url: str, headers: dict | Non
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
         # a body of the wrong shape (or an SSE line too long to buffer): one bad answer, not a crash
         return _lost(Failure("retry", "bad_response", f"{type(e).__name__}: {e}"[:300]), seen, answered)
+    finally:
+        if token is not None:
+            watch.end(token)
     try:
         env = json.loads(raw) if raw.strip() else {}
     except ValueError:
@@ -389,7 +491,7 @@ def _lost(f: Failure, seen: dict, answered: bool) -> Failure:
     billed) it even before any header came back (a hung connection), so only a connection that
     could not be opened is surely free; the generation id is known if the headers arrived."""
     f.generation_id = seen.get("generation_id")
-    f.maybe_billed = answered or f.kind == "timeout" or not _refused(f.message)
+    f.maybe_billed = answered or f.kind in ("timeout", "deadline") or not _refused(f.message)
     return f
 
 
