@@ -288,9 +288,13 @@ def disk_finding(values: dict) -> Finding:
     dtype = values["hidden_dtype"]
     per_token = bytes_per_token(int(cfg["hidden_size"]), dtype, n_layers)
     names = [d["name"] for d in values.get("datasets") or []]
-    report = run.root / "tokens" / "report.json"
-    if report.is_file():
-        per_dataset = json.loads(report.read_text())["datasets"]
+    from .tokens.outputs import read_report
+
+    try:
+        per_dataset = read_report(run)["datasets"]
+    except FileNotFoundError:
+        per_dataset = None
+    if per_dataset is not None:
         tokens = sum(d["tokens_kept"] for name, d in per_dataset.items() if not names or name in names)
         counted = "stage 03's kept tokens"
     else:
