@@ -1,7 +1,7 @@
 """Writes the demo prompt datasets (data/demo/*.jsonl) from offline text: the standard library's
 own docstrings and a few hand-written templates. Deterministic: `python data/make_demo_data.py`
 rewrites them byte for byte (tests/test_demo_data.py checks it); a folder argument writes there instead.
-legacy.jsonl is not from here: answers sampled with vLLM from the tiny-test target (README, Mixing sources).
+legacy.jsonl is not from here: answers sampled with vLLM from the tiny-test target (docs/sources.md).
 
   code.jsonl     messages format, 240 rows: questions about stdlib functions and classes,
                  some with a system prompt, some multi-turn, a few without an id

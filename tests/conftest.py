@@ -99,6 +99,7 @@ TIERS = {
     "test_progress.py": "emulator",
     "test_providers.py": "emulator",
     "test_providers.py::test_stage_01_end_to_end_excludes_fp4_and_flags_the_perturbed_provider": "notebook",
+    "test_readme.py": "unit",
     "test_rehearsal.py": "notebook",
     "test_report_browser.py": "browser",
     "test_report_figures.py": "unit",
