@@ -118,6 +118,7 @@ TIERS = {
     "test_sources.py": "unit",
     "test_sources.py::test_stage_02_does_not_ask_for_prompts_an_import_answers": "emulator",
     "test_store.py": "unit",
+    "test_summary.py": "unit",
     "test_tiers.py": "unit",
     "test_tokens.py": "unit",
     "test_tokens_emulator.py": "emulator",

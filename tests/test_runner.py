@@ -208,6 +208,9 @@ def test_a_failing_stage_points_to_its_traceback_in_the_log_with_the_same_cell_n
     err = capsys.readouterr().err
     failure = err[err.index("draftsmith: stage"):]
     assert "stage 02_second failed in cell 4: AssertionError: flag was set" in failure and "Traceback" not in err
+    summary = err[err.index("run r3: failed (02_second failed)"):err.index("draftsmith: stage")]  # the summary, then why
+    assert "  ! 02_second: stopped: AssertionError: flag was set" in summary and "Executing cell" not in err
+    assert json.loads((tmp_path / "r3" / "summary.json").read_text())["verdict"] == "failed"
     log = tmp_path / "r3" / "logs" / "02_second.log"
     assert f"traceback: {log}" in failure
     text = log.read_text()

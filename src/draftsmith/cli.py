@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {name} = {values[name]!r}  # {sources[name]}")
             print(f"parameters of {', '.join(s.title for s in chosen)}: ok")
             return 0
-        run = runner.run_stages(chosen, values)
+        runner.run_stages(chosen, values)   # ends by printing the run summary and where the outputs are
     except parameters.ParamError as e:
         print(f"draftsmith: parameter error: {e}", file=sys.stderr)
         return 2
@@ -83,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # outputs folder turned unwritable, disk full, ...
         print(f"draftsmith: cannot write {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 1
-    print(f"draftsmith: outputs in {run.root}", file=sys.stderr)
     return 0
 
 

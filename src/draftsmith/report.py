@@ -1,7 +1,9 @@
 """`<run>/report.html`: the executed stage notebooks of a run rendered as one page, inputs hidden.
 
 Written by `draftsmith run` after the stages it ran (also after a failure, with what exists), so a
-person can open one self-contained file (figures embedded) instead of six notebooks. The page is
+person can open one self-contained file (figures embedded) instead of six notebooks. It opens with
+the run summary (`draftsmith.summary`: each stage's verdict and figures, each linking to its stage's
+section, and a link to each stage's log); each section starts with its stage's verdict and log. The page is
 meant for sharing: it fits any window (wide tables and code blocks scroll in their own box), names
 no folder of this machine (paths are written relative to the run folder, the repository or `~`),
 and leaves out the log of building a built-in target.
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 import copy
 import re
+from html import escape
 from pathlib import Path
 
 from .files import write_text_atomic
 from .paths import REPO_ROOT, Run
+from .summary import Summary, duration
 from .targets.tiny import BUILD_LOG
 
 # Appended to the exporter's own styles: nothing may be wider than the page. A wide table or code
@@ -26,6 +30,12 @@ FIT_THE_PAGE = """<style>
 .jp-RenderedHTMLCommon pre, .jp-RenderedHTMLCommon pre code { white-space: pre; word-break: normal; }
 .jp-RenderedHTMLCommon table { width: max-content; }
 img { max-width: 100%; height: auto; }
+.ds-summary table { display: table; width: auto; max-width: 100%; }
+.ds-summary td, .ds-summary th { white-space: normal; vertical-align: top; text-align: left; }
+.ds-summary td:nth-child(3) { white-space: nowrap; }
+.ds-summary .ok { color: #1a7f37; font-weight: bold; }
+.ds-summary .warning { color: #9a6700; font-weight: bold; }
+.ds-summary .failed { color: #cf222e; font-weight: bold; }
 </style>
 """
 
@@ -34,7 +44,9 @@ def report_file(run: Run) -> Path:
     return run.root / "report.html"
 
 
-def write_report(run: Run) -> Path | None:
+def write_report(run: Run, summary: Summary | None = None) -> Path | None:
+    """Render the run's executed notebooks as `<run>/report.html`, `summary` (the run's, see
+    `draftsmith.summary.build`) at its top; None when no stage has run."""
     import nbformat     # here, not at the top: its import costs a second that every command would pay
     from nbconvert import HTMLExporter
 
@@ -43,14 +55,22 @@ def write_report(run: Run) -> Path | None:
         return None
     merged = nbformat.v4.new_notebook()
     merged.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    merged.cells.append(nbformat.v4.new_markdown_cell(f"# draftsmith run `{run.name}`"))
+    if summary is not None:
+        merged.cells.append(nbformat.v4.new_markdown_cell(summary_html(summary)))
     merged.cells.append(nbformat.v4.new_markdown_cell(
-        f"# draftsmith run `{run.name}`\n\nStages: " + ", ".join(p.stem for p in notebooks) +
-        ".\n\nEach section is an executed stage notebook with its code hidden; the notebooks "
-        f"themselves are in `{notebooks[0].parent}`. Paths are written relative to the run folder (where this "
-        "page is), files of the repository relative to its root, and others in the home folder as `~`."))
+        "Each section below is an executed stage notebook with its code hidden; the notebooks "
+        f"themselves are in `{notebooks[0].parent}`, what each stage printed in `logs/`. Paths are written "
+        "relative to the run folder (where this page is), files of the repository relative to its root, and "
+        "others in the home folder as `~`."))
+    verdicts = {s.title: s.verdict for s in summary.stages} if summary else {}
     for p in notebooks:
         nb = nbformat.read(p, as_version=4)
-        merged.cells.append(nbformat.v4.new_markdown_cell(f"---\n\n<a id='{p.stem}'></a>\n*stage {p.stem}*"))
+        v = verdicts.get(p.stem.split("@")[0])
+        said = f" · <span class='{v.value}'>{v.value}</span>" if v else ""
+        merged.cells.append(nbformat.v4.new_markdown_cell(
+            f"---\n\n<a id='{p.stem}'></a>\n<div class='ds-summary'><em>stage {p.stem}</em>{said} · "
+            f"<a href='logs/{p.stem}.log'>log</a></div>"))
         for c in nb.cells:
             tags = c.get("metadata", {}).get("tags", [])
             if "parameters" in tags or "injected-parameters" in tags:
@@ -62,6 +82,23 @@ def write_report(run: Run) -> Path | None:
     out = report_file(run)
     write_text_atomic(out, body)
     return out
+
+
+def summary_html(summary: Summary) -> str:
+    """The summary as the top of the page: the run's verdict, one row per stage (its verdict, time,
+    figures each linking to the stage's section, its log), then why each stage that is not ok is not."""
+    rows = []
+    for s in summary.stages:
+        figures = "<br>".join(f"<a href='#{escape(f.section)}'>{escape(f.text)}</a>" for f in s.figures)
+        rows.append(f"<tr><td><a href='#{escape(s.section)}'>{escape(s.title)}"
+                    f"</a></td><td class='{s.verdict.value}'>{s.verdict.value}</td><td>{escape(duration(s.seconds))}</td>"
+                    f"<td>{figures}</td><td><a href='{escape(s.log)}'>log</a></td></tr>")
+    notes = "".join(f"<li><span class='{s.verdict.value}'>{escape(s.title)}</span>: {escape(n)}</li>"
+                    for s in summary.stages for n in s.notes)
+    return (f"<div class='ds-summary'>\n<p><strong>Run summary: <span class='{summary.verdict.value}'>"
+            f"{summary.verdict.value}</span></strong> (also in <a href='summary.json'>summary.json</a>)</p>\n"
+            "<table><thead><tr><th>stage</th><th>verdict</th><th>time</th><th>what decides it</th><th></th></tr>"
+            f"</thead><tbody>{''.join(rows)}</tbody></table>\n" + (f"<ul>{notes}</ul>\n" if notes else "") + "</div>")
 
 
 def _without_build_log(cell):

@@ -4,6 +4,11 @@ The values come checked from `parameters`. Executed notebooks go to
 `<outputs_dir>/<run_name>/notebooks/`, their output streams to `.../logs/NN_name.log`. Cell
 numbers in messages and logs count the cells of the notebook as a person sees it (papermill's
 injected cell not counted); a failed cell's traceback goes to the log.
+
+The terminal gets one line per stage (name, verdict, time, the figures that decide the verdict)
+and, at the end, the run summary (`draftsmith.summary`), which is also `<run>/summary.json` and the
+top of report.html. What the notebooks print stays in the logs; on a terminal, a status line that
+is rewritten in place shows the stage's latest line while it runs.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -21,6 +27,8 @@ from pathlib import Path
 
 import yaml
 
+from . import events
+from . import summary as run_summary
 from .files import write_text_atomic
 from .parameters import Stage, parameters_cell, read_notebook
 from .paths import EXECUTED, Run
@@ -69,15 +77,20 @@ def node_title(stage: Stage, values: dict) -> str:
 
 
 def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
-    """Execute the stages in order, then (re)write the run's report.html from every executed
-    notebook of the run, also when a stage failed. Raise StageFailed naming the notebook and cell."""
+    """Execute the stages in order, then (re)write the run's summary.json and report.html from every
+    executed notebook of the run and the stages' files, also when a stage failed, and print the
+    summary. Raise StageFailed naming the notebook and cell."""
     run = Run(values["outputs_dir"], values["run_name"])
     try:
         _run_stages(run, stages, values, echo)
     finally:
-        path = write_report(run)
-        if path and echo:
-            print(f"== report: {path}", file=sys.stderr, flush=True)
+        done = run_summary.build(run)
+        if done.stages:   # none when refused before the first stage (another process writing the run)
+            run_summary.write(run, done)
+            write_report(run, done)
+            if echo:
+                print(f"draftsmith: outputs in {run.root}: report.html, summary.json, logs/", file=sys.stderr, flush=True)
+                print("\n".join(run_summary.lines(done)), file=sys.stderr, flush=True)
     return run
 
 
@@ -104,24 +117,27 @@ def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None
     _kernel_env()
     logger = logging.getLogger("papermill")
     logger.setLevel(logging.INFO)
+    logger.propagate = False    # what the notebooks print goes to their logs, not to the terminal
+    if echo:
+        print(f"draftsmith: run {run.name}, {len(stages)} stage{'s' * (len(stages) > 1)}; what each prints goes to "
+              f"{run.root / 'logs'}/", file=sys.stderr, flush=True)
     for stage in stages:
         params = {k: v for k, v in values.items() if k in stage.params}
         title = node_title(stage, values)
         out_nb, log_path = nb_dir / f"{title}.ipynb", stage_log(run, title)
         log_path.write_text("")  # every writer below appends: papermill, the kernel, the failure
         handlers = [logging.FileHandler(log_path, mode="a", encoding="utf-8")]
-        if echo:
-            handlers.append(logging.StreamHandler(sys.stderr))
+        if echo and sys.stderr.isatty():
+            handlers.append(_StatusLine(stage.title))
         injected = parameters_cell(read_notebook(stage.path)) + 1
         for h in handlers:
             h.setFormatter(logging.Formatter("%(message)s"))
             h.addFilter(_CellNumbers(injected))
             logger.addHandler(h)
-        t0 = time.time()
-        print(f"== {stage.title}: running, log {log_path}", file=sys.stderr, flush=True)
         stop = _Stop()
         try:
             stop.install()
+            events.note("papermill run")
             pm.execute_notebook(str(stage.path), str(out_nb), parameters=params, kernel_name="python3",
                                 log_output=True, progress_bar=False, cwd=str(run.root),
                                 kernel_manager_class=_kernel_manager(log_path, stop))
@@ -150,7 +166,8 @@ def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None
         if stop.name:  # the stage's cells ended cleanly after the interrupt (stage 02 saves its work and returns)
             raise Interrupted(f"{stop.what} in {stage.title}; the stage stopped cleanly and what was written is "
                               f"kept, re-run the same command to resume\n  log: {log_path}", stop.name)
-        print(f"== {stage.title}: done in {time.time() - t0:.0f}s -> {out_nb}", file=sys.stderr, flush=True)
+        if echo:
+            print(run_summary.stage_line(run_summary.stage(run, [out_nb]), STAGE_WIDTH), file=sys.stderr, flush=True)
 
 
 class _Stop:
@@ -212,6 +229,47 @@ def _kernel_manager(log_path: Path, stop: _Stop):
             return started
 
     return KernelWritingToLog
+
+
+STAGE_WIDTH = len("03_validate_tokens")  # the stage lines' first column
+
+# What a stage's log holds that tells a person nothing while it runs: papermill's own lines (the
+# notebook's paths, the kernel, each cell's start and end), the text repr of a figure or of a
+# markdown display, blank lines.
+CHATTER = re.compile(r"^\s*$|^(Executing|Ending) cell |^(Input|Output) Notebook: |^Working directory: "
+                     r"|^Executing notebook with kernel|^<Figure size |^<IPython\.core\.display\.")
+
+
+class _StatusLine(logging.Handler):
+    """On a terminal, one line rewritten in place while a stage runs: its name, the time so far and
+    the latest line its notebook printed (cut to the terminal's width); wiped when the stage ends.
+    The same line is never rewritten twice, chatter (`CHATTER`) never shown."""
+
+    def __init__(self, title: str):
+        super().__init__(logging.INFO)
+        self.title, self.t0, self.last = title, time.monotonic(), ""
+        sys.stderr.write(f"{title}: running")
+        sys.stderr.flush()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            lines = [x for x in _plain(record.getMessage()).splitlines() if not CHATTER.match(x)]
+        except Exception:
+            return
+        if not lines or lines[-1].strip() == self.last:
+            return
+        self.last = lines[-1].strip()
+        width = shutil.get_terminal_size((100, 20)).columns - 1
+        text = f"{self.title}: running {time.monotonic() - self.t0:.0f} s | {self.last}"
+        sys.stderr.write("\r\x1b[K" + text[:width])
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.title:  # once: logging closes every handler again at exit
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            self.title = ""
+        super().close()
 
 
 class _CellNumbers(logging.Filter):

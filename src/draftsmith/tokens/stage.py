@@ -124,6 +124,7 @@ def run(run: Run, *, datasets: list[dict], imports: list[dict], target_model_pat
         "exclude_flagged": exclude_flagged,
         "totals": totals(rows),
         "totals_unflagged_providers": totals([r for r in rows if r["provider"] not in bad]),
+        "totals_kept": totals([r for r in rows if not r["excluded"]]),   # what stage 04 reads (the run summary)
         "datasets": {name: {**totals(per_ds[name]), "output": str(outputs[name]),
                             "malformed_lines": len(problems[name]), "problems": problems[name][:20]}
                      for name in per_ds},

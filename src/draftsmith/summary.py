@@ -1,0 +1,507 @@
+"""The run summary: one line per stage that ran, its verdict and the figures that decide it.
+
+Every figure is read from the stage's own files (providers/summary.json, generate/manifest.json,
+tokens/report.json, hidden/check.json, drafter/summary.json, eval/report.json) and its executed
+notebook (time, and whether a cell failed), so a stage re-run alone is summed up with the others as
+they stand. `build(run)` returns a `Summary`; `write(run, summary)` saves `<run>/summary.json`;
+`lines(summary)` is what `draftsmith run` prints last; report.html puts the same block at its top.
+
+Verdicts: ok; warning (the output is usable, something in it needs a look); failed (the stage did
+not finish, or its own check says its output is unfit). The run's verdict is its worst stage's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+
+from .files import write_json_atomic
+from .paths import Run
+
+SUMMARY = "summary.json"
+
+
+class Verdict(str, Enum):
+    OK = "ok"
+    WARNING = "warning"
+    FAILED = "failed"
+
+    @staticmethod
+    def worst(verdicts) -> "Verdict":
+        order = [Verdict.OK, Verdict.WARNING, Verdict.FAILED]
+        return max(verdicts, key=order.index, default=Verdict.OK)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of a stage's line, as a person reads it, and the anchor of its section in report.html."""
+
+    text: str
+    section: str
+
+
+# ---- the numbers of each stage, as its own files have them -------------------------------------
+
+@dataclass
+class ProvidersNumbers:
+    allowed: list[str]
+    excluded: dict[str, str]            # endpoint tag -> why it is left out
+    balance_usd: float | None
+    spent_usd: float
+    fits_fraction: float                # share of the planned cost the balance and the limit cover
+
+
+@dataclass
+class DatasetTokens:
+    name: str
+    output_tokens: int                  # completion tokens saved
+    budget: int | None                  # output_token_budget
+    samples: int
+    failed_for_good: int
+
+
+@dataclass
+class GenerateNumbers:
+    spent_usd: float
+    spend_limit_usd: float | None
+    balance_usd: float | None           # the last balance stage 02 saw
+    status: str                         # how its last session ended
+    message: str
+    datasets: list[DatasetTokens]
+
+
+@dataclass
+class TokensNumbers:
+    samples: int
+    kept: int
+    excluded: int
+    flagged_samples: int
+    exclude_flagged: bool
+    providers_used: list[str]
+    providers_flagged: dict[str, str]   # provider -> cause
+    providers_excluded: list[str]       # flagged providers whose samples are left out
+    billed_tokens: int                  # completion tokens billed, over `tokens_scope`
+    rebuilt_tokens: int                 # ... and rebuilt from the text
+    tokens_scope: str                   # "kept" (what stage 04 reads), or "all samples" in an older report
+    response_tokens_kept: int
+
+
+@dataclass
+class HiddenNumbers:
+    passed: bool
+    samples: int
+    positions: int
+    engine: str                         # what ran the check: hf, or vLLM's version, model runner, dtype
+    logprob_mean_abs_err: float         # the stored final state's next-token logprobs against the engine's
+    max_mean_abs_err: float
+    top1_agreement: float
+    min_top1: float
+    answers_tokens: int | None          # the engine on the target's own answers (check.json `answers`; a
+    answers_mean_nll: float | None      # check.json written before the stage recorded it has none)
+    answers_argmax_agreement: float | None
+    answers_gated: bool | None          # whether the bounds below held the check (check_answers)
+    max_nll: float | None
+    min_agreement: float | None
+    problems: list[str]
+    cause: str | None
+    tokens: int | None                  # hidden/summary.json: tokens extracted, shards written and rejected
+    shards_written: int | None
+    shards_rejected: int | None
+
+
+@dataclass
+class DrafterNumbers:
+    kind: str                           # eagle3 | dflash
+    steps: int
+    total_steps: int
+    finished: bool
+    train_loss: float | None            # the last training step's
+    train_accuracy: float | None        # ... its first draft position's accuracy
+    heldout_loss: float | None          # the held-out split at the end
+    heldout_accuracy: float | None
+    heldout_loss_start: float | None    # ... and before the first step
+    heldout_accuracy_start: float | None
+
+
+@dataclass
+class AcceptanceRow:
+    """Acceptance length (1 + accepted / drafts per verification step) on one prompt set at one
+    temperature: the final drafter, n-gram lookup, no drafter; `lossless`: at T = 0, whether the
+    drafter's outputs equal no drafter's token for token (None where not compared)."""
+
+    prompt_set: str
+    temperature: float
+    drafter: float | None
+    ngram: float | None
+    no_drafter: float | None
+    lossless: bool | None
+
+
+@dataclass
+class EvalNumbers:
+    source: str                         # "vllm" (the engine's counters) or "decoder" (ours, eval_backend hf)
+    drafter: str                        # the method measured as "the drafter"
+    rows: list[AcceptanceRow]
+
+
+@dataclass
+class StageSummary:
+    title: str                          # the executed notebook's name, e.g. 03_validate_tokens
+    section: str                        # the anchor of its section in report.html (with @host on several nodes)
+    verdict: Verdict
+    seconds: float | None               # the executed notebook's run time
+    log: str                            # the stage's log, relative to the run folder
+    figures: list[Figure]
+    notes: list[str]                    # why the verdict is not ok
+    numbers: object | None              # the stage's *Numbers record; None when its files could not be read
+
+
+@dataclass
+class Summary:
+    run: str
+    verdict: Verdict
+    stages: list[StageSummary]
+
+    def to_json(self) -> dict:
+        return {"run": self.run, "verdict": self.verdict.value,
+                "stages": [{**asdict(s), "verdict": s.verdict.value} for s in self.stages]}
+
+
+# ---- reading each stage ------------------------------------------------------------------------
+
+class Unreadable(Exception):
+    """A stage's file is missing or not what the stage writes: the message names it."""
+
+
+def _json(run: Run, rel: str) -> dict | list:
+    path = run.root / rel
+    if not path.is_file():
+        raise Unreadable(f"no {rel}: the stage did not finish")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise Unreadable(f"{rel}: not valid JSON ({e})") from None
+
+
+def _usd(x: float | None) -> str:
+    return "n/a" if x is None else f"${x:,.2f}" if abs(x) >= 1 else f"${x:.4f}"
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}g}"
+
+
+def _length(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+# Each reader takes the run and the anchor of the stage's section in report.html, and returns the
+# stage's numbers, verdict, figures and notes; a missing or unreadable file raises (`stage` says so).
+
+def providers(run: Run, anchor: str):
+    s, routing = _json(run, "providers/summary.json"), _json(run, "providers/routing.json")
+    n = ProvidersNumbers(allowed=list(routing["allowed"]),
+                         excluded={e["tag"]: e["reason"] for e in routing.get("excluded", [])},
+                         balance_usd=s["balance_usd"], spent_usd=s["stage_01_spent_usd"],
+                         fits_fraction=s["fits_fraction"])
+    figures = [Figure(f"{len(n.allowed)} endpoints allowed, {len(n.excluded)} excluded", anchor),
+               Figure(f"balance {_usd(n.balance_usd)}, the plan fits {n.fits_fraction:.0%}", anchor)]
+    notes = []
+    if not n.allowed:
+        notes.append("no endpoint is allowed: stage 02 has nowhere to send a request")
+    elif n.fits_fraction < 1:
+        notes.append(f"the balance and spend limit cover {n.fits_fraction:.0%} of the planned cost: stage 02 "
+                     f"will stop short of the budgets")
+    verdict = Verdict.FAILED if not n.allowed else Verdict.WARNING if notes else Verdict.OK
+    return n, verdict, figures, notes
+
+
+_GENERATE_OK = ("finished", "nothing_to_do")
+_GENERATE_FAILED = ("fatal", "write_error", "no_room", "killed")
+
+
+def generate(run: Run, anchor: str):
+    from .generate import outputs
+
+    m = _json(run, "generate/manifest.json")
+    timeline = outputs.read_timeline(run)
+    last = (m.get("sessions") or [{}])[-1]
+    n = GenerateNumbers(
+        spent_usd=m["spent_usd"], spend_limit_usd=(m.get("config") or {}).get("spend_limit_usd"),
+        balance_usd=next((p["balance"] for p in reversed(timeline) if p.get("balance") is not None), None),
+        status=last.get("status", "none"), message=last.get("message") or "",
+        datasets=[DatasetTokens(name, d["completion_tokens"], d.get("budget"), d["samples"], d.get("failed_for_good", 0))
+                  for name, d in (m.get("datasets") or {}).items()])
+    short = [d for d in n.datasets if d.budget and d.output_tokens < d.budget]
+    ran_out = n.status in _GENERATE_OK   # a session that finished below a budget asked every prompt it has
+    figures = [Figure(f"spent {_usd(n.spent_usd)} of {_usd(n.spend_limit_usd)} limit, balance {_usd(n.balance_usd)}",
+                      anchor)]
+    figures += [Figure(f"{d.name} {d.output_tokens:,}" + (f" / {d.budget:,}" if d.budget else "") + " tokens"
+                       + (" (its prompts ran out)" if ran_out and d in short else ""), anchor) for d in n.datasets]
+    notes = []
+    if not ran_out:
+        notes.append(f"its last session ended {n.status}" + (f": {n.message}" if n.message else "")
+                     + ("" if n.status in _GENERATE_FAILED else "; re-run stage 02 to go on"))
+        if short:
+            notes.append("below budget: " + ", ".join(f"{d.name} {d.output_tokens:,} of {d.budget:,} tokens"
+                                                       for d in short))
+    if not sum(d.samples for d in n.datasets):
+        notes.append("no sample was saved")
+    verdict = (Verdict.FAILED if n.status in _GENERATE_FAILED or not sum(d.samples for d in n.datasets)
+               else Verdict.WARNING if notes else Verdict.OK)
+    return n, verdict, figures, notes
+
+
+def tokens(run: Run, anchor: str):
+    from .tokens.summary import BILLING_ONLY
+
+    r = _json(run, "tokens/report.json")
+    t, flagged = r["totals"], r["flagged_providers"]
+    kept_totals = r.get("totals_kept")
+    scope = kept_totals or t
+    excluded_providers = sorted(flagged) if r["exclude_flagged"] else []
+    n = TokensNumbers(samples=t["samples"], kept=t["kept"], excluded=t["excluded"], flagged_samples=t["flagged"],
+                      exclude_flagged=r["exclude_flagged"], providers_used=sorted(r["providers"]),
+                      providers_flagged={p: f["cause"] or (f["reasons"] or ["flagged"])[0] for p, f in flagged.items()},
+                      providers_excluded=excluded_providers, billed_tokens=scope["billed_completion_tokens"],
+                      rebuilt_tokens=scope["reconstructed_completion_tokens"],
+                      tokens_scope="kept" if kept_totals else "all samples",
+                      response_tokens_kept=t["response_tokens_kept"])
+    flagged_text = ", ".join(f"{p} ({c})" for p, c in n.providers_flagged.items()) or "none"
+    figures = [Figure(f"{len(n.providers_used)} providers, flagged: {flagged_text}", anchor),
+               Figure(f"{n.kept:,} of {n.samples:,} samples kept ({n.response_tokens_kept:,} response tokens)", anchor),
+               Figure(f"billed vs rebuilt on {n.tokens_scope}: {n.billed_tokens:,} vs {n.rebuilt_tokens:,} tokens", anchor)]
+    if n.excluded:
+        left_out = sum(r["providers"][p]["samples"] for p in excluded_providers)
+        why = ([f"every sample of {', '.join(excluded_providers)} ({left_out:,})"] if excluded_providers else []) \
+            + ([f"every flagged sample ({n.flagged_samples:,} in all)"] if n.exclude_flagged and n.flagged_samples else [])
+        figures.append(Figure(f"excluded {n.excluded:,}" + (f": {' and '.join(why)}" if why else ""), anchor))
+    notes = []
+    harmful = {p: c for p, c in n.providers_flagged.items() if flagged[p]["cause"] not in BILLING_ONLY}
+    if harmful and not n.exclude_flagged:
+        notes.append("not fit to train on as kept: " + ", ".join(f"{p} ({c})" for p, c in harmful.items())
+                     + " returned text unlike the target's and their samples are kept; set exclude_flagged: true")
+    if not n.kept:
+        notes.append("no sample is kept")
+    malformed = {name: d["malformed_lines"] for name, d in r["datasets"].items() if d.get("malformed_lines")}
+    if malformed:
+        notes.append("malformed lines skipped: " + ", ".join(f"{k} {v}" for k, v in malformed.items()))
+    verdict = (Verdict.FAILED if (harmful and not n.exclude_flagged) or not n.kept
+               else Verdict.WARNING if notes else Verdict.OK)
+    return n, verdict, figures, notes
+
+
+def hidden(run: Run, anchor: str):
+    c = _json(run, "hidden/check.json")
+    s = _json(run, "hidden/summary.json") if (run.root / "hidden/summary.json").is_file() else {}
+    engine = (f"vllm {c['vllm']}, model runner {c.get('model_runner') or '-'}" if c.get("vllm") else c["engine"])
+    answers = c.get("answers") or {}
+    bounds = answers.get("bounds") or {}
+    n = HiddenNumbers(passed=bool(c["passed"]), samples=c["samples"], positions=c["positions"],
+                      engine=f"{engine}, {c['engine_dtype']}" if c.get("engine_dtype") else engine,
+                      logprob_mean_abs_err=c["logprob_mean_abs_err"], max_mean_abs_err=c["tolerance"]["mean_abs"],
+                      top1_agreement=c["top1_agreement"], min_top1=c["tolerance"]["min_top1"],
+                      answers_tokens=answers.get("tokens"), answers_mean_nll=answers.get("mean_nll"),
+                      answers_argmax_agreement=answers.get("argmax_agreement"), answers_gated=answers.get("gated"),
+                      max_nll=bounds.get("max_nll"), min_agreement=bounds.get("min_agreement"),
+                      problems=list(c.get("problems") or []), cause=c.get("cause"),
+                      tokens=s.get("tokens_extracted", s.get("tokens")), shards_written=s.get("shards_written"),
+                      shards_rejected=s.get("shards_rejected"))
+    figures = [Figure(f"check {'passed' if n.passed else 'FAILED'} on {n.samples} samples ({n.positions:,} positions; "
+                      f"{n.engine})", anchor),
+               Figure(f"logprob error {n.logprob_mean_abs_err:.3g} nat (<= {n.max_mean_abs_err:g}), top-1 agreement "
+                      f"{n.top1_agreement:.1%} (>= {n.min_top1:.0%})", anchor)]
+    if n.answers_tokens:
+        held = (f" (<= {n.max_nll:g})" if n.answers_gated and n.max_nll is not None else "",
+                f" (>= {n.min_agreement:.0%})" if n.answers_gated and n.min_agreement is not None else "")
+        figures.append(Figure(f"own answers ({n.answers_tokens:,} tokens{'' if n.answers_gated else ', not held'}): "
+                              f"mean NLL {n.answers_mean_nll:.3g} nat{held[0]}, argmax agreement "
+                              f"{n.answers_argmax_agreement:.1%}{held[1]}", anchor))
+    if n.shards_written is not None:
+        figures.append(Figure(f"{n.tokens or 0:,} tokens stored; shards: {n.shards_written} written, "
+                              f"{n.shards_rejected or 0} rejected", anchor))
+    notes = []
+    if not n.passed:
+        notes.append("its own check failed: " + "; ".join(n.problems) + (f"; likely cause: {n.cause}" if n.cause else ""))
+    if n.shards_rejected:
+        notes.append(f"{n.shards_rejected} shards failed their health check and are left out")
+    verdict = Verdict.FAILED if not n.passed else Verdict.WARNING if notes else Verdict.OK
+    return n, verdict, figures, notes
+
+
+def _drafter(run: Run, folder: str, kind: str) -> DrafterNumbers:
+    from .files import read_jsonl
+
+    s = _json(run, f"{folder}/summary.json")
+    train = [row for _, row in read_jsonl(run.root / folder / "metrics.jsonl") if row.get("split") == "train"]
+    last, end, start = (train[-1] if train else {}), s.get("heldout") or {}, s.get("heldout_start") or {}
+
+    def acc(row):
+        return row["acc_i"][0] if row.get("acc_i") else None
+
+    return DrafterNumbers(kind=s.get("kind", kind), steps=s["steps"], total_steps=s["total_steps"],
+                          finished=bool(s["finished"]), train_loss=last.get("loss"), train_accuracy=acc(last),
+                          heldout_loss=end.get("loss"), heldout_accuracy=acc(end),
+                          heldout_loss_start=start.get("loss"), heldout_accuracy_start=acc(start))
+
+
+def drafter(run: Run, anchor: str):
+    kinds = [("drafter", "eagle3")] + ([("drafter-dflash", "dflash")]
+                                      if (run.root / "drafter-dflash" / "summary.json").is_file() else [])
+    n = [_drafter(run, folder, kind) for folder, kind in kinds]
+    figures, notes = [], []
+    for d in n:
+        figures += [Figure(f"{d.kind}: {d.steps}/{d.total_steps} steps, final train loss {_num(d.train_loss)}, "
+                           f"accuracy {_pct(d.train_accuracy)}", anchor),
+                    Figure(f"held-out loss {_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)}, accuracy "
+                           f"{_pct(d.heldout_accuracy_start)} -> {_pct(d.heldout_accuracy)} (first draft token)", anchor)]
+        if not d.finished:
+            notes.append(f"{d.kind}: training stopped at step {d.steps} of {d.total_steps}; re-run stage 05 to resume")
+        if d.heldout_loss is not None and d.heldout_loss_start is not None and d.heldout_loss >= d.heldout_loss_start:
+            notes.append(f"{d.kind}: the held-out loss did not fall ({_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)})")
+    return n, Verdict.WARNING if notes else Verdict.OK, figures, notes
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def _rows(by_t: dict, key: str, ngram_kind: str) -> list[AcceptanceRow]:
+    """One row per (prompt set, temperature) of a report part's `temperatures`: the final eagle3
+    drafter, n-gram lookup (`ngram_kind`) and no drafter, by their acceptance `key`."""
+    rows = []
+    for t in by_t.values():
+        methods = t["methods"]
+        pick = {"drafter": next((m for m in methods.values() if m["kind"] == "eagle3" and m.get("final")), None),
+                "ngram": next((m for m in methods.values() if m["kind"] == ngram_kind), None),
+                "no_drafter": next((m for m in methods.values() if m["kind"] == "none"), None)}
+        sets = sorted({ds for m in pick.values() if m for ds in m.get("per_dataset", {})})
+        for ds in sets:
+            value = {k: (m["per_dataset"].get(ds) or {}).get(key) if m else None for k, m in pick.items()}
+            rows.append(AcceptanceRow(ds, float(t["temperature"]), value["drafter"], value["ngram"],
+                                      value["no_drafter"], pick["drafter"].get("lossless") if pick["drafter"] else None))
+    return rows
+
+
+def evaluate(run: Run, anchor: str):
+    r = _json(run, "eval/report.json")
+    bench = r.get("benchmarks") or {}
+    if r.get("engine"):
+        n = EvalNumbers("vllm", "eagle3", _rows(r["engine"]["temperatures"], "acceptance_length", "ngram")
+                        + _rows((bench.get("engine") or {}).get("temperatures") or {}, "acceptance_length", "ngram"))
+    else:
+        n = EvalNumbers("decoder", "eagle3", _rows(r["temperatures"], "acceptance_length_vllm", "prompt_lookup")
+                        + _rows(bench.get("temperatures") or {}, "acceptance_length_vllm", "prompt_lookup"))
+    figures = [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_length(row.drafter)} vs ngram "
+                      f"{_length(row.ngram)}, none {_length(row.no_drafter)}" + ("" if row.lossless is None else
+                                                        ", lossless" if row.lossless else ", NOT lossless"), anchor)
+               for row in n.rows]
+    notes = []
+    lossy = sorted({f"T={row.temperature:g}" for row in n.rows if row.lossless is False})
+    if lossy:
+        notes.append(f"the drafter's outputs differ from no drafter's at {', '.join(lossy)}: speculative decoding "
+                     f"must not change greedy outputs")
+    below = [row for row in n.rows if row.drafter is not None and row.ngram is not None and row.drafter < row.ngram]
+    if below:
+        notes.append(f"the drafter is below ngram on {len(below)} of {len(n.rows)} prompt sets x temperatures")
+    if not n.rows:
+        notes.append("no acceptance length was measured")
+    verdict = Verdict.FAILED if lossy or not n.rows else Verdict.WARNING if notes else Verdict.OK
+    return n, verdict, figures, notes
+
+
+# the stage notebooks' titles -> the reader of the stage's files; a notebook of another name is
+# summed up from its executed notebook alone (time, and whether a cell failed)
+READERS = {"01_providers": providers, "02_generate": generate, "03_validate_tokens": tokens,
+           "04_hidden_states": hidden, "05_train_drafter": drafter, "06_evaluate": evaluate}
+
+
+# ---- the whole run -----------------------------------------------------------------------------
+
+def _notebook_state(path: Path) -> tuple[float | None, str | None]:
+    """(seconds it ran, the error it ended in or None) from an executed notebook's papermill record."""
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return None, f"{path.name}: cannot be read ({e})"
+    pm = nb.get("metadata", {}).get("papermill", {})
+    for cell in nb.get("cells", []):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                value = (out.get("evalue") or "").strip().splitlines()
+                return pm.get("duration"), f"{out.get('ename')}: {value[0] if value else ''}"
+    if pm.get("exception") or (pm.get("duration") is None and pm.get("end_time") is None):
+        return pm.get("duration"), "the notebook did not run to its end (interrupted, or its kernel died)"
+    return pm.get("duration"), None
+
+
+def stage(run: Run, paths: list[Path]) -> StageSummary:
+    """The summary of one stage from its executed notebooks `paths` (several when it ran on several
+    nodes: the slowest node's time, any node's error) and its own files."""
+    states = [_notebook_state(p) for p in paths]
+    seconds = max((s for s, _ in states if s is not None), default=None)
+    error = next((e for _, e in states if e), None)
+    anchor = paths[0].stem
+    reader = READERS.get(anchor.split("@")[0])
+    numbers, figures, notes, verdict = None, [], [], Verdict.OK
+    if reader:
+        try:
+            numbers, verdict, figures, notes = reader(run, anchor)
+        except Unreadable as e:
+            error = error or str(e)
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            error = error or f"its files are not what the stage writes ({type(e).__name__}: {e}); re-run it"
+    if error:
+        verdict, notes = Verdict.FAILED, [f"stopped: {error}"] + notes
+    return StageSummary(anchor.split("@")[0], anchor, verdict, seconds, f"logs/{anchor}.log", figures, notes, numbers)
+
+
+def build(run: Run) -> Summary:
+    """The summary of every stage with an executed notebook in `run`, one line per stage number."""
+    by_number: dict[str, list[Path]] = {}
+    for p in run.executed_notebooks():
+        by_number.setdefault(p.stem[:2], []).append(p)
+    stages = [stage(run, paths) for _, paths in sorted(by_number.items())]
+    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages)
+
+
+def write(run: Run, summary: Summary) -> Path:
+    path = run.root / SUMMARY
+    write_json_atomic(path, summary.to_json())
+    return path
+
+
+def read(run: Run) -> dict:
+    """`<run>/summary.json` as written."""
+    return json.loads((run.root / SUMMARY).read_text(encoding="utf-8"))
+
+
+# ---- as text -----------------------------------------------------------------------------------
+
+def duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def stage_line(s: StageSummary, width: int = 0) -> str:
+    """`03_validate_tokens  failed   12 s  figure; figure; ...`"""
+    return (f"{s.title:<{width or len(s.title)}}  {s.verdict.value:<7}  {duration(s.seconds):>7}  "
+            + "; ".join(f.text for f in s.figures)).rstrip()
+
+
+def headline(summary: Summary) -> str:
+    bad = [s for s in summary.stages if s.verdict != Verdict.OK]
+    return (f"run {summary.run}: {summary.verdict.value}"
+            + (" (" + ", ".join(f"{s.title} {s.verdict.value}" for s in bad) + ")" if bad else ""))
+
+
+def lines(summary: Summary) -> list[str]:
+    """The summary as `draftsmith run` prints it last: the verdict, one line per stage, then why
+    each stage that is not ok is not."""
+    width = max((len(s.title) for s in summary.stages), default=0)
+    out = [headline(summary)] + ["  " + stage_line(s, width) for s in summary.stages]
+    out += [f"  ! {s.title}: {note}" for s in summary.stages for note in s.notes]
+    return out

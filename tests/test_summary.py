@@ -1,0 +1,255 @@
+"""The run summary (`draftsmith.summary`) from hand-written stage outputs: each stage's verdict and
+figures come from its own files, a warned or failed stage is named at the top and at the end, the
+report opens with the block, and summary.json holds the same numbers. (tests/test_chain.py checks
+the summary of a real chain run against each stage's own report.)"""
+
+import json
+
+import nbformat
+import pytest
+
+from draftsmith import summary
+from draftsmith.paths import Run
+from draftsmith.report import write_report
+from draftsmith.summary import Verdict
+
+TITLES = ["01_providers", "02_generate", "03_validate_tokens", "04_hidden_states", "05_train_drafter", "06_evaluate"]
+
+
+def executed(run: Run, title: str, seconds: float = 12.0, error: tuple[str, str] | None = None) -> None:
+    """An executed notebook as papermill leaves it: its run time, and a cell's error if it failed."""
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("stage.run()")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"{title} printed this\n")]
+    if error:
+        cell.outputs.append(nbformat.v4.new_output("error", ename=error[0], evalue=error[1], traceback=[]))
+    nb.cells.append(cell)
+    nb.metadata["papermill"] = {"duration": seconds, "exception": True if error else None,
+                                "end_time": "2026-12-04T08:00:00"}
+    nbformat.write(nb, run.dir("notebooks") / f"{title}.ipynb")
+
+
+def put(run: Run, rel: str, doc) -> None:
+    path = run.root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(x) + "\n" for x in doc) if rel.endswith(".jsonl") else json.dumps(doc))
+
+
+def provider(samples, flagged=False, cause=None, reasons=()):
+    return {"samples": samples, "flagged": flagged, "cause": cause, "reasons": list(reasons)}
+
+
+def method(kind, by_set, lossless=None, final=None, key="acceptance_length_vllm"):
+    m = {"kind": kind, "lossless": lossless, "per_dataset": {ds: {key: v} for ds, v in by_set.items()}}
+    if final is not None:
+        m["final"] = final
+    return m
+
+
+def decoder_temperatures(lossless=True):
+    return {"0": {"temperature": 0.0, "methods": {
+                "none": method("none", {"code": 1.0, "chat": 1.0}, True),
+                "prompt lookup": method("prompt_lookup", {"code": 1.4, "chat": 1.2}, True),
+                "eagle3 50%": method("eagle3", {"code": 1.5, "chat": 1.3}, True, final=False),
+                "eagle3": method("eagle3", {"code": 1.9, "chat": 1.6}, lossless, final=True)}},
+            "1": {"temperature": 1.0, "methods": {
+                "none": method("none", {"code": 1.0, "chat": 1.0}),
+                "prompt lookup": method("prompt_lookup", {"code": 1.1, "chat": 1.05}),
+                "eagle3": method("eagle3", {"code": 1.7, "chat": 1.5}, final=True)}}}
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A run whose six stages all ran and whose outputs are all fine."""
+    run = Run(tmp_path / "outputs", "r")
+    for title in TITLES:
+        executed(run, title)
+    put(run, "providers/summary.json", {"balance_usd": 10.0, "stage_01_spent_usd": 0.004, "fits_fraction": 1.0})
+    put(run, "providers/routing.json", {"allowed": ["moonshotai/int4", "parasail/int4", "deepinfra/int4"],
+                                        "excluded": [{"tag": "deepinfra/fp4", "reason": "fp4 is below the native int4"}]})
+    put(run, "generate/manifest.json", {
+        "config": {"spend_limit_usd": 1.0}, "spent_usd": 0.0321,
+        "datasets": {"code": {"samples": 40, "completion_tokens": 8100, "budget": 8000, "failed_for_good": 0},
+                     "chat": {"samples": 90, "completion_tokens": 20300, "budget": 20000, "failed_for_good": 1}},
+        "sessions": [{"status": "finished", "message": ""}]})
+    put(run, "generate/timeline.jsonl", [{"spent": 0.01, "balance": 9.99}, {"spent": 0.0321, "balance": 9.9679}])
+    totals = {"samples": 130, "kept": 90, "excluded": 40, "flagged": 3, "billed_completion_tokens": 28400,
+              "reconstructed_completion_tokens": 27900, "response_tokens_kept": 19000}
+    put(run, "tokens/report.json", {
+        "exclude_flagged": True, "totals": totals,
+        "totals_kept": {**totals, "billed_completion_tokens": 19100, "reconstructed_completion_tokens": 19000},
+        "providers": {"Moonshot AI": provider(60), "DeepInfra": provider(32),
+                      "Parasail": provider(38, True, "stripped_whitespace", ["strips whitespace"])},
+        "flagged_providers": {"Parasail": {"cause": "stripped_whitespace", "reasons": ["strips whitespace"]}},
+        "datasets": {"code": {"malformed_lines": 0}, "chat": {"malformed_lines": 0}}})
+    put(run, "hidden/check.json", {
+        "samples": 4, "positions": 508, "engine": "vllm", "engine_dtype": "float32", "storage_dtype": "bf16",
+        "vllm": "0.11.0", "model_runner": "v1",
+        "logprob_mean_abs_err": 0.0021, "logprob_max_abs_err": 0.02, "top1_agreement": 1.0,
+        "tolerance": {"mean_abs": 0.02, "max_abs": 0.25, "min_top1": 0.98}, "problems": [], "passed": True,
+        "answers": {"tokens": 380, "mean_nll": 5.61, "argmax_agreement": 0.061, "gated": True,
+                    "bounds": {"max_nll": 7.0, "min_agreement": 0.02, "min_tokens": 32}}})
+    put(run, "hidden/summary.json", {"tokens_extracted": 31000, "shards_written": 5, "shards_rejected": 0})
+    put(run, "drafter/summary.json", {
+        "kind": "eagle3", "steps": 40, "total_steps": 40, "finished": True,
+        "heldout": {"loss": 9.5, "acc_i": [0.41, 0.3, 0.2]}, "heldout_start": {"loss": 16.9, "acc_i": [0.0, 0.0, 0.0]}})
+    put(run, "drafter/metrics.jsonl", [{"split": "train", "step": 39, "loss": 9.9, "acc_i": [0.38, 0.3, 0.2]},
+                                       {"split": "train", "step": 40, "loss": 9.7, "acc_i": [0.4, 0.3, 0.2]},
+                                       {"split": "heldout", "step": 40, "loss": 9.5, "acc_i": [0.41, 0.3, 0.2]}])
+    put(run, "eval/report.json", {"engine": None, "temperatures": decoder_temperatures(), "benchmarks": None})
+    return run
+
+
+def stage(s: summary.Summary, title: str) -> summary.StageSummary:
+    return next(x for x in s.stages if x.title == title)
+
+
+def test_a_run_whose_stages_are_all_fine_is_ok_with_each_stages_deciding_figures(run):
+    s = summary.build(run)
+    assert s.verdict == Verdict.OK and [x.title for x in s.stages] == TITLES
+    assert all(x.verdict == Verdict.OK and x.notes == [] and x.seconds == 12.0 for x in s.stages)
+    text = "\n".join(summary.lines(s))
+    for figure in ("3 endpoints allowed, 1 excluded", "spent $0.0321 of $1.00 limit, balance $9.97",
+                   "code 8,100 / 8,000 tokens", "90 of 130 samples kept",
+                   "billed vs rebuilt on kept: 19,100 vs 19,000 tokens",
+                   "excluded 40: every sample of Parasail (38) and every flagged sample (3 in all)",
+                   "check passed on 4 samples (508 positions; vllm 0.11.0, model runner v1, float32)",
+                   "own answers (380 tokens): mean NLL 5.61 nat (<= 7), argmax agreement 6.1% (>= 2%)",
+                   "final train loss 9.7, accuracy 40.0%", "held-out loss 16.9 -> 9.5",
+                   "code T=0: acceptance 1.90 vs ngram 1.40, none 1.00, lossless",
+                   "chat T=1: acceptance 1.50 vs ngram 1.05, none 1.00"):
+        assert figure in text, figure
+    assert summary.lines(s)[0] == "run r: ok"
+    rows = stage(s, "06_evaluate").numbers.rows
+    assert [(r.prompt_set, r.temperature, r.drafter, r.ngram, r.no_drafter, r.lossless) for r in rows] == [
+        ("chat", 0.0, 1.6, 1.2, 1.0, True), ("code", 0.0, 1.9, 1.4, 1.0, True),
+        ("chat", 1.0, 1.5, 1.05, 1.0, None), ("code", 1.0, 1.7, 1.1, 1.0, None)]
+
+
+def test_summary_json_and_the_top_of_the_report_hold_the_same_summary(run):
+    s = summary.build(run)
+    summary.write(run, s)
+    saved = summary.read(run)
+    assert saved == json.loads(json.dumps(s.to_json())) and saved["verdict"] == "ok"
+    gen = saved["stages"][1]
+    assert gen["title"] == "02_generate" and gen["numbers"]["spent_usd"] == 0.0321
+    assert gen["numbers"]["balance_usd"] == 9.9679 and gen["numbers"]["datasets"][1]["budget"] == 20000
+    html = write_report(run, s).read_text(encoding="utf-8")
+    top = html[:html.index('<a id="01_providers">')]   # the block comes before the first stage's section
+    assert 'Run summary: <span class="ok">ok</span>' in top and 'href="summary.json"' in top
+    for title in TITLES:
+        assert f'<a href="#{title}">{title}</a>' in top and f'href="logs/{title}.log"' in top
+    assert '<a href="#02_generate">spent $0.0321 of $1.00 limit, balance $9.97</a>' in top  # a figure links its section
+    assert '<em>stage 02_generate</em> · <span class="ok">ok</span> · <a href="logs/02_generate.log">log</a>' in html
+
+
+def test_flagged_providers_kept_fail_stage_03_and_the_run_says_so_at_the_top_and_the_end(run):
+    report = json.loads((run.root / "tokens/report.json").read_text())
+    report["exclude_flagged"] = False
+    put(run, "tokens/report.json", report)
+    s = summary.build(run)
+    assert stage(s, "03_validate_tokens").verdict == Verdict.FAILED and s.verdict == Verdict.FAILED
+    assert all(x.verdict == Verdict.OK for x in s.stages if x.title != "03_validate_tokens")  # later stages ran on it
+    out = summary.lines(s)
+    assert out[0] == "run r: failed (03_validate_tokens failed)"
+    assert out[-1].startswith("  ! 03_validate_tokens: not fit to train on as kept: Parasail (stripped_whitespace)")
+    assert "exclude_flagged: true" in out[-1]
+    html = write_report(run, s).read_text(encoding="utf-8")
+    assert 'Run summary: <span class="failed">failed</span>' in html[:html.index('<a id="01_providers">')]
+
+
+def test_providers_flagged_only_for_how_they_count_tokens_are_fit_to_train_on_as_kept(run):
+    report = json.loads((run.root / "tokens/report.json").read_text())
+    report["exclude_flagged"] = False
+    report["providers"]["Parasail"]["cause"] = "other_tokenizer"
+    report["flagged_providers"]["Parasail"]["cause"] = "other_tokenizer"
+    put(run, "tokens/report.json", report)
+    s = stage(summary.build(run), "03_validate_tokens")
+    assert s.verdict == Verdict.OK and "flagged: Parasail (other_tokenizer)" in summary.stage_line(s)
+    assert s.numbers.providers_excluded == []
+
+
+def test_stage_04s_check_failing_fails_the_stage_with_its_problems_and_likely_cause(run):
+    check = json.loads((run.root / "hidden/check.json").read_text())
+    check.update(passed=False, top1_agreement=0.52, problems=["stored top-1 agreement 0.5200 < 0.98"],
+                 cause="the stored final state is before the final norm")
+    put(run, "hidden/check.json", check)
+    s = summary.build(run)
+    h = stage(s, "04_hidden_states")
+    assert h.verdict == Verdict.FAILED and s.verdict == Verdict.FAILED
+    assert "check FAILED on 4 samples" in summary.stage_line(h) and "top-1 agreement 52.0% (>= 98%)" in summary.stage_line(h)
+    assert h.notes == ["its own check failed: stored top-1 agreement 0.5200 < 0.98; likely cause: the stored final "
+                       "state is before the final norm"]
+    assert summary.lines(s)[0] == "run r: failed (04_hidden_states failed)"
+
+
+def test_a_drafter_whose_greedy_outputs_differ_from_no_drafter_fails_stage_06(run):
+    put(run, "eval/report.json", {"engine": None, "temperatures": decoder_temperatures(lossless=False)})
+    e = stage(summary.build(run), "06_evaluate")
+    assert e.verdict == Verdict.FAILED and "NOT lossless" in summary.stage_line(e)
+    assert "differ from no drafter's at T=0" in e.notes[0]
+
+
+def test_with_the_engine_the_acceptance_lengths_are_vllms_on_every_prompt_set_and_a_weaker_drafter_is_a_warning(run):
+    def engine(by_set_drafter):
+        return {"temperatures": {"0": {"temperature": 0.0, "methods": {
+            "none": method("none", {k: 1.0 for k in by_set_drafter}, True, key="acceptance_length"),
+            "ngram": method("ngram", {k: 1.3 for k in by_set_drafter}, True, key="acceptance_length"),
+            "eagle3": method("eagle3", by_set_drafter, True, final=True, key="acceptance_length")}}}}
+
+    put(run, "eval/report.json", {"engine": engine({"code": 1.8, "chat": 1.2}), "temperatures": decoder_temperatures(),
+                                  "benchmarks": {"engine": engine({"mt_bench": 1.25}), "temperatures": {}}})
+    e = stage(summary.build(run), "06_evaluate")
+    assert e.numbers.source == "vllm"
+    assert [(r.prompt_set, r.drafter, r.ngram) for r in e.numbers.rows] == [
+        ("chat", 1.2, 1.3), ("code", 1.8, 1.3), ("mt_bench", 1.25, 1.3)]
+    assert e.verdict == Verdict.WARNING and e.notes == ["the drafter is below ngram on 2 of 3 prompt sets x temperatures"]
+
+
+def test_a_stage_that_stopped_in_a_cell_or_left_no_output_is_failed_naming_why(run):
+    executed(run, "05_train_drafter", error=("RuntimeError", "CUDA out of memory\nmore"))
+    (run.root / "eval/report.json").unlink()
+    s = summary.build(run)
+    assert stage(s, "05_train_drafter").notes[0] == "stopped: RuntimeError: CUDA out of memory"
+    assert stage(s, "06_evaluate").notes == ["stopped: no eval/report.json: the stage did not finish"]
+    assert summary.lines(s)[0] == "run r: failed (05_train_drafter failed, 06_evaluate failed)"
+
+
+def test_a_dataset_whose_prompts_ran_out_below_its_budget_is_no_warning(run):
+    manifest = json.loads((run.root / "generate/manifest.json").read_text())
+    manifest["datasets"]["chat"]["completion_tokens"] = 12000
+    put(run, "generate/manifest.json", manifest)
+    g = stage(summary.build(run), "02_generate")
+    assert g.verdict == Verdict.OK and g.notes == []
+    assert "chat 12,000 / 20,000 tokens (its prompts ran out)" in summary.stage_line(g)
+
+
+def test_stage_02_stopped_short_of_its_budgets_is_a_warning_that_says_how_it_ended(run):
+    manifest = json.loads((run.root / "generate/manifest.json").read_text())
+    manifest["datasets"]["chat"]["completion_tokens"] = 12000
+    manifest["sessions"][-1] = {"status": "spend_limit", "message": "the spend limit $1.00 is reached"}
+    put(run, "generate/manifest.json", manifest)
+    g = stage(summary.build(run), "02_generate")
+    assert g.verdict == Verdict.WARNING
+    assert g.notes == ["its last session ended spend_limit: the spend limit $1.00 is reached; re-run stage 02 to go on",
+                       "below budget: chat 12,000 of 20,000 tokens"]
+
+
+def test_only_the_stages_that_ran_are_summed_up(tmp_path):
+    run = Run(tmp_path / "outputs", "one")
+    executed(run, "01_providers")
+    put(run, "providers/summary.json", {"balance_usd": None, "stage_01_spent_usd": 0.0, "fits_fraction": 0.5})
+    put(run, "providers/routing.json", {"allowed": ["a/int4"], "excluded": []})
+    s = summary.build(run)
+    assert [x.title for x in s.stages] == ["01_providers"] and s.verdict == Verdict.WARNING
+    assert "balance n/a, the plan fits 50%" in summary.stage_line(s.stages[0])
+
+
+def test_a_check_written_before_the_stage_recorded_the_engines_answers_is_summed_up_without_them(run):
+    check = json.loads((run.root / "hidden/check.json").read_text())
+    for key in ("answers", "vllm", "model_runner"):
+        del check[key]
+    put(run, "hidden/check.json", check)
+    h = stage(summary.build(run), "04_hidden_states")
+    assert h.verdict == Verdict.OK and h.numbers.answers_mean_nll is None and h.numbers.engine == "vllm, float32"
+    assert "own answers" not in summary.stage_line(h)
