@@ -10,6 +10,7 @@ Each test prints its row of the table fault -> what the check reported (`pytest 
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,6 +55,7 @@ class Planted:
     def __init__(self, inner, fault: str, layer_ids: list[int], target):
         self.inner, self.fault, self.ids = inner, fault, list(layer_ids)
         self.backend, self.device, self.dtype = inner.backend, inner.device, inner.dtype
+        self.engine, self.step_tokens = getattr(inner, "engine", None), getattr(inner, "step_tokens", None)
         self.n = num_layers(target)
         self.norm = final_norm(target)
 
@@ -255,3 +257,198 @@ def test_a_shard_whose_layer_rms_drifts_from_the_first_shards_is_rejected():
     assert [e["file"] for e in good] == ["shard-00000.safetensors", "shard-00001.safetensors"]
     [e] = bad
     assert "aux 1: RMS 25 is 2.50x the first shard's 10" in e["problems"][0]
+
+
+# ---- across engine steps: a sample longer than one step, split by chunked prefill ----------------
+
+STEP = 64  # vLLM's max_num_batched_tokens for these tests: the check's longest sample spans 3 steps
+
+
+class StaleChunk(Planted):
+    """A clean capture except that the step-crossing sample's second chunk (its tokens of the second
+    engine step) holds the features of its first tokens: a capture that gathered the slots of the
+    step before at a chunk boundary."""
+
+    def __call__(self, batch, reference=False):
+        aux, last, *refs = super().__call__(batch, reference)
+        if reference:
+            k = reference.index(True) if isinstance(reference, list) else 0  # after the filler, if any
+            a = sum(len(s) for s in batch[:k]) + check.crossing_window(STEP)
+            n = min(STEP, len(batch[k]) - check.crossing_window(STEP))
+            start = a - check.crossing_window(STEP)
+            aux, last = aux.clone(), last.clone()
+            aux[a:a + n], last[a:a + n] = aux[start:start + n].clone(), last[start:start + n].clone()
+        return (aux, last, *refs)
+
+
+@pytest.fixture(scope="module")
+def stepped(tiny_target):
+    """vLLM on every layer of tiny-test, STEP tokens a step (chunked prefill)."""
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cap = open_capture("vllm", tiny_target, list(range(num_layers(tiny_target))), device="cpu",
+                       trust_remote_code=True, max_model_len=2048, max_num_batched_tokens=STEP, log=lambda m: None)
+    yield cap
+    cap.close()
+    torch.set_num_threads(torch_threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokens(tiny_target, tmp_path_factory):
+    from draftsmith.targets.checkpoint import load_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny-tokens")
+    write_tokens(d / "chat.jsonl", load_tokenizer(tiny_target), 6, 0, "chat")
+    return [d / "chat.jsonl"]
+
+
+def stepped_run(capture, tiny_target, tokens, out_dir, cls=Planted, **kw):
+    ids = layers.default_layer_ids(num_layers(tiny_target))
+    return extract(tiny_target, tokens, out_dir, capture=cls(capture, "clean", ids, tiny_target), layer_ids=ids,
+                   target_backend="vllm", max_tokens_per_batch=1024, shard_mb=0.02, check_samples=2,
+                   log=lambda m: None, **kw)
+
+
+@pytest.mark.parametrize("window", [STEP, 16])
+def test_the_check_covers_every_chunk_of_a_sample_split_across_engine_steps_and_records_what_ran(
+        stepped, tiny_target, tiny_tokens, tmp_path, window, monkeypatch):
+    """window STEP: the sample starts its first step; 16: a filler of its own first 48 tokens goes
+    before it (`check.CROSSING_WINDOW`, 1024 on a real engine), and the step ends 16 tokens in."""
+    import vllm
+
+    monkeypatch.setattr(check, "CROSSING_WINDOW", window)
+    summary = stepped_run(stepped, tiny_target, tiny_tokens, tmp_path)
+    r = summary["check"]
+    c = r["step_crossing"]
+    assert r["passed"] and c["crosses"] and c["step_tokens"] == STEP and c["first_step_tokens"] == window, r
+    assert window + STEP < c["sample_tokens"] <= window + check.CHECK_TOKENS, c  # the longest sample, cut
+    # the chunks tile the sample: its share of the first step, then one chunk a step
+    assert [ch["tokens"][0] for ch in c["chunks"]] == [0] + list(range(window, c["sample_tokens"], STEP)), c
+    assert c["chunks"][-1]["tokens"][1] == c["sample_tokens"] and len(c["chunks"]) >= 3
+    # what ran, in check.json, the index and the summary alike
+    ran = {"vllm": vllm.__version__, "model_runner": "v1", "max_num_batched_tokens": STEP, "chunked_prefill": True}
+    on_disk = json.loads((tmp_path / outputs.CHECK).read_text())
+    for record in (r, on_disk, outputs.HiddenShards(tmp_path).index["engine"], summary["engine"]):
+        assert {k: record[k] for k in ran} == ran and "CPU_ATTN" in record["attention_backend"], record
+        assert record["model_runner_class"].endswith("CPUModelRunner"), record
+    print(f"| tiny-test | vllm, {STEP} tokens a step | none | chunks "
+          f"{[round(ch['logprob_max_abs_err'], 3) for ch in c['chunks']]} | passed |")
+
+
+def test_a_fault_in_one_chunk_of_the_step_crossing_sample_is_caught_and_named(stepped, tiny_target, tiny_tokens,
+                                                                              tmp_path):
+    with pytest.raises(check.CheckFailed) as failed:
+        stepped_run(stepped, tiny_target, tiny_tokens, tmp_path, cls=StaleChunk)
+    r, line = failed.value.record, str(failed.value)
+    chunks = r["step_crossing"]["chunks"]
+    tol = check.tolerance_for("captured", r["engine_dtype"])
+    assert chunks[1]["tokens"] == [STEP, 2 * STEP], chunks
+    # the first chunk is clean, the second is the stale one, named as such
+    assert chunks[0]["logprob_max_abs_err"] <= tol.max_abs and chunks[1]["top1_agreement"] < tol.min_top1, chunks
+    assert any(p.startswith(f"chunk 2 of {len(chunks)} of the step-crossing sample") for p in r["problems"]), r
+    assert "one engine step" in r["cause"] and "chunk 2 of" in line and "\n" not in line
+    assert not outputs.shard_files(tmp_path)
+    with pytest.raises(ValueError, match="stage 04's own check failed"):
+        outputs.HiddenShards(tmp_path)
+    print(f"| tiny-test | vllm, {STEP} tokens a step | chunk 2 stale | chunks "
+          f"{[round(ch['logprob_max_abs_err'], 3) for ch in chunks]} | caught: {r['cause'].split(':')[0]} |")
+
+
+# ---- the gate: the engine on the target's own answers --------------------------------------------
+
+def write_own_answers(path, target, n: int, seed: int) -> None:
+    """A stage-03 tokens file of the target's own answers (sampled at temperature 1, as stage 02's
+    default) to `n` of the demo's chat prompts."""
+    from draftsmith.targets.checkpoint import load_target, load_tokenizer
+
+    tok, model = load_tokenizer(target), load_target(target, "cpu")
+    lines = (Path(__file__).resolve().parents[1] / "data" / "demo" / "chat.jsonl").read_text().splitlines()
+    torch.manual_seed(seed)
+    rows = []
+    for i, line in enumerate(lines[:n]):
+        question = next(t["value"] for t in json.loads(line)["conversations"] if t["from"] == "human")
+        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                 max_new_tokens=96, pad_token_id=tok.pad_token_id)
+        resp = out[0, len(ids):].tolist()
+        rows.append({"sample_id": f"chat-{i}", "dataset": "chat", "provider": "p", "input_ids": ids + resp,
+                     "loss_mask": [0] * len(ids) + [1] * len(resp), "output_ids": resp, "excluded": False})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def perturbed(target, into, weight: str, scale: float):
+    """A copy of the target's folder with Gaussian noise of `scale` x RMS on `weight`: a stand-in for
+    a kernel that computes that projection wrongly (and agrees with itself)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(target, into)
+    tensors = load_file(into / "model.safetensors")
+    w = tensors[weight].float()
+    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(1))
+    tensors[weight] = (w + scale * w.pow(2).mean().sqrt() * noise).to(tensors[weight].dtype)
+    save_file(tensors, into / "model.safetensors", metadata={"format": "pt"})
+    return into
+
+
+@pytest.fixture(scope="module")
+def own_answers(tiny_target, tmp_path_factory):
+    path = tmp_path_factory.mktemp("own") / "chat.jsonl"
+    write_own_answers(path, tiny_target, 6, seed=0)
+    return [path]
+
+
+def gated(target, tokens, out_dir, check_answers=True):
+    """Stage 04 through transformers with the check and the gate: the check's record, and the line it
+    stopped with (None: passed)."""
+    ids = layers.default_layer_ids(num_layers(target))
+    try:
+        return extract(target, tokens, out_dir, layer_ids=ids, target_backend="hf", device="cpu",
+                       max_tokens_per_batch=1024, shard_mb=0.02, check_samples=6, check_answers=check_answers,
+                       log=lambda m: None)["check"], None
+    except check.CheckFailed as failed:
+        return failed.record, str(failed)
+
+
+def test_the_targets_own_answers_pass_the_gate_and_another_models_fail_it_unless_it_is_off(
+        tiny_target, own_answers, tiny_tokens, tmp_path):
+    bounds = check.ANSWERS
+    r, line = gated(tiny_target, own_answers, tmp_path / "own")
+    a = r["answers"]
+    assert line is None and r["passed"] and a["gated"] and a["tokens"] >= bounds.min_tokens, r
+    assert a["mean_nll"] <= bounds.max_nll and a["argmax_agreement"] >= bounds.min_agreement, a
+    # answers no target of this vocabulary would write (uniform random ids): the gate stops stage 04
+    r, line = gated(tiny_target, tiny_tokens, tmp_path / "other")
+    assert line is not None and "not with the target's own answers" in r["cause"] and "check_answers" in line, r
+    assert all("own answers" in p or "argmax" in p for p in r["problems"]), r["problems"]  # nothing else is off
+    # with check_answers off the same figures are recorded, not held
+    r, line = gated(tiny_target, tiny_tokens, tmp_path / "off", check_answers=False)
+    assert line is None and not r["answers"]["gated"] and r["answers"]["mean_nll"] > bounds.max_nll, r
+
+
+def test_a_target_with_one_projection_perturbed_agrees_with_itself_and_fails_the_gate(
+        tiny_target, own_answers, tmp_path):
+    """The wrong kernel's stand-in: noise of 30x its RMS on layer 0's MLP down projection. The engine
+    still agrees with itself (the check's logprob figures hold), only the answers give it away."""
+    copy = perturbed(tiny_target, tmp_path / "target", "model.layers.0.mlp.down_proj.weight", 30.0)
+    r, line = gated(copy, own_answers, tmp_path / "hidden")
+    tol = check.tolerance_for("captured", r["engine_dtype"])
+    assert r["captured"]["logprob_mean_abs_err"] <= tol.mean_abs and r["health"]["min_layer_distance"] > 0, r
+    assert line is not None and "not with the target's own answers" in r["cause"], r
+    assert r["answers"]["mean_nll"] > check.ANSWERS.max_nll, r["answers"]
+    print(f"| tiny-test perturbed | hf | mean NLL {r['answers']['mean_nll']} | agreement "
+          f"{r['answers']['argmax_agreement']} | caught |")
+
+
+def test_the_model_runner_setting_reaches_vllm_which_runs_only_v1_on_a_cpu(tiny_target, tiny_tokens, tmp_path):
+    """`vllm_model_runner` v2 starts vLLM with VLLM_USE_V2_MODEL_RUNNER=1; vLLM's CPU build (no Triton)
+    refuses it at once, with its own reason. A runner vLLM does not have is refused before any engine."""
+    from draftsmith.targets.vllm import VllmCapture
+
+    with pytest.raises(RuntimeError, match="Model Runner V2 requires Triton"):
+        VllmCapture(tiny_target, [1, 3, 4], vllm_model_runner="v2", log=lambda m: None)
+    with pytest.raises(ValueError, match=r"vllm_model_runner must be one of \('v1', 'v2'\), got 'v3'"):
+        extract(tiny_target, tiny_tokens, tmp_path, target_backend="vllm", engine_options={"vllm_model_runner": "v3"})

@@ -2,13 +2,25 @@
 
 No second model is needed, so it runs at any scale (a 1T target on tensor parallel 8 included):
 - Early check, before any shard is written. The first `check_samples` samples (each cut to its
-  first `CHECK_TOKENS` tokens) pass through the capture once more, and the same engine also gives
-  its own prompt logprobs of the same ids (vLLM `prompt_logprobs`; `hf`: the model's own logits).
+  prompt and first `CHECK_TOKENS` response tokens) pass through the capture once more, and the
+  same engine also gives its own prompt logprobs of the same ids (vLLM `prompt_logprobs`; `hf`: the
+  model's own logits). On an engine that prefills in steps of `max_num_batched_tokens` (vLLM with
+  chunked prefill), the longest sample, cut to `CROSSING_WINDOW` + `CHECK_TOKENS` tokens, goes
+  after a filler (a prefix of it, without logprobs) that leaves it `CROSSING_WINDOW` tokens of its
+  first step: chunked prefill splits it there, and every chunk is held to the bounds on its own
+  (`step_crossing`).
   The features go through the shard writer and are read back as stage 05 reads them. Then
   log_softmax(lm_head(stored last)) must give the engine's logprob of every next token and its
   top-1. The lm_head comes from the checkpoint's safetensors, without building the model.
   Because the final state is captured through the same layer numbering as the aux layers, a wrong
   numbering shows up here too.
+- The answers: all of the above compares the engine with itself, so a kernel that computes wrongly
+  (and agrees with itself) passes it. The responses are the target's own sampled answers (stage
+  02), so a correct forward pass finds them likely: the engine's mean NLL of the checked response
+  tokens and how often its argmax is the sampled token (`answer_figures`) are held to `ANSWERS`
+  when `check_answers` is on (answers from another model: recorded, not held).
+- What ran: the record carries the engine's own (`capture.engine`: vLLM's version, model runner,
+  attention backend, MoE kernel, step size; `hf`: transformers' and torch's versions).
 - Health of every shard (`health`, `judge_shards`): NaN/inf counts, each stored layer's RMS, how
   far apart the layers are (a duplicated layer, or a dropped one whose neighbour slid into its
   column, is as close as a copy), and the RMS drift from the first shard. A shard that fails is
@@ -17,7 +29,7 @@ No second model is needed, so it runs at any scale (a 1T target on tensor parall
 A failed early check stops stage 04 with one line (`CheckFailed`): the figures, the tolerance, the
 likely cause and the setting to look at. The index then lists no shard and records the failed
 check, and every reader refuses it (`outputs.HiddenShards`). Tolerances are all in `TOLERANCE`,
-`ROUNDTRIP`, `MIN_LAYER_DISTANCE` and `RMS_DRIFT`.
+`ROUNDTRIP`, `MIN_LAYER_DISTANCE`, `RMS_DRIFT` and `ANSWERS`.
 """
 
 from __future__ import annotations
@@ -30,7 +42,11 @@ import torch
 
 from . import outputs
 
-CHECK_TOKENS = 128  # tokens of each checked sample (its first ones: the features of a prefix are the prefix's)
+CHECK_TOKENS = 128  # response tokens of each checked sample (its first ones: a prefix's features are the prefix's)
+# tokens of the step-crossing sample in its first step: a filler (its own first step - CROSSING_WINDOW
+# tokens, no prompt logprobs) goes before it, so the engine's logits for prompt logprobs (vLLM's V1
+# runner computes a request's share of a step at once: [tokens, vocabulary]) stay this small
+CROSSING_WINDOW = 1024
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,25 @@ ROUNDTRIP = {"bf16": 0.005, "fp8": 0.05}  # largest relative error, stored vs ca
 # adjacent layers 4 and 5) 0.011
 MIN_LAYER_DISTANCE = 0.005
 RMS_DRIFT = (0.5, 2.0)     # a shard's layer RMS over the first shard's, each layer
+
+
+@dataclass(frozen=True)
+class AnswerBounds:
+    """The engine on the target's own sampled answers: the largest mean NLL (nat) of a response token,
+    the smallest share of them its argmax predicts, and the fewest response tokens to judge on."""
+
+    max_nll: float
+    min_agreement: float
+    min_tokens: int
+
+
+# Set from the built-in targets on their own answers, sampled at temperature 1 (bench/gate_figures.py;
+# docs/gpu.md, "Stage 04's own check"). The toy targets barely use their context: on their own
+# answers they read 5.1 (tiny) to 5.6 nat (kimi-mini), 1.4 nat or more under the NLL bound, with
+# argmax agreement 0.04-0.28, 4x or more over its bound. A copy with one attention or MLP projection
+# perturbed (noise of 30x its RMS) reads 8-13 nat (one routed expert of kimi-mini-bf16: no change). A real target on its own answers reads far inside both bounds;
+# the argmax bound catches a forward pass whose argmax has nothing to do with the answers.
+ANSWERS = AnswerBounds(max_nll=7.0, min_agreement=0.01, min_tokens=32)
 
 
 class CheckFailed(RuntimeError):
@@ -174,25 +209,72 @@ def judge_shards(entries: list[dict]) -> tuple[list[dict], list[dict]]:
 
 # ---- the early check --------------------------------------------------------------------------
 
-def check_samples_of(samples: list, order: list[int], n: int) -> list:
-    """The first `n` samples in extraction order, each cut to its first CHECK_TOKENS tokens."""
+def _cut(s, n: int):
+    return replace(s, input_ids=s.input_ids[:n], loss_mask=s.loss_mask[:n])
+
+
+def check_samples_of(samples: list, order: list[int], check_samples: int, step_tokens: int | None = None) -> list:
+    """The first `check_samples` samples in extraction order, each cut to its prompt and first CHECK_TOKENS
+    response tokens. `step_tokens` (an engine that prefills in steps of that many tokens): the
+    longest sample, cut to `crossing_window(step_tokens)` + CHECK_TOKENS tokens, goes first (`run_check`
+    splits it across steps) in place of its turn among them, if it is one of them."""
+    if check_samples <= 0:
+        return []
     out = []
-    for i in order[:n]:
+    for i in order[:check_samples]:
         s = samples[i]
-        cut = min(len(s), CHECK_TOKENS)
-        out.append(replace(s, input_ids=s.input_ids[:cut], loss_mask=s.loss_mask[:cut]))
-    return out
+        response = s.loss_mask.nonzero()
+        start = int(response[0]) if len(response) else len(s)
+        out.append((i, _cut(s, min(len(s), start + CHECK_TOKENS))))
+    if step_tokens:
+        longest = max(order, key=lambda i: len(samples[i]))
+        s = samples[longest]
+        cut = min(len(s), crossing_window(step_tokens) + CHECK_TOKENS)
+        out = [(longest, _cut(s, cut))] + [x for x in out if x[0] != longest]
+    return [s for _, s in out]
 
 
-def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str, work_dir: Path, log=print) -> dict:
+def crossing_window(step_tokens: int) -> int:
+    """Tokens of the step-crossing sample in its first step (the rest of that step is the filler's)."""
+    return min(step_tokens, CROSSING_WINDOW)
+
+
+ENGINE_FIELDS = ("vllm", "model_runner", "model_runner_class", "attention_backend", "moe_kernel",
+                 "max_num_batched_tokens", "chunked_prefill", "platform", "transformers", "torch")  # `engine_of`'s keys
+
+
+def engine_of(capture) -> dict:
+    """What ran the check: the capture's `engine` record (vLLM: `vllm_capture.engine_record`), or the
+    versions of transformers and torch (`hf`)."""
+    engine = getattr(capture, "engine", None)
+    if engine:
+        return dict(engine)
+    import transformers
+
+    return {"transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str, work_dir: Path,
+              check_answers: bool = False, log=print) -> dict:
     """Capture `batch` with the engine's reference logprobs, store and read it back as a shard, and
-    compare (module docstring). Returns the record (`passed`, figures, tolerance, `problems`, and
-    `cause` when it failed); raises nothing itself."""
+    compare (module docstring). When the engine runs in steps (`capture.step_tokens`) and batch[0]
+    is longer than one, each of its chunks is judged too (`step_crossing`). The engine's figures on
+    the response tokens (`answers`) are held to `ANSWERS` when `check_answers`. Returns the record
+    (`passed`, figures, tolerance, what ran, `problems`, and `cause` when it failed); raises nothing
+    itself."""
     from ..targets.checkpoint import final_norm, lm_head_weight
     from ..targets.vllm import rms_norm
 
     t0 = time.perf_counter()
-    aux, last, refs = capture(batch, reference=True)
+    step = getattr(capture, "step_tokens", None)
+    window = crossing_window(step) if step else None
+    if step and len(batch[0]) > window and step > window:
+        # the filler fills the first step but `window` tokens, without prompt logprobs; its rows go
+        filler = _cut(batch[0], step - window)
+        aux, last, refs = capture([filler] + batch, reference=[False] + [True] * len(batch))
+        aux, last, refs = aux[len(filler):], last[len(filler):], refs[1:]
+    else:
+        aux, last, refs = capture(batch, reference=True)
     lengths = [len(s) for s in batch]
     offsets = torch.tensor([0] + lengths).cumsum(0)
     ids = torch.cat([s.input_ids for s in batch])
@@ -210,33 +292,67 @@ def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str,
     pos = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1]) - 1) for i in range(len(batch))])
     ref_chosen = torch.cat([r["chosen"] for r in refs]).float()
     ref_top1 = torch.cat([r["top1"] for r in refs])
-    figures = {state: _agreement(states[pos], ids[pos + 1], head, rounding, ref_chosen, ref_top1)
-               for state, states in (("captured", last.float()), ("stored", stored["last"]))}
+    errors = {state: _errors(states[pos], ids[pos + 1], head, rounding, ref_chosen, ref_top1)
+              for state, states in (("captured", last.float()), ("stored", stored["last"]))}
+    figures = {state: _figures(*e) for state, e in errors.items()}
     roundtrip = {"aux": _distance(stored["aux"], aux.float()), "last": _distance(stored["last"], last.float())}
     h = health(aux, last, layer_ids, norm_weight)  # as captured: the storage has its own figures above
     tol = {"captured": tolerance_for("captured", engine), "stored": tolerance_for(dtype, engine)}
+    crossing = step_crossing(lengths[0], window, step, *errors["captured"]) if step else None
+    answers = answer_figures(ref_chosen, ref_top1, ids[pos + 1], torch.cat([s.loss_mask for s in batch])[pos + 1] > 0)
+    answers.update(gated=bool(check_answers), bounds=asdict(ANSWERS))
     record = {"samples": len(batch), "positions": int(pos.numel()), "engine": capture.backend,
-              "engine_dtype": engine, "storage_dtype": dtype, **figures["stored"],
+              "engine_dtype": engine, "storage_dtype": dtype, **engine_of(capture), **figures["stored"],
               "captured": figures["captured"], "roundtrip_rel_err": {k: round(v, 6) for k, v in roundtrip.items()},
               "health": h, "tolerance": {**asdict(tol["stored"]), "captured": asdict(tol["captured"]),
                                          "roundtrip_rel_err": ROUNDTRIP[dtype],
-                                         "min_layer_distance": MIN_LAYER_DISTANCE}}
+                                         "min_layer_distance": MIN_LAYER_DISTANCE},
+              "step_crossing": crossing, "answers": answers}
     problems = _problems(record, tol)
     record["problems"] = problems
     record["passed"] = not problems
     if problems:
         # would the captured state match once the final norm is applied? (a pre-norm state handed over)
-        normed = _agreement(rms_norm(last[pos], norm_weight, eps), ids[pos + 1], head, rounding, ref_chosen, ref_top1)
-        record["cause"] = likely_cause(record, normed["logprob_mean_abs_err"] <= tol["captured"].mean_abs)
+        normed = _errors(rms_norm(last[pos], norm_weight, eps), ids[pos + 1], head, rounding, ref_chosen, ref_top1)
+        record["cause"] = likely_cause(record, _figures(*normed)["logprob_mean_abs_err"] <= tol["captured"].mean_abs)
     record["seconds"] = round(time.perf_counter() - t0, 2)
     return record
 
 
-def _agreement(states, next_ids, head, rounding, ref_chosen, ref_top1) -> dict:
+def _errors(states, next_ids, head, rounding, ref_chosen, ref_top1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: |our logprob - the engine's| of the next token, and whether the top-1s agree."""
     chosen, top1 = next_token_logprobs(states, next_ids, head, rounding)
-    err = (chosen - ref_chosen).abs()
+    return (chosen - ref_chosen).abs(), top1 == ref_top1
+
+
+def _figures(err: torch.Tensor, same_top1: torch.Tensor) -> dict:
     return {"logprob_mean_abs_err": round(float(err.mean()), 6), "logprob_max_abs_err": round(float(err.max()), 6),
-            "top1_agreement": round(float((top1 == ref_top1).float().mean()), 6)}
+            "top1_agreement": round(float(same_top1.float().mean()), 6)}
+
+
+def step_crossing(length: int, window: int, step_tokens: int, err: torch.Tensor, same_top1: torch.Tensor) -> dict:
+    """The first checked sample's figures chunk by chunk, as an engine prefilling `step_tokens` a step
+    splits it when `window` tokens of it fit its first step (its positions lead `err`); `crosses`:
+    it is longer than that."""
+    starts = [0] + list(range(window, length, step_tokens))
+    chunks = []
+    for start, stop in zip(starts, starts[1:] + [length]):
+        a, b = start, min(stop, length - 1)  # positions a..b-1 predict tokens a+1..b
+        if b > a:  # (a last chunk of the sample's last token alone predicts nothing within it)
+            chunks.append({"tokens": [start, stop], **_figures(err[a:b], same_top1[a:b])})
+    return {"step_tokens": int(step_tokens), "first_step_tokens": int(window), "sample_tokens": int(length),
+            "crosses": length > window, "chunks": chunks}
+
+
+def answer_figures(ref_chosen: torch.Tensor, ref_top1: torch.Tensor, next_ids: torch.Tensor,
+                   response: torch.Tensor) -> dict:
+    """The engine on the response tokens among `next_ids` (the sampled answers): their mean NLL
+    under the engine and how often its argmax is the sampled token."""
+    n = int(response.sum())
+    if not n:
+        return {"tokens": 0, "mean_nll": None, "argmax_agreement": None}
+    return {"tokens": n, "mean_nll": round(float(-ref_chosen[response].mean()), 4),
+            "argmax_agreement": round(float((ref_top1[response] == next_ids[response].long()).float().mean()), 4)}
 
 
 def _problems(r: dict, tol: dict) -> list[str]:
@@ -250,10 +366,44 @@ def _problems(r: dict, tol: dict) -> list[str]:
             out.append(f"{state} max {figures['logprob_max_abs_err']:.3g} > {t.max_abs}")
         if figures["top1_agreement"] < t.min_top1:
             out.append(f"{state} top-1 agreement {figures['top1_agreement']:.4f} < {t.min_top1}")
+    crossing, t = r.get("step_crossing"), tol["captured"]
+    for k, c in enumerate((crossing or {}).get("chunks", [])):
+        if c["logprob_mean_abs_err"] > t.mean_abs or c["logprob_max_abs_err"] > t.max_abs or c["top1_agreement"] < t.min_top1:
+            out.append(f"chunk {k + 1} of {len(crossing['chunks'])} of the step-crossing sample (tokens "
+                       f"{c['tokens'][0]}-{c['tokens'][1] - 1}, {crossing['step_tokens']} a step): logprob error mean "
+                       f"{c['logprob_mean_abs_err']:.3g}, max {c['logprob_max_abs_err']:.3g}, top-1 agreement "
+                       f"{c['top1_agreement']:.3f} (captured bounds {t.mean_abs}, {t.max_abs}, {t.min_top1})")
+    out += answer_problems(r.get("answers"))
     limit = ROUNDTRIP[r["storage_dtype"]]
     out += [f"{k} read back from its shard differs from what the engine gave by {v:.3g} (> {limit})"
             for k, v in r["roundtrip_rel_err"].items() if not v <= limit]
     return out + health_problems(r["health"])
+
+
+def answer_problems(a: dict | None) -> list[str]:
+    """Where the engine's figures on the target's own answers break `ANSWERS` (none when not gated)."""
+    if not a or not a.get("gated"):
+        return []
+    b = ANSWERS
+    if a["tokens"] < b.min_tokens:
+        return [f"only {a['tokens']} response tokens in the checked samples (< {b.min_tokens}) to judge the engine "
+                f"on the target's own answers: raise check_samples"]
+    out = []
+    if a["mean_nll"] > b.max_nll:
+        out.append(f"the engine's mean NLL of the target's own answers {a['mean_nll']:.3g} nat > {b.max_nll}")
+    if a["argmax_agreement"] < b.min_agreement:
+        out.append(f"the engine's argmax is the sampled answer token on {a['argmax_agreement']:.3g} of them "
+                   f"< {b.min_agreement}")
+    return out
+
+
+def _broken_chunks(r: dict) -> bool:
+    """Some chunks of the step-crossing sample fail their bounds and some pass: a fault at a step."""
+    t = TOLERANCE[("captured", "float32" if r["engine_dtype"] in ("float32", "float64") else "bfloat16")]
+    chunks = (r.get("step_crossing") or {}).get("chunks", [])
+    bad = [c["logprob_mean_abs_err"] > t.mean_abs or c["logprob_max_abs_err"] > t.max_abs
+           or c["top1_agreement"] < t.min_top1 for c in chunks]
+    return any(bad) and not all(bad)
 
 
 def likely_cause(r: dict, matches_once_normed: bool) -> str:
@@ -270,6 +420,19 @@ def likely_cause(r: dict, matches_once_normed: bool) -> str:
                "num_hidden_layers) shifted the columns" if h["closest_layers"].endswith("~ last")
                else "one layer stored twice: a duplicated (or dropped) layer id")
         return f"{how} (layer_ids, layer_convention, the engine version)"
+    if _broken_chunks(r):
+        return ("the features of one engine step are not the engine's, the other steps' are: the capture across "
+                "chunked prefill (a request's slots gathered at a step boundary; max_num_batched_tokens, "
+                "vllm_model_runner, the engine version)")
+    answers = answer_problems(r.get("answers"))
+    if answers and r["answers"]["tokens"] < ANSWERS.min_tokens and len(r["problems"]) == 1:
+        return ("too few response tokens among the checked samples to judge the engine on its answers "
+                "(check_samples; check_answers false for data without responses)")
+    if answers and len(answers) == len(r["problems"]):
+        return (f"the forward pass agrees with itself but not with the target's own answers: a wrong kernel "
+                f"(attention {', '.join(r.get('attention_backend') or ['?'])}, MoE {', '.join(r.get('moe_kernel') or ['-'])}, "
+                f"model runner {r.get('model_runner', r['engine'])}), wrong weights or quantisation, or answers another "
+                f"model wrote (check_answers false)")
     if matches_once_normed:
         return ("the stored final state is before the final norm (pre-norm stored as post-norm): the engine's "
                 "last state needs the target's final RMSNorm (target_backend, the engine version)")
@@ -278,10 +441,33 @@ def likely_cause(r: dict, matches_once_normed: bool) -> str:
             "(its version); target_backend hf with verify_with_hf cross-checks a target transformers can hold")
 
 
+def passed_line(r: dict) -> str:
+    """The one line a passed check logs: its figures, the answers', the step crossing and what ran."""
+    a, crossing = r["answers"], r.get("step_crossing")
+    said = [f"next-token logprob error mean {r['logprob_mean_abs_err']:.2g}, max {r['logprob_max_abs_err']:.2g}, "
+            f"top-1 agreement {r['top1_agreement']:.3f}"]
+    if a["tokens"]:
+        said.append(f"own answers ({a['tokens']} tokens{'' if a['gated'] else ', not held'}): mean NLL "
+                    f"{a['mean_nll']:.3g} nat, argmax agreement {a['argmax_agreement']:.3f}")
+    if crossing:
+        said.append(f"{len(crossing['chunks'])} chunk(s) of {crossing['step_tokens']} tokens of a step-crossing sample"
+                    if crossing["crosses"] else f"no sample is longer than a step ({crossing['step_tokens']} tokens)")
+    return (f"stage 04's own check passed on {r['samples']} samples ({r['positions']} positions, {r['seconds']} s, "
+            f"{engine_line(r)}): {'; '.join(said)}")
+
+
 def failure_line(r: dict) -> str:
-    return (f"stage 04's own check failed on {r['samples']} samples ({r['positions']} positions, {r['engine']} "
+    return (f"stage 04's own check failed on {r['samples']} samples ({r['positions']} positions, {engine_line(r)} "
             f"{r['engine_dtype']}, {r['storage_dtype']} storage): {'; '.join(r['problems'])}. Likely cause: "
             f"{r['cause']}. No shard was kept from this run; see hidden/{outputs.CHECK}")
+
+
+def engine_line(record: dict) -> str:
+    """What ran, in words: `vllm 0.32.0, model runner v1, attention CPU_ATTN, MoE ...` or `hf`."""
+    if "vllm" not in record:
+        return record["engine"]
+    return (f"vllm {record['vllm']}, model runner {record.get('model_runner')}, attention "
+            f"{', '.join(record.get('attention_backend') or []) or '-'}, MoE {', '.join(record.get('moe_kernel') or []) or '-'}")
 
 
 def check_table(record: dict | None):
@@ -301,9 +487,20 @@ def check_table(record: dict | None):
             "last read back (relative error)": (rt["last"], "<=", tol["roundtrip_rel_err"]),
             f"closest layers ({h['closest_layers']})": (h["min_layer_distance"], ">=", tol["min_layer_distance"]),
             "NaN/inf values": (sum(h["nonfinite"].values()), "<=", 0)}
+    crossing = record.get("step_crossing") or {}
+    for k, c in enumerate(crossing.get("chunks", [])):
+        where = f"step-crossing sample, chunk {k + 1} (tokens {c['tokens'][0]}-{c['tokens'][1] - 1})"
+        rows[f"{where}: logprob max |error| (nat)"] = (c["logprob_max_abs_err"], "<=", tol["captured"]["max_abs"])
+        rows[f"{where}: top-1 agreement"] = (c["top1_agreement"], ">=", tol["captured"]["min_top1"])
+    answers = record.get("answers") or {}
+    if answers.get("tokens"):
+        held = "" if answers["gated"] else " (not held: check_answers off)"
+        rows[f"own answers: mean NLL (nat){held}"] = (answers["mean_nll"], "<=", answers["bounds"]["max_nll"])
+        rows[f"own answers: argmax agreement{held}"] = (answers["argmax_agreement"], ">=",
+                                                         answers["bounds"]["min_agreement"])
     table = pd.DataFrame([{"value": v, "tolerance": f"{op} {bound}", "ok": v <= bound if op == "<=" else v >= bound}
                           for v, op, bound in rows.values()], index=list(rows))
-    table.attrs["caption"] = (f"{record['samples']} samples, {record['positions']} positions, {record['engine']} "
+    table.attrs["caption"] = (f"{record['samples']} samples, {record['positions']} positions, {engine_line(record)} "
                               f"({record['engine_dtype']}), {record['storage_dtype']} storage, "
                               f"{record['seconds']} s: {'passed' if record['passed'] else 'FAILED'}")
     return table

@@ -32,7 +32,7 @@ from ..files import write_json_atomic
 from ..progress import Progress
 from ..targets.checkpoint import final_norm, load_target
 from ..targets.hf import Capture
-from ..targets.vllm import VllmCapture
+from ..targets.vllm import MODEL_RUNNERS, VllmCapture
 from ..targets.identity import target_identity
 from ..tokens.outputs import Sample, read_tokens
 from .resume import SCRATCH, fingerprint_samples, lock, prepare, shard_entry
@@ -66,6 +66,7 @@ class Settings:
     device: str = parameters.default_field("device")                      # hf: auto, cpu, cuda, cuda:0, ...
     target_backend: str = parameters.default_field("target_backend")      # hf or vllm
     check_samples: int = parameters.default_field("check_samples")        # stage 04's own check (check.py); 0: off
+    check_answers: bool = parameters.default_field("check_answers")       # the check also holds the engine to the answers
     engine_options: dict = field(default_factory=dict)     # vllm: `VllmCapture`'s keyword arguments
 
     def check(self) -> None:
@@ -73,6 +74,9 @@ class Settings:
                                  "check_samples": self.check_samples})
         if self.target_backend not in BACKENDS:
             raise ValueError(f"target_backend must be one of {BACKENDS}, got {self.target_backend!r}")
+        runner = self.engine_options.get("vllm_model_runner", "v1")
+        if runner not in MODEL_RUNNERS:
+            raise ValueError(f"vllm_model_runner must be one of {MODEL_RUNNERS}, got {runner!r}")
         if self.hidden_dtype not in outputs.DTYPES:
             raise ValueError(f"hidden_dtype must be one of {outputs.DTYPES}, got {self.hidden_dtype!r}")
 
@@ -133,16 +137,15 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         engine_log = out_dir / (ENGINE_LOG if d.world == 1 else ENGINE_LOG.replace(".log", f".rank{d.rank}.log"))
         # every rank checks its own engine on the same first samples, before any shard
         order = [i for _, p in plan["shards"] for b in p for i in b]
-        to_check = check.check_samples_of(samples, order, s.check_samples)
         try:
-            written, seconds, checked = _capture_shards(
-                target, capture, samples, mine, to_check, layer_ids, s, plan["settings"], out_dir, engine_log,
+            written, seconds, checked, engine = _capture_shards(
+                target, capture, samples, mine, order, layer_ids, s, plan["settings"], out_dir, engine_log,
                 f"hidden {d.rank}/{d.world}" if d.world > 1 else "hidden", say)
         except check.CheckFailed as e:
             if d.main:
                 _record_failed_check(out_dir, e.record, identity, layer_ids, s)
             raise
-        results = d.gather({"written": written, "seconds": seconds, "check": checked})
+        results = d.gather({"written": written, "seconds": seconds, "check": checked, "engine": engine})
         summary = None
         if d.main:
             try:
@@ -160,14 +163,14 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         d.close()
 
 
-def _capture_shards(target, capture, samples, mine, to_check, layer_ids, s: Settings, settings, out_dir, engine_log,
+def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Settings, settings, out_dir, engine_log,
                     desc, log):
     """This rank's shards through `capture`, or through one opened here (and closed) for them, after
-    stage 04's own check of `to_check` on the same engine."""
+    stage 04's own check on the same engine (`check_samples` of the samples in extraction `order`)."""
     if capture is not None and getattr(capture, "ids", layer_ids) != layer_ids:
         raise ValueError(f"capture keeps layers {capture.ids}, this run wants {layer_ids}")
-    work = dict(target=target, to_check=to_check, layer_ids=layer_ids, dtype=s.hidden_dtype, settings=settings,
-                out_dir=out_dir, desc=desc, log=log)
+    work = dict(target=target, order=order, check_samples=s.check_samples, check_answers=s.check_answers,
+                layer_ids=layer_ids, dtype=s.hidden_dtype, settings=settings, out_dir=out_dir, desc=desc, log=log)
     if capture is not None or not mine:
         return _run_shards(capture, samples, mine, **work)
     opts = dict(s.engine_options)
@@ -181,12 +184,13 @@ def _capture_shards(target, capture, samples, mine, to_check, layer_ids, s: Sett
         opened.close()
 
 
-def _run_shards(capture, samples, mine, *, target, to_check, layer_ids, dtype, settings, out_dir, desc,
-                log) -> tuple[list, float, dict | None]:
+def _run_shards(capture, samples, mine, *, target, order, check_samples, check_answers, layer_ids, dtype, settings,
+                out_dir, desc, log) -> tuple[list, float, dict | None, dict | None]:
     """Stage 04's own check, then this rank's shards (writing one overlaps computing the next);
-    returns (shard entries, seconds, the check's record)."""
+    returns (shard entries, seconds, the check's record, what ran: `check.engine_of`)."""
     if not mine:
-        return [], 0.0, None
+        return [], 0.0, None, None
+    to_check = check.check_samples_of(samples, order, check_samples, getattr(capture, "step_tokens", None))
     # one scratch folder per process: ranks on several nodes share out_dir, and each engine numbers
     # its feature files from 0 (a shared folder mixed two ranks' files, and one rank's cleanup
     # removed the files another was waiting for)
@@ -198,12 +202,10 @@ def _run_shards(capture, samples, mine, *, target, to_check, layer_ids, dtype, s
     try:
         if to_check:
             checked = check.run_check(capture, to_check, target=target, layer_ids=layer_ids, dtype=dtype,
-                                      work_dir=capture.scratch_dir, log=log)
+                                      work_dir=capture.scratch_dir, check_answers=check_answers, log=log)
             if not checked["passed"]:
                 raise check.CheckFailed(check.failure_line(checked), checked)
-            log(f"stage 04's own check passed on {checked['samples']} samples ({checked['positions']} positions, "
-                f"{checked['seconds']} s): next-token logprob error mean {checked['logprob_mean_abs_err']:.2g}, "
-                f"max {checked['logprob_max_abs_err']:.2g}, top-1 agreement {checked['top1_agreement']:.3f}")
+            log(check.passed_line(checked))
         else:
             log("stage 04's own check is off (check_samples 0): nothing proves these features")
         log(f"extracting {total:,} tokens into {len(mine)} shard(s), layers {layer_ids} (output convention), "
@@ -231,7 +233,7 @@ def _run_shards(capture, samples, mine, *, target, to_check, layer_ids, dtype, s
             capture.scratch_dir.parent.rmdir()  # the last rank out removes the shared parent
         except OSError:
             pass
-    return written, time.perf_counter() - t0, checked
+    return written, time.perf_counter() - t0, checked, check.engine_of(capture)
 
 
 def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dict, layer_ids, norm_weight) -> dict:
@@ -251,8 +253,10 @@ def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dic
 def _record_failed_check(out_dir: Path, record: dict, identity: dict, layer_ids: list[int], s: Settings) -> None:
     """A failed check: `check.json`, and an index that lists no shard and says why (readers refuse it)."""
     write_json_atomic(out_dir / outputs.CHECK, record)
+    engine = {k: record[k] for k in check.ENGINE_FIELDS if k in record}
     outputs.write_index(out_dir, {"dtype": s.hidden_dtype, "hidden_size": identity["hidden_size"],
                                   "layer_ids": layer_ids, "layer_convention": "output", "backend": s.target_backend,
+                                  "engine": engine,
                                   "target": identity, "check": record, "num_samples": 0, "num_tokens": 0,
                                   "bytes": 0, "shards": []})
 
@@ -270,6 +274,7 @@ def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) ->
             f"left out; re-running stage 04 extracts them again")
         e["file"] = name
     checked = _this_runs_check(out_dir, [r["check"] for r in results])
+    engine = next((r["engine"] for r in results if r.get("engine")), None)  # what ran (rank 0's engine first)
     missing = [e["file"] for e in entries if not (out_dir / e["file"]).is_file()]
     if missing:
         raise FileNotFoundError(f"{out_dir}: shards {missing[:3]} written by other ranks are not visible here; "
@@ -281,7 +286,8 @@ def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) ->
     index = {"dtype": dtype, "hidden_size": identity["hidden_size"], "layer_ids": layer_ids,
              "layer_convention": "output", "hf_hidden_state_indices": layers.hf_hidden_state_indices(layer_ids),
              "last": "final hidden state after the final norm (input of lm_head)",
-             "backend": backend, "target": identity, "check": checked, "num_samples": len(keys), "num_tokens": tokens,
+             "backend": backend, "engine": engine, "target": identity, "check": checked,
+             "num_samples": len(keys), "num_tokens": tokens,
              "bytes": sum(e["bytes"] for e in entries), "shards": entries, "rejected_shards": rejected}
     outputs.write_index(out_dir, index)
     new_tokens = sum(e["tokens"] for r in results for e in r["written"])
@@ -291,7 +297,8 @@ def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) ->
                "extract_s": round(seconds, 3), "tokens_per_s": round(new_tokens / seconds, 1) if seconds else None,
                "bytes": index["bytes"], "bytes_per_token": round(index["bytes"] / tokens, 1) if tokens else None,
                "dtype": dtype, "layer_ids": layer_ids, "backend": backend, "ranks": len(results),
-               "shards_rejected": len(rejected), "hidden_dir": str(out_dir), "check": checked}
+               "shards_rejected": len(rejected), "hidden_dir": str(out_dir), "engine": engine,
+               "check": checked}
     outputs.write_summary(out_dir, summary)
     log(f"{summary['samples']:,} samples, {tokens:,} tokens in {len(entries)} shard(s) "
         f"({summary['shards_kept']} kept from an earlier run), {index['bytes'] / 2**20:,.1f} MiB")

@@ -37,8 +37,8 @@ CONFIG = "extract_config.json"
 def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, layer_set: str, layer_ids: list,
         layer_convention: str, max_tokens_per_batch: int, shard_mb: float, nproc_per_node: int, nnodes: int,
         rdzv_endpoint: str, device: str, target_backend: str, trust_remote_code: bool, tensor_parallel_size: int,
-        gpu_memory_utilization: float | None, max_num_batched_tokens: int | None, check_samples: int,
-        verify_with_hf: bool, log=print) -> dict:
+        gpu_memory_utilization: float | None, max_num_batched_tokens: int | None, vllm_model_runner: str,
+        check_samples: int, check_answers: bool, verify_with_hf: bool, log=print) -> dict:
     """Stage 04 with notebook 04's parameters under its names: extract the run's stage-03 tokens
     (of `datasets`, or all) into its hidden-state folder and return the summary, with `check` (stage
     04's own check in the engine, `draftsmith.hidden.check`; None when `check_samples` is 0) and
@@ -51,11 +51,12 @@ def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, 
     out_dir = outputs.hidden_dir(run)
     settings = dict(layer_ids=layer_ids, layer_set=layer_set, layer_convention=layer_convention, hidden_dtype=hidden_dtype,
                     max_tokens_per_batch=max_tokens_per_batch, shard_mb=shard_mb, device=device,
-                    target_backend=target_backend, check_samples=check_samples)
+                    target_backend=target_backend, check_samples=check_samples, check_answers=check_answers)
     if target_backend == "vllm":
         settings["engine_options"] = dict(
             tensor_parallel_size=tensor_parallel_size, trust_remote_code=trust_remote_code,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
+            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+            vllm_model_runner=vllm_model_runner)
     if nproc_per_node > 1 or nnodes > 1:
         summary = launch(nproc_per_node, target, files, out_dir, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                          log=log, **settings)

@@ -32,6 +32,10 @@ from .. import layers
 from .checkpoint import final_norm, target_config
 from .vllm_limits import GpuOnly
 
+# vLLM's model runners (`VLLM_USE_V2_MODEL_RUNNER`): v1 is the one vLLM's CPU build runs, so the one
+# the tests exercise; v2 (vLLM 0.32's default where Triton is present) needs Triton (docs/gpu.md)
+MODEL_RUNNERS = ("v1", "v2")
+
 
 def vllm_env(kvcache_gib: float = 1.0, in_process: bool = True) -> dict[str, str]:
     """The environment of a process that runs vLLM: this one's, plus what vLLM's CPU build needs
@@ -73,8 +77,11 @@ class VllmCapture:
                  trust_remote_code: bool = False, max_model_len: int = 4096,
                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
                  kvcache_gib: float = 1.0, log_file: str | os.PathLike | None = None, log=print,
-                 startup_timeout_s: float = 1200.0):
+                 startup_timeout_s: float = 1200.0, vllm_model_runner: str = "v1"):
         from .vllm_capture import engine_kwargs
+
+        if vllm_model_runner not in MODEL_RUNNERS:
+            raise ValueError(f"vllm_model_runner must be one of {MODEL_RUNNERS}, got {vllm_model_runner!r}")
 
         self.target = Path(target)
         self.ids = list(layer_ids)
@@ -103,17 +110,19 @@ class VllmCapture:
             os.close(fd)
         self.log_file = Path(log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        env = vllm_env(kvcache_gib, in_process=self.tensor_parallel_size == 1)
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if vllm_model_runner == "v2" else "0"  # read by vLLM's config
         read_fd, write_fd = os.pipe()
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "draftsmith.targets.vllm_capture", json.dumps(config), str(write_fd)],
                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-                env=vllm_env(kvcache_gib, in_process=self.tensor_parallel_size == 1),
+                env=env,
                 start_new_session=True, preexec_fn=die_with_parent, text=True)
         os.close(write_fd)
         self._replies = os.fdopen(read_fd, "r")
         log(f"starting vLLM on {self.target.name} (layers {self.vllm_ids} in vLLM's numbering, "
-            f"tensor parallel {tensor_parallel_size}); engine log: {self.log_file}")
+            f"tensor parallel {tensor_parallel_size}, model runner {vllm_model_runner}); engine log: {self.log_file}")
         t0 = time.monotonic()
         try:
             ready = self._reply(startup_timeout_s, lambda s: log(f"  vLLM still starting ({s:.0f}s)"))
@@ -122,7 +131,13 @@ class VllmCapture:
             raise
         self.startup_s = ready["startup_s"]
         self.vllm_version = ready["vllm"]
-        log(f"vLLM {self.vllm_version} ready in {time.monotonic() - t0:.0f}s")
+        self.engine = ready["engine"]  # what ran (`vllm_capture.engine_record`): recorded by stage 04
+        # one engine step's token budget, when chunked prefill splits a longer prompt across steps
+        self.step_tokens = self.engine["max_num_batched_tokens"] if self.engine["chunked_prefill"] else None
+        e = self.engine
+        log(f"vLLM {self.vllm_version} ready in {time.monotonic() - t0:.0f}s: model runner {e['model_runner']}, "
+            f"attention {', '.join(e['attention_backend']) or '-'}, MoE {', '.join(e['moe_kernel']) or '-'}, "
+            f"{e['max_num_batched_tokens']} tokens a step{'' if e['chunked_prefill'] else ', no chunked prefill'}")
 
     def _reply(self, timeout_s: float, waiting=None) -> dict:
         t0 = time.monotonic()
@@ -152,10 +167,11 @@ class VllmCapture:
             return "".join(collections.deque(f, maxlen=n))
 
     @torch.inference_mode()
-    def __call__(self, batch, reference: bool = False):
-        """(aux [T, nH], last [T, H]) of the batch's samples, one after the other; `reference`: also
-        the engine's own prompt logprobs, one {"chosen": [L-1], "top1": [L-1]} a sample (the logprob
-        of each next token and the top-1 token, from the same forward pass)."""
+    def __call__(self, batch, reference: bool | list[bool] = False):
+        """(aux [T, nH], last [T, H]) of the batch's samples, one after the other; `reference` (true,
+        or one flag a sample): also the engine's own prompt logprobs, one {"chosen": [L-1], "top1":
+        [L-1]} a sample (the logprob of each next token and the top-1 token, from the same forward
+        pass; None for a sample whose flag is false). The samples are prefilled in this order."""
         from safetensors.torch import load_file
 
         if self.scratch_dir is None:
@@ -186,9 +202,9 @@ class VllmCapture:
                                    f"asked for {len(self.vllm_ids)} ({self.vllm_ids}, vLLM's numbering)")
             aux.append(h[:, self.columns].flatten(1))
             last.append(rms_norm(h[:, self.last_column], self.norm_weight, self.eps))
-        if not reference:
+        if not (any(reference) if isinstance(reference, list) else reference):
             return torch.cat(aux), torch.cat(last)
-        refs = [{"chosen": torch.tensor(r["chosen"]), "top1": torch.tensor(r["top1"], dtype=torch.long)}
+        refs = [None if r is None else {"chosen": torch.tensor(r["chosen"]), "top1": torch.tensor(r["top1"], dtype=torch.long)}
                 for r in answer["reference"]]
         return torch.cat(aux), torch.cat(last), refs
 

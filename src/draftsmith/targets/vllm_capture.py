@@ -33,6 +33,12 @@ vLLM internals used (what breaks if they move)
 - `kv_connector_module_path`, with which vLLM imports a connector class from outside its tree.
 - `LLM.llm_engine.step()` to let an in-process engine run the step that hands finished requests
   to the connector (with the engine in its own process, its busy loop does that by itself).
+- What ran (`engine_record`, recorded by stage 04): `vllm_config.use_v2_model_runner` (set through
+  `VLLM_USE_V2_MODEL_RUNNER` by `VllmCapture`), `scheduler_config.max_num_batched_tokens` and
+  `enable_chunked_prefill`, `LLM.collective_rpc` with a function run on each worker, the worker's
+  `model_runner` and `vllm_config.compilation_config.static_forward_context` (layers with an
+  `attn_backend.get_name()`; MoE layers' `routed_experts.quant_method` and its
+  `moe_kernel.fused_experts` or `experts_cls`). A moved name fails at engine start, loudly.
 - `language_model_only`: a multimodal wrapper (Kimi-K2.5's `KimiK25ForConditionalGeneration`)
   builds its language model only; its aux-layer calls reach that model (DeepSeek-V2/V3 style).
 
@@ -178,6 +184,7 @@ def serve(config: dict, requests, replies) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from .. import events
     from .vllm_fixes import apply_fixes
     from .vllm_limits import gpu_only_line
 
@@ -191,6 +198,7 @@ def serve(config: dict, requests, replies) -> None:
     # each time (evaluate/engine_child.py)
     gc.freeze()
     try:
+        events.note("engine start")
         llm = LLM(**config["engine"])
     except Exception as e:
         gpu_only = gpu_only_line(e)
@@ -199,23 +207,27 @@ def serve(config: dict, requests, replies) -> None:
             return
         reply({"error": traceback.format_exc(limit=6)})
         raise
-    reply({"ready": True, "startup_s": round(time.perf_counter() - t0, 1), "vllm": _vllm_version()})
+    reply({"ready": True, "startup_s": round(time.perf_counter() - t0, 1), "vllm": _vllm_version(),
+           "engine": engine_record(llm)})
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     for line in requests:
         job = json.loads(line)
         try:
             # `reference`: the same requests also return the engine's own logprob of every prompt
             # token and its top-1 (stage 04's own check), from the forward pass that captured them
-            reference = bool(job.get("reference"))
+            # (true for all, or one flag a prompt: a prompt without them costs no logits beyond its last)
+            reference = job.get("reference")
+            flags = [bool(f) for f in reference] if isinstance(reference, list) else [bool(reference)] * len(job["paths"])
             params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                     prompt_logprobs=1 if reference else None,
+                                     prompt_logprobs=1 if flag else None,
                                      extra_args={"kv_transfer_params": {"hidden_states_path": p}})
-                      for p in job["paths"]]
+                      for p, flag in zip(job["paths"], flags)]
             outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
             _wait_for(llm, job["paths"], in_process, float(config.get("write_timeout_s", 600)))
             answer = {"ok": len(job["paths"])}
-            if reference:
-                answer["reference"] = [_prompt_logprobs(o.prompt_logprobs, ids) for o, ids in zip(outs, job["prompts"])]
+            if any(flags):
+                answer["reference"] = [_prompt_logprobs(o.prompt_logprobs, ids) if flag else None
+                                       for o, ids, flag in zip(outs, job["prompts"], flags)]
             reply(answer)
         except Exception:
             reply({"error": traceback.format_exc(limit=6)})
@@ -230,6 +242,43 @@ def _prompt_logprobs(entries, ids: list[int]) -> dict:
         chosen.append(float(entry[ids[pos]].logprob))
         top1.append(int(next(t for t, lp in entry.items() if lp.rank == 1)))
     return {"chosen": chosen, "top1": top1}
+
+
+def engine_record(llm) -> dict:
+    """What ran: vLLM's version, its model runner (v1: `v1/worker/gpu_model_runner.py` and the CPU
+    runner built on it; v2: `v1/worker/gpu/`, vLLM 0.32's default where Triton is present), the
+    runner's class, the attention backend(s) and MoE kernel(s) the model's layers were built with
+    (rank 0's; every tensor-parallel rank builds the same), the step's token budget, whether chunked
+    prefill splits a prompt across steps (vLLM's CPU build turns it off for MLA) and the platform."""
+    from vllm.platforms import current_platform
+
+    config = llm.llm_engine.vllm_config
+    [layers] = llm.collective_rpc(_worker_kernels)[:1]
+    return {"vllm": _vllm_version(), "model_runner": "v2" if config.use_v2_model_runner else "v1",
+            "model_runner_class": layers["runner"], "attention_backend": layers["attention"],
+            "moe_kernel": layers["moe"], "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
+            "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
+            "platform": str(getattr(current_platform, "device_name", "") or type(current_platform).__name__)}
+
+
+def _worker_kernels(worker) -> dict:
+    """On a worker (vLLM's `collective_rpc`): the model runner's class and, from the layers the model
+    registered for its forward (`static_forward_context`), each attention backend's name and each
+    MoE layer's quantisation method with the experts kernel it runs."""
+    worker = getattr(worker, "worker", None) or worker  # vLLM's wrapper around the worker, where present
+    runner = worker.model_runner
+    attention, moe = set(), set()
+    for layer in worker.vllm_config.compilation_config.static_forward_context.values():
+        backend = getattr(layer, "attn_backend", None)
+        if backend is not None:
+            attention.add(backend.get_name())
+        method = getattr(getattr(layer, "routed_experts", None), "quant_method", None)
+        if method is not None:
+            kernel = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+            experts = type(kernel) if kernel is not None else getattr(method, "experts_cls", None)
+            moe.add(type(method).__name__ + (f" / {experts.__name__}" if experts is not None else ""))
+    return {"runner": f"{type(runner).__module__}.{type(runner).__name__}", "attention": sorted(attention),
+            "moe": sorted(moe)}
 
 
 def _vllm_version() -> str:
