@@ -9,6 +9,7 @@ starts). It is the slowest test module (~3-4 min on 2 idle cores) and the only o
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from draftsmith.drafter.export import export, for_engine
 from draftsmith.drafter.model import DrafterConfig
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.vocab import DraftVocab
-from draftsmith.evaluate import engine, figures
+from draftsmith.evaluate import engine, engine_summary, figures
 from draftsmith.targets import vllm_fixes
 from draftsmith.targets.checkpoint import target_config, target_tensors
 
@@ -116,8 +117,8 @@ def custom_run(tmp_path_factory, tiny_target, target_tokenizer):
                         lr=1e-2, dflash=DFLASH)
 
 
-def run_stage_06(run: Path, crosscheck: bool) -> dict:
-    """Stage 06 on the 4 held-out prompts and one benchmark of one prompt (`qa`)."""
+def run_stage_06(run: Path, crosscheck: bool, *more: str) -> dict:
+    """Stage 06 on the 4 held-out prompts and one benchmark of one prompt (`qa`); `more`: -p pairs."""
     from draftsmith import cli
     from draftsmith.paths import REPO_ROOT
 
@@ -128,7 +129,7 @@ def run_stage_06(run: Path, crosscheck: bool) -> dict:
                      str(run.parent), "-p", "run_name", run.name,
                      "-p", "eval_backend", "vllm", "-p", "eval_hf_crosscheck", str(crosscheck).lower(),
                      "-p", "eval_prompts_per_dataset", "2", "-p", "eval_max_new_tokens", "24",
-                     "-p", "eval_benchmarks", bench]) == 0
+                     "-p", "eval_benchmarks", bench, *more]) == 0
     return json.loads((run / "eval" / "report.json").read_text())
 
 
@@ -147,6 +148,49 @@ def engine_report(engine_only_report, custom_run):
     engine_alone = {key: {**t, "vs_ours": None} for key, t in report["engine"]["temperatures"].items()}
     assert engine_alone == engine_only_report["engine"]["temperatures"]
     return report
+
+
+@pytest.fixture(scope="module")
+def sequential_report(engine_only_report, custom_run, tmp_path_factory):
+    """The same run measured again in a copy, one request at a time (`eval_engine_concurrency` 1),
+    greedy, as a first pass of one prompt per prompt set (`eval_first_pass_prompts` 1)."""
+    copy = tmp_path_factory.mktemp("sequential") / custom_run.name
+    shutil.copytree(custom_run, copy, ignore=lambda d, names: ["eval"] if Path(d) == custom_run else [])
+    report = run_stage_06(copy, False, "-p", "eval_engine_concurrency", "1", "-p", "eval_first_pass_prompts", "1",
+                          "-p", "eval_temperatures", "[0.0]")
+    return report, [json.loads(line) for line in (copy / "eval" / "engine_rounds.jsonl").read_text().splitlines()]
+
+
+def test_batched_and_sequential_measurement_give_the_same_greedy_acceptance(engine_only_report, sequential_report,
+                                                                            custom_run):
+    """The stage's engines decode many prompts at once (`eval_engine_concurrency`, 32 by default: all 5
+    here); acceptance is counted per request from vLLM's verify steps, so every greedy decode has the
+    same tokens and the same accepted count at every step as when each prompt is decoded alone."""
+    report, sequential = sequential_report
+    batched = {(r["method"], r["dataset"], r["sample_id"]): r for r in
+               (json.loads(line) for line in (custom_run / "eval" / "engine_rounds.jsonl").read_text().splitlines())
+               if r["temperature"] == 0}
+    assert report["prompts"] == {"code": 1, "chat": 1} and report["eval_first_pass_prompts"] == 1
+    assert "**A first pass:** the first 1 prompts" in figures.explain_engine(report)
+    assert "each prompt alone" in figures.explain_engine(report)
+    assert report["engine"]["concurrency"] == [1] and engine_only_report["engine"]["concurrency"] == [32]
+    assert {(r["method"], r["dataset"]) for r in sequential} == {
+        (m, ds) for m in ("none", "ngram", "eagle3", "dflash") for ds in ("code", "chat", "qa")} | {
+        ("eagle3 50%", "code"), ("eagle3 50%", "chat")}
+    for r in sequential:
+        b = batched[(r["method"], r["dataset"], r["sample_id"])]
+        assert r["concurrency"] == 1 and b["concurrency"] == 32
+        assert (r["output"], r["drafted"], r["accepted"], r["counters"]) == \
+               (b["output"], b["drafted"], b["accepted"], b["counters"]), (r["method"], r["sample_id"])
+    accepted = sum(r["counters"]["accepted"] for r in sequential if r["kind"] in ("eagle3", "dflash"))
+    assert accepted > 0                                                 # the drafters were really used
+    for name in sorted({r["method"] for r in sequential}):
+        seq = [r for r in sequential if r["method"] == name]
+        k = len(seq[0]["counters"]["per_pos"])
+        alone = engine_summary.acceptance(seq, k)["acceptance_length"]
+        together = engine_summary.acceptance([batched[(name, r["dataset"], r["sample_id"])] for r in seq], k)
+        print(f"{name}: greedy acceptance {alone:.4f} one at a time, {together['acceptance_length']:.4f} batched")
+        assert alone == together["acceptance_length"], name
 
 
 def test_with_no_crosscheck_the_stage_reports_and_plots_the_engines_numbers_alone(engine_only_report, custom_run):

@@ -365,10 +365,61 @@ def test_stage_06_takes_notebook_06s_parameters_by_their_names_and_holds_a_direc
 
     taken = {name for name, p in inspect.signature(stage.run).parameters.items() if p.kind is p.KEYWORD_ONLY}
     assert taken - {"log"} == set(notebook_params("06"))
-    for name, value in (("draft_tokens", 0), ("eval_max_new_tokens", 0), ("eval_prompts_per_dataset", 0)):
+    for name, value in (("draft_tokens", 0), ("eval_max_new_tokens", 0), ("eval_prompts_per_dataset", 0),
+                        ("eval_engine_concurrency", 0)):
         with pytest.raises(ValueError, match=f"{name} must be at least 1 .*got 0"):
             stage.run(Run(tmp_path, "r"), **notebook_params("06", **{name: value}), log=quiet)
     assert not (tmp_path / "r" / "eval").exists()   # refused before anything was measured or written
+
+
+def test_a_requests_counters_are_summed_from_its_verify_steps_as_vllm_sums_its_own_and_held_to_them():
+    """Under batching the global counters' increase covers every request in flight, so each request's
+    counters come from its own verify steps; the sum over the engine's requests must be that increase."""
+    from draftsmith.evaluate.engine_batch import check_counters, step_counters
+
+    a = step_counters([3, 3, 3, 3], [3, 0, 1, 2], 3)          # 4 steps of k = 3
+    assert a == {"drafts": 4, "draft_tokens": 12, "accepted": 6, "per_pos": [3, 2, 1]}
+    b = step_counters([3, 1], [1, 1], 3)                       # ngram: a short draft
+    assert b == {"drafts": 2, "draft_tokens": 4, "accepted": 2, "per_pos": [2, 0, 0]}
+    assert step_counters([], [], 3) == {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0, 0]}
+    before = {"drafts": 10, "draft_tokens": 30, "accepted": 5, "per_pos": [3, 1, 1]}
+    after = {"drafts": 16, "draft_tokens": 46, "accepted": 13, "per_pos": [8, 3, 2]}
+    check_counters("eagle3", before, after, [{"counters": a}, {"counters": b}], 3)
+    with pytest.raises(RuntimeError, match="eagle3: vLLM's spec-decode counters rose by .* over 1 decodes"):
+        check_counters("eagle3", before, after, [{"counters": a}], 3)
+    # the engine without speculation has no counters at all
+    none = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    check_counters("none", none, none, [{"counters": step_counters([], [], 3)}], 3)
+
+
+def test_the_time_estimate_scales_the_probe_to_the_workload():
+    from draftsmith.evaluate.estimate import Probe, Workload, duration, job_line
+
+    probe = Probe(requests=4, prefill_s=2.0, tokens=33, decode_s=3.2)      # 0.1 s per step of 4 tokens
+    assert probe.step_s == pytest.approx(0.1) and probe.tokens_per_s == pytest.approx(40)
+    eight = ((100,),) * 8                                                   # 8 prompts of one turn
+    # 8 turns of 100 tokens, 4 in flight: 8 prefills at 0.5 s, 200 steps at 0.1 s
+    assert Workload((eight,), 4).seconds(probe) == pytest.approx(8 * 0.5 + 200 * 0.1)
+    # one at a time: the same prefills, 800 steps (a step of one request charged as the probe's)
+    assert Workload((eight,), 1).seconds(probe) == pytest.approx(8 * 0.5 + 800 * 0.1)
+    # 8 in flight where the probe had 4: a step charged per request in flight
+    assert Workload((eight,), 8).seconds(probe) == pytest.approx(8 * 0.5 + 100 * 0.2)
+    # two temperatures are two passes; a conversation of 3 turns of 100 is 300 steps however wide
+    assert Workload((eight, eight), 4).seconds(probe) == pytest.approx(2 * (8 * 0.5 + 200 * 0.1))
+    assert Workload((((100, 100, 100),) + ((10,),) * 3,), 4).seconds(probe) == pytest.approx(6 * 0.5 + 300 * 0.1)
+    assert Workload(((), ()), 8).seconds(probe) == 0
+    assert (duration(42), duration(720), duration(3.5 * 3600)) == ("42 s", "12 min", "3.5 h")
+    line = job_line({"none": Workload((eight,), 4), "eagle3": Workload((eight,), 4)}, probe, 60.0, "none")
+    assert line.startswith("estimated time of the 2 engine(s): 2 min (16 decodes of up to 1600 tokens")
+    with pytest.raises(ValueError, match="a probe needs"):
+        Probe(requests=0, prefill_s=1.0, tokens=8, decode_s=1.0)
+
+
+def test_a_first_pass_takes_the_first_prompts_of_every_prompt_set_in_order():
+    ps = [heldout.HeldoutPrompt(ds, f"{ds}{i}", (1, 2)) for ds in ("code", "chat", "mt_bench") for i in range(3)]
+    assert [p.sample_id for p in heldout.first_of_each(ps[::-1], 2)] == ["mt_bench2", "mt_bench1", "chat2", "chat1",
+                                                                         "code2", "code1"]
+    assert heldout.first_of_each(ps, 5) == ps
 
 
 def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_asked(tiny_target, tmp_path):

@@ -288,7 +288,8 @@ def eagle3_over_mla(kimi_mini_targets, tmp_path_factory):
     prompts = [HeldoutPrompt("chat", "p0", (163584, 1000, 2000, 3000, 4000))]
     run = Run(root / "outputs", "kimi")
     kw = dict(draft_tokens=3, eval_max_new_tokens=8, eval_temperatures=[0.0], seed=0, eval_engine_dtype="float32",
-              eval_tensor_parallel=1, trust_remote_code=True, settings=engine.settings_key("f", 3, 8, 0, "float32"))
+              eval_tensor_parallel=1, trust_remote_code=True, settings=engine.settings_key("f", 3, 8, 0, "float32"),
+              eval_engine_concurrency=1)
     first, again = [], []
     rows = engine.measure(run, target, methods, prompts, log=first.append, **kw)
     rows_again = engine.measure(run, target, methods, prompts, log=again.append, **kw)

@@ -9,7 +9,8 @@ The stage entry is `stage.run`. Around it, one idea a module:
     methods        the methods compared: no drafter, prompt lookup, every export of the drafter
     measure        our decoder over every method, prompt and temperature, resumable
     outputs        the stage's files under `<run>/eval/` (rounds measured, the report) and their names
-    engine         the same methods measured inside vLLM (a child process: `engine_child`), summed up
-                   by `engine_summary`
+    engine         the same methods measured inside vLLM (a child process: `engine_child`, many requests
+                   in flight: `engine_batch`, its time estimated first: `estimate`), summed up by
+                   `engine_summary`
     figures, serving   what notebook 06 shows (tables, text, figures), saves and prints
 """

@@ -4,8 +4,11 @@ What a user buys the drafter for is what their engine achieves with it, with the
 kernels, draft-vocab mapping and layer-id handling; our decoder over transformers (`decode`) is the
 cross-check. Here every method is a vLLM engine serving the target: `none` (no speculation),
 `ngram` (vLLM's prompt lookup) and each export of the drafter (`eagle3`, chain of k). Every held-out
-prompt is decoded alone (concurrency 1, the latency setting speculative decoding is for) at every
-temperature, as token ids, with the same `draft_tokens` (k) and `eval_max_new_tokens` as our decoder.
+prompt is decoded at every temperature, as token ids, with the same `draft_tokens` (k) and
+`eval_max_new_tokens` as our decoder, up to `eval_engine_concurrency` requests in flight: acceptance
+is counted per request, and does not depend on what else is in the batch (greedy; in distribution
+when sampling), while tok/s is per request at that load (1: each prompt alone, the latency setting
+speculative decoding is for).
 
 Engines run in a child process (`python -m draftsmith.evaluate.engine_child`, started like stage
 04's engine: `target.vllm.vllm_env`), one after the other in that process; what it counts and
@@ -108,14 +111,14 @@ def _run_job(proc: subprocess.Popen, job_file, log) -> None:
 
 def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: list, *, draft_tokens: int,
             eval_max_new_tokens: int, eval_temperatures: list[float], seed: int, settings: str,
-            eval_engine_dtype: str, eval_tensor_parallel: int, trust_remote_code: bool, log=print,
-            proc: subprocess.Popen | None = None) -> list[dict]:
+            eval_engine_dtype: str, eval_tensor_parallel: int, trust_remote_code: bool, eval_engine_concurrency: int,
+            log=print, proc: subprocess.Popen | None = None) -> list[dict]:
     """Decode every prompt (`prompts.HeldoutPrompt`) with every method ({name, kind, fingerprint,
     speculative_config, expect_layers (vLLM ids) or None, info, and skip_datasets: prompt sets it
     does not decode}) at every temperature in vLLM, appending to the run's engine rounds; returns the
     rows of these settings, measured now or before (a method vLLM's CPU build cannot start has one
-    row with its `gpu_only` line instead). `proc`: the engine process `engine_process` started
-    (default: one started here)."""
+    row with its `gpu_only` line instead), each engine with up to `eval_engine_concurrency` requests
+    in flight. `proc`: the engine process `engine_process` started (default: one started here)."""
     out = outputs.engine_rounds_file(run)
     done = outputs.read_engine_rows(out, settings)
     gpu_only = {r["method_fingerprint"] for r in done.values() if r.get("gpu_only")}
@@ -127,13 +130,18 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
                "eval_tensor_parallel": eval_tensor_parallel, "trust_remote_code": trust_remote_code,
                "draft_tokens": draft_tokens, "eval_max_new_tokens": eval_max_new_tokens, "seed": seed,
                "settings": settings, "out": str(out), "eval_temperatures": [float(t) for t in eval_temperatures],
+               "eval_engine_concurrency": eval_engine_concurrency,
                "max_model_len": max(p.context_needed(eval_max_new_tokens) for p in prompts)
                + max([draft_tokens] + [m.get("draft_tokens", 0) for m in todo]) + 16,
                "prompts": [p.job() for p in prompts],
                "methods": todo, "done": [list(key) for key in done]}
         job_file = outputs.write_engine_job(run, job)
+        turns = sum(1 + len(p.followups) for m in todo for t in eval_temperatures for p in prompts
+                    if p.dataset not in m.get("skip_datasets", ())
+                    and (m["fingerprint"], float(t), p.dataset, p.sample_id) not in done)
         log(f"vLLM {VLLM_VERSION}: {len(todo)} engine(s) to start ({', '.join(m['name'] for m in todo)}), "
-            f"{len(prompts)} prompts x {len(eval_temperatures)} temperatures each")
+            f"{len(prompts)} prompts x {len(eval_temperatures)} temperatures each, {turns} decodes to go, up to "
+            f"{eval_engine_concurrency} in flight; the time is estimated once the first engine is up")
         with engine_process(eval_tensor_parallel, start=proc is None) as started:
             _run_job(proc or started, job_file, log)
         done = outputs.read_engine_rows(out, settings)

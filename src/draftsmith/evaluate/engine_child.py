@@ -5,11 +5,12 @@ imports vLLM, then reads the path of its job file from stdin (`engine.measure` w
 `... engine_child JOB` with a job file; `... engine_child -` with a job on stdin reports the aux
 layer ids vLLM parses from exports.
 
-Counting, vLLM's own: per request, the spec-decode counters' increase over its `generate` call
-(`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
-`..._num_accepted_tokens_per_pos`; they need `disable_log_stats=False`), and its verify steps one by
-one (`per_request_spec_decode_metrics="detailed"`), which the report uses to show where the engine
-and our decoder part.
+Decoding: each engine takes its prompts with up to `eval_engine_concurrency` requests in flight
+(`engine_batch.decode_all`), after a timed probe (`engine_batch.probe`) from which it says how long
+its decodes will take (`estimate`; at the first engine, every engine of the job) before it starts
+them. Counting is vLLM's own, per request: its verify steps one by one
+(`per_request_spec_decode_metrics="detailed"`), summed the way vLLM sums its spec-decode counters,
+and held to those counters' increase over the engine's decodes (they need `disable_log_stats=False`).
 
 Layer ids: with each eagle3 engine the child records the auxiliary layers the live engine captures,
 and the ids vLLM's GPU model runner (Model Runner V2) reads from the same parsed config, which,
@@ -28,26 +29,13 @@ import sys
 import time
 from pathlib import Path
 
+from .. import events
 from ..targets.vllm_fixes import apply_fixes
 from ..targets.vllm_limits import gpu_only_line
-from .prompts import prompt_seed
+from . import engine_batch
+from .estimate import Workload, duration, job_line
 from .outputs import append_row
-
-COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-            "vllm:spec_decode_num_accepted_tokens": "accepted", "vllm:spec_decode_num_accepted_tokens_per_pos": "per_pos"}
-
-
-def _counters(llm) -> dict:
-    got = {COUNTERS[m.name]: (list(m.values) if hasattr(m, "values") else m.value)
-           for m in llm.get_metrics() if m.name in COUNTERS}
-    return {"drafts": got.get("drafts", 0), "draft_tokens": got.get("draft_tokens", 0),
-            "accepted": got.get("accepted", 0), "per_pos": got.get("per_pos", [])}
-
-
-def _delta(after: dict, before: dict, draft_tokens: int) -> dict:
-    pos_a, pos_b = after["per_pos"] or [0] * draft_tokens, before["per_pos"] or [0] * draft_tokens
-    return {"drafts": after["drafts"] - before["drafts"], "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
-            "accepted": after["accepted"] - before["accepted"], "per_pos": [a - b for a, b in zip(pos_a, pos_b)]}
+from .prompts import prompt_seed
 
 
 def _engine_aux_layers(worker):
@@ -71,35 +59,6 @@ def _say(msg: str) -> None:
     print(f"[draftsmith] {msg}", flush=True)
 
 
-def _turns(llm, p: dict, sp, job: dict, draft_tokens: int) -> dict:
-    """Decode one prompt; a benchmark's follow-up turns (`followups`) each after the answer the
-    engine gave to the turn before (`benchmarks.Turns`). One row's fields for all turns: outputs
-    and per-step counts concatenated, counters and seconds summed. `draft_tokens`: the method's k."""
-    ids, messages = p["ids"], p.get("messages")
-    row = {"output": [], "seconds": 0.0,
-           "counters": {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * draft_tokens},
-           "drafted": [], "accepted": []}
-    for question in [None] + p.get("followups", []):
-        if question is not None:
-            from .benchmarks import load_turns
-
-            messages, ids = load_turns(job["target"], job["trust_remote_code"]).follow(messages, answer, question)
-            row.setdefault("turns", [{"prompt_tokens": len(p["ids"]), "output_tokens": len(answer)}])
-        before = _counters(llm)
-        t1 = time.perf_counter()
-        o = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
-        row["seconds"] += time.perf_counter() - t1
-        c, sdm, answer = _delta(_counters(llm), before, draft_tokens), o.spec_decode_metrics, list(o.token_ids)
-        row["counters"] = {key: ([a + b for a, b in zip(row["counters"][key], c[key])] if key == "per_pos"
-                                 else row["counters"][key] + c[key]) for key in c}
-        row["output"] += answer
-        row["drafted"] += list(sdm.per_step_drafted) if sdm else []
-        row["accepted"] += list(sdm.per_step_accepted) if sdm else []
-        if question is not None:
-            row["turns"].append({"prompt_tokens": len(ids), "output_tokens": len(answer)})
-    return row
-
-
 def prepare() -> bool:
     """Import vLLM and apply `target.vllm_fixes` (tens of seconds on a small CPU, done before the job
     arrives when the stage starts this process early: `engine.engine_process`), then freeze what is
@@ -117,6 +76,57 @@ def prepare() -> bool:
     return fixed
 
 
+def engine_eager() -> bool:
+    """`enforce_eager` of stage 06's engines. Nothing here needs a hook in the model's forward (the
+    aux layers are read as an attribute, the counts come from vLLM's scheduler), so on GPUs the
+    engine runs as `vllm serve` does, compiled with CUDA graphs. vLLM's CPU build has no CUDA graphs
+    and, not eager, compiles the model with inductor at every engine start: eager there."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _workload(job: dict, m: dict, done: set) -> list[tuple[float, dict]]:
+    """The (temperature, prompt) pairs method `m` still decodes."""
+    return [(t, p) for t in job["eval_temperatures"] for p in job["prompts"]
+            if (m["fingerprint"], t, p["dataset"], p["sample_id"]) not in done
+            and p["dataset"] not in m.get("skip_datasets", ())]
+
+
+def _passes(job: dict, todo: list[tuple[float, dict]]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """`todo` as `estimate.Workload` passes: per temperature, each prompt's max_new_tokens per turn."""
+    return tuple(tuple((p.get("max_new_tokens", job["eval_max_new_tokens"]),) * (1 + len(p.get("followups", [])))
+                       for u, p in todo if u == t) for t in job["eval_temperatures"])
+
+
+def _decode(llm, job: dict, m: dict, todo: list[tuple[float, dict]], follow, fields: dict) -> None:
+    """Decode method `m`'s `todo` on its live engine, one temperature after the other, appending a
+    row per prompt as it ends (`fields` added to each), then hold the rows' counts to vLLM's counters."""
+    from vllm import SamplingParams
+
+    k, out, rows = m.get("draft_tokens", job["draft_tokens"]), Path(job["out"]), []
+
+    def write(c: engine_batch.Conversation, t: float) -> None:
+        p = c.prompt
+        row = {"settings": job["settings"], "method": m["name"], "method_fingerprint": m["fingerprint"],
+               "kind": m["kind"], "dataset": p["dataset"], "sample_id": p["sample_id"], "temperature": t,
+               **c.fields(), **fields}
+        append_row(out, row)
+        rows.append(row)
+
+    before = engine_batch.global_counters(llm)
+    for t in job["eval_temperatures"]:
+        mine = [p for u, p in todo if u == t]
+        t1 = time.perf_counter()
+        engine_batch.decode_all(llm, [engine_batch.Conversation(p, SamplingParams(
+            max_tokens=p.get("max_new_tokens", job["eval_max_new_tokens"]), temperature=t,
+            seed=prompt_seed(job["seed"], p["dataset"], p["sample_id"], 4) if t > 0 else None), k)
+            for p in mine], job["eval_engine_concurrency"], lambda c, t=t: write(c, t), follow)
+        _say(f"{m['name']}: T={t:g}, {len(mine)} prompts decoded in {time.perf_counter() - t1:.1f}s, "
+             f"up to {min(job['eval_engine_concurrency'], max(len(mine), 1))} in flight")
+    engine_batch.check_counters(m["name"], before, engine_batch.global_counters(llm), rows, k)
+
+
 def run_job(job: dict, fixed: bool) -> None:
     """Every method of `job` in turn, one engine each (`prepare` has run)."""
     import gc
@@ -124,6 +134,8 @@ def run_job(job: dict, fixed: bool) -> None:
     from vllm import LLM, SamplingParams
 
     done = {tuple(key) for key in job["done"]}
+    concurrency = job["eval_engine_concurrency"]
+    eager = engine_eager()
     # language_model_only: a multimodal wrapper (Kimi-K2.5) builds no vision tower. skip_tokenizer_init:
     # token ids in, token ids out, so an engine neither loads nor deep-copies the tokenizer (vLLM's
     # renderer keeps two copies), and it stops at the generation config's end ids (or the config's),
@@ -131,10 +143,17 @@ def run_job(job: dict, fixed: bool) -> None:
     common = dict(model=job["target"], dtype=job["eval_engine_dtype"], max_model_len=job["max_model_len"],
                   seed=job["seed"], tensor_parallel_size=job["eval_tensor_parallel"],
                   trust_remote_code=job["trust_remote_code"], enable_prefix_caching=False,
-                  enforce_eager=True, disable_log_stats=False, language_model_only=True, skip_tokenizer_init=True)
+                  enforce_eager=eager, disable_log_stats=False, language_model_only=True, skip_tokenizer_init=True)
     if job["eval_tensor_parallel"] == 1:
         common["distributed_executor_backend"] = "uni"
     out = Path(job["out"])
+    workloads = {m["name"]: Workload(_passes(job, _workload(job, m, done)), concurrency) for m in job["methods"]}
+    estimated = False
+    follow = None
+    if any(p.get("followups") for p in job["prompts"]):
+        from .benchmarks import load_turns
+
+        follow = load_turns(job["target"], job["trust_remote_code"]).follow
     gpu_only: dict[str, str] = {}   # method kind -> vLLM's line: one failed start stands for its kind
     for m in job["methods"]:
         t0 = time.perf_counter()
@@ -142,6 +161,7 @@ def run_job(job: dict, fixed: bool) -> None:
         line = gpu_only.get(m["kind"])
         if line is None:
             try:
+                events.note("engine start")
                 llm = LLM(**common, **({"speculative_config": spec, "per_request_spec_decode_metrics": "detailed"}
                                        if spec else {}))
             except Exception as e:
@@ -167,25 +187,22 @@ def run_job(job: dict, fixed: bool) -> None:
                     raise RuntimeError(f"{m['name']}: {runner} captures target layers {ids} (input ids) but the "
                                        f"drafter was trained on {m['expect_layers']}: the export's "
                                        f"eagle_aux_hidden_state_layer_ids are not where vLLM reads them")
-        _say(f"engine {m['name']!r} up in {startup:.0f}s" + (f", captures layers {live}" if live else ""))
+        _say(f"engine {m['name']!r} up in {startup:.0f}s" + (f", captures layers {live}" if live else "")
+             + (", eager" if eager else ", compiled with CUDA graphs"))
         first = job["prompts"][0]["ids"]
         llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-        for t in job["eval_temperatures"]:
-            n = 0
-            for p in job["prompts"]:
-                if (m["fingerprint"], t, p["dataset"], p["sample_id"]) in done or \
-                        p["dataset"] in m.get("skip_datasets", ()):
-                    continue
-                sp = SamplingParams(max_tokens=p.get("max_new_tokens", job["eval_max_new_tokens"]), temperature=t,
-                                    seed=prompt_seed(job["seed"], p["dataset"], p["sample_id"], 4) if t > 0 else None)
-                row = {"settings": job["settings"], "method": m["name"], "method_fingerprint": m["fingerprint"],
-                       "kind": m["kind"], "dataset": p["dataset"], "sample_id": p["sample_id"], "temperature": t,
-                       **_turns(llm, p, sp, job, m.get("draft_tokens", job["draft_tokens"])),
-                       "aux_layers_engine": live, "aux_layers_gpu_runner": gpu, "startup_s": startup,
-                       "cpu_expand_kernel_replaced": fixed}
-                append_row(out, row)
-                n += 1
-            _say(f"{m['name']}: T={t:g}, {n} prompts decoded")
+        probe = engine_batch.probe(llm, job["prompts"], min(concurrency, len(job["prompts"])),
+                                   max(2, min([32] + [p.get("max_new_tokens", job["eval_max_new_tokens"])
+                                                      for p in job["prompts"]])))
+        if not estimated:
+            _say(job_line(workloads, probe, startup, m["name"]))
+            estimated = True
+        w = workloads[m["name"]]
+        _say(f"{m['name']}: {w.turns} decodes, up to {w.tokens} tokens, {concurrency} in flight: estimated "
+             f"{duration(w.seconds(probe))} ({probe.tokens_per_s:.0f} tok/s over {probe.requests} in the probe)")
+        _decode(llm, job, m, _workload(job, m, done), follow,
+                {"aux_layers_engine": live, "aux_layers_gpu_runner": gpu, "startup_s": startup,
+                 "cpu_expand_kernel_replaced": fixed, "concurrency": concurrency, "enforce_eager": eager})
         del llm
         gc.collect()
         gc.freeze()     # vLLM unfroze everything at its shutdown; what is left lives on

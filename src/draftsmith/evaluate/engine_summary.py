@@ -1,8 +1,8 @@
 """vLLM's numbers summed up: acceptance from its spec-decode counters, per method and temperature,
 and where the engine and our decoder part.
 
-Counting, vLLM's own: per request, the counters' increase over its `generate` call; acceptance
-length = 1 + accepted / drafts; per position j: accepted at j / drafts.
+Counting, vLLM's own: per request, its verify steps summed as vLLM sums its counters
+(`engine_batch`); acceptance length = 1 + accepted / drafts; per position j: accepted at j / drafts.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from .engine import VLLM_VERSION
 
 def acceptance(rows: list[dict], k: int) -> dict:
     """vLLM's acceptance over a set of decodes, from its counters: 1 + accepted / drafts, per
-    position j = 1..k accepted at j / drafts; output tokens per second (each prompt alone)."""
+    position j = 1..k accepted at j / drafts; output tokens per second per request (its tokens over
+    the seconds from its request's add to its end, summed: at the rows' `concurrency`)."""
     drafts = sum(r["counters"]["drafts"] for r in rows)
     accepted = sum(r["counters"]["accepted"] for r in rows)
     draft_tokens = sum(r["counters"]["draft_tokens"] for r in rows)
@@ -91,11 +92,16 @@ def engine_report(rows: list[dict], methods: list[dict], hf_rows: list[dict] | N
     """The report's `engine` part: per temperature the summary of every method and, at the
     temperatures our decoder measured beside it (`hf_rows`), where the two part (`vs_ours`, else
     None); `gpu_only`: method name -> the line of vLLM's CPU build that could not start it (those
-    methods have no summary)."""
+    methods have no summary); `concurrency`, `enforce_eager`: the values the rows were decoded with
+    (one each, unless rows of other runs are summed: tok/s is per request at that load)."""
     ours_at = {r["temperature"] for r in hf_rows or []}
+    measured = [r for r in rows if not r.get("gpu_only")]
     return {"backend": "vllm", "version": VLLM_VERSION, "eval_engine_dtype": eval_engine_dtype,
             "eval_tensor_parallel": eval_tensor_parallel,
-            "concurrency": 1, "cpu_expand_kernel_replaced": any(r.get("cpu_expand_kernel_replaced") for r in rows),
+            # requests in flight and eager or not, as the rows were decoded (rows of earlier versions: 1, eager)
+            "concurrency": sorted({r.get("concurrency", 1) for r in measured}),
+            "enforce_eager": sorted({r.get("enforce_eager", True) for r in measured}),
+            "cpu_expand_kernel_replaced": any(r.get("cpu_expand_kernel_replaced") for r in rows),
             "gpu_only": {r["method"]: r["gpu_only"] for r in rows if r.get("gpu_only")},
             "temperatures": {
                 f"{float(t):g}": {"temperature": float(t), "methods": summarize(rows, methods, draft_tokens, float(t)),

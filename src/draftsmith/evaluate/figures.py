@@ -241,6 +241,9 @@ def explain_engine(report: dict) -> str:
     if not report["engine"]:
         return "`eval_backend` is hf: no engine numbers; our decoder's are below."
     e, lines = report["engine"], []
+    if report.get("eval_first_pass_prompts"):
+        lines.append(f"**A first pass:** the first {report['eval_first_pass_prompts']} prompts of every prompt set "
+                     f"(`eval_first_pass_prompts`); run the stage again with 0 to measure the rest.")
     for key, t in e["temperatures"].items():
         m, v = t["methods"], t["vs_ours"]
         mode = "greedy" if t["temperature"] <= 0 else f"T = {t['temperature']:g}"
@@ -256,8 +259,8 @@ def explain_engine(report: dict) -> str:
                 f"ngram {m['ngram']['acceptance_length']:.2f} tokens per verification "
                 f"({'the drafter wins' if final['acceptance_length'] > m['ngram']['acceptance_length'] else 'ngram wins'}); "
                 f"through training " + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in ck)
-                + f". Output {final['tokens_per_s']:.0f} tok/s with the drafter, {m['none']['tokens_per_s']:.0f} without "
-                  f"({final['speedup_tokens_per_s']:.2f}x).")
+                + f". Output {final['tokens_per_s']:.0f} tok/s per request with the drafter, "
+                  f"{m['none']['tokens_per_s']:.0f} without ({final['speedup_tokens_per_s']:.2f}x), {load(e)}.")
         ours = report["temperatures"].get(key, {}).get("methods", {}).get(name)
         if ours and t["temperature"] <= 0:
             c = v["methods"][name]
@@ -362,15 +365,25 @@ def benchmark_table(report: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).round(3)
 
 
+def load(engine: dict) -> str:
+    """How many requests the engine's rows were decoded with in flight (acceptance does not depend
+    on it; tok/s per request does)."""
+    n = engine.get("concurrency", [1])
+    if n == [1]:
+        return "each prompt alone"
+    return f"up to {' / '.join(str(c) for c in n)} prompts in flight"
+
+
 def explain_benchmarks(report: dict) -> str:
     """What the benchmark table says, and how the published figures beside it were measured (markdown)."""
     b = report.get("benchmarks")
     if not b:
         return "`eval_benchmarks` is empty: no benchmark prompts were measured."
     source, temps = benchmark_view(report)
-    lines = [f"Measured in {source}, k = {report['draft_tokens']} drafts in a chain (SGLang 3-1-4 for k = 3), each prompt "
-             f"alone; " + "; ".join(f"{s['name']}: {s['prompts']} prompt(s) of {s['turns']} turn(s), up to "
-                                    f"{s['max_new_tokens']} new tokens per turn ({s['source']})" for s in b["sets"]) + "."]
+    sets = "; ".join(f"{s['name']}: {s['prompts']} prompt(s) of {s['turns']} turn(s), up to {s['max_new_tokens']} "
+                     f"new tokens per turn ({s['source']})" for s in b["sets"])
+    lines = [f"Measured in {source}, k = {report['draft_tokens']} drafts in a chain (SGLang 3-1-4 for k = 3), "
+             f"{load(b['engine']) if b['engine'] else 'each prompt alone'}; {sets}."]
     held = report["engine"]["temperatures"] if b["engine"] else report["temperatures"]
     for key, t in temps.items():
         m = t["methods"]

@@ -73,6 +73,17 @@ def heldout_prompts(run: Run, drafter_dir: str | os.PathLike, eval_prompts_per_d
     return out
 
 
+def first_of_each(prompts: list[HeldoutPrompt], eval_first_pass_prompts: int) -> list[HeldoutPrompt]:
+    """The first `eval_first_pass_prompts` prompts of each prompt set (`dataset`), in their order."""
+    taken: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        if taken.get(p.dataset, 0) < eval_first_pass_prompts:
+            out.append(p)
+            taken[p.dataset] = taken.get(p.dataset, 0) + 1
+    return out
+
+
 def prompt_ids(input_ids: list[int], loss_mask: list[int], where: str) -> list[int]:
     """The prompt part of a training row: the tokens before the first response token."""
     if 1 not in loss_mask:

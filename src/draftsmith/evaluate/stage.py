@@ -7,6 +7,8 @@ are measured the same way, by the final drafters beside prompt lookup and no dra
 along training only on the held-out prompts), and summed up apart from the held-out prompts (the
 report's `benchmarks`). Beside the engine our decoder is the cross-check, and measures what it needs
 (`decoder_scope`): the held-out prompts greedily, where the two must agree at every step.
+`eval_first_pass_prompts` makes a first, smaller measurement: the first N prompts of every prompt
+set; the full pass after it (0) decodes only the prompts the first did not.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .measure import decoder_report, decoder_scope
 from .methods import engine_methods_for, methods_for, on_benchmarks
 from .metrics import DEFINITIONS
 from .published import references_for
-from .prompts import heldout_prompts
+from .prompts import first_of_each, heldout_prompts
 from .serving import serving_commands, write_bench_prompts
 
 
@@ -31,7 +33,7 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
         eval_max_new_tokens: int, draft_tokens: int, eval_temperatures: list[float], lookup_max_ngram: int,
         lookup_min_ngram: int, draft_cost_ratio: float, seed: int, eval_backend: str, eval_hf_crosscheck: bool,
         eval_hf_crosscheck_all: bool, eval_engine_dtype: str, eval_tensor_parallel: int, trust_remote_code: bool,
-        eval_benchmarks: list, log=print) -> dict:
+        eval_benchmarks: list, eval_engine_concurrency: int, eval_first_pass_prompts: int, log=print) -> dict:
     """Measure the drafter of `drafter_dir` (empty: the run's stage 05 folder) on the prompts stage
     05 held out and on `eval_benchmarks`; write the stage's report (`outputs.write_report`) and
     return it. The settings are notebook 06's parameters, under its names."""
@@ -48,7 +50,8 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
         dflash_dir = None if drafter_dir else drafter_outputs.drafter_dir(run, "dflash", create=False)
         drafter_dir = Path(drafter_dir) if drafter_dir else drafter_outputs.drafter_dir(run)
         target_path = resolve_target(target_model_path, log=log)
-        prompts = heldout_prompts(run, drafter_dir, eval_prompts_per_dataset)
+        prompts = heldout_prompts(run, drafter_dir, min(eval_prompts_per_dataset, eval_first_pass_prompts)
+                                  if eval_first_pass_prompts else eval_prompts_per_dataset)
         specs = benchmarks.parse_benchmarks(eval_benchmarks)
         clash = sorted({p.dataset for p in prompts} & {s.name for s in specs})
         if clash:
@@ -56,6 +59,11 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
                              f"rename the benchmark")
         turns = benchmarks.load_turns(target_path, trust_remote_code) if specs else None
         bench = benchmarks.benchmark_prompts(specs, turns, log) if specs else []
+        if eval_first_pass_prompts:
+            bench = first_of_each(bench, eval_first_pass_prompts)
+            log(f"a first pass (eval_first_pass_prompts {eval_first_pass_prompts}): at most "
+                f"{eval_first_pass_prompts} prompts of every prompt set; 0 measures them all, and keeps what this "
+                f"pass measured")
         bench_keys = {(p.dataset, p.sample_id) for p in bench}
         model = load_target(target_path, "auto") if ours else None
         methods, layer_ids = methods_for(drafter_dir, target_path,
@@ -82,7 +90,7 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
                 run, target_path, engine_methods, prompts + bench, draft_tokens=draft_tokens,
                 eval_max_new_tokens=eval_max_new_tokens, eval_temperatures=eval_temperatures, seed=seed,
                 eval_engine_dtype=eval_engine_dtype, eval_tensor_parallel=eval_tensor_parallel,
-                trust_remote_code=trust_remote_code,
+                trust_remote_code=trust_remote_code, eval_engine_concurrency=eval_engine_concurrency,
                 settings=engine.settings_key(fingerprint, draft_tokens, new_tokens, seed, eval_engine_dtype),
                 log=log, proc=child)
             names = {s.name for s in specs}
@@ -128,6 +136,7 @@ def run(run: Run, *, target_model_path: str, drafter_dir: str, eval_prompts_per_
         "target": str(target_path), "target_fingerprint": fingerprint, "drafter_dir": str(drafter_dir),
         "aux_layer_ids": layer_ids, "draft_tokens": draft_tokens, "eval_max_new_tokens": eval_max_new_tokens,
         "seed": seed, "prompts": per_ds, "prompt_ids": [[p.dataset, p.sample_id] for p in prompts],
+        "eval_first_pass_prompts": eval_first_pass_prompts,
         "draft_cost_ratio": draft_cost_ratio, "lookup_min_ngram": lookup_min_ngram, "lookup_max_ngram": lookup_max_ngram,
         "definitions": DEFINITIONS,
         "temperatures": by_t,
