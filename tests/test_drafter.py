@@ -115,9 +115,8 @@ def test_notebook_05_holds_the_one_default_of_each_training_setting_under_the_fi
     from dataclasses import MISSING, fields
 
     from draftsmith import parameters
-    from draftsmith.paths import NOTEBOOKS_DIR
 
-    declared = set(parameters.read_parameters(NOTEBOOKS_DIR / "05_train_drafter.ipynb"))
+    declared = set(parameters.select(parameters.discover(), "05")[0].params)
     own = {"run_name", "outputs_dir", "target_model_path", "train_nproc", "nnodes", "rdzv_endpoint", "drafter_kinds"}
     required = {f.name for f in fields(TrainConfig) if f.default is MISSING and f.default_factory is MISSING}
     from_notebook = {f.name for f in fields(TrainConfig) if f.default_factory is not MISSING}

@@ -1,5 +1,6 @@
 """The stage runner: parameter checks, execution through papermill, failures that name the cell."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -7,12 +8,22 @@ import nbformat
 import pytest
 import yaml
 
-from draftsmith import cli, parameters, runner
+from draftsmith import cli, config, parameters, runner
 from draftsmith.paths import NOTEBOOKS_DIR, REPO_ROOT
 
 from conftest import wait_until
 
 PARAMS = sorted((REPO_ROOT / "params").glob("*.yaml"))
+
+
+def toy(**settings):
+    """A toy stage's config: name=(default, help) or (default, help, bound)."""
+    return dataclasses.make_dataclass("Toy", [(n, type(v[0]), config.setting(*v)) for n, v in settings.items()])
+
+
+RUN = {"run_name": ("x", "the run"), "outputs_dir": ("outputs", "")}
+TOY = {"01": ("first", toy(**RUN, count=(3, "how many"), rate=(0.5, ""))),
+       "02": ("second", toy(**RUN, flag=(False, ""), items=([], "")))}
 
 
 def make_notebook(path: Path, params_src: str, body: list[str]) -> Path:
@@ -38,7 +49,7 @@ def toy_stages(tmp_path):
     make_notebook(d / "02_second.ipynb",
                   'run_name = "x"\noutputs_dir = "outputs"\nflag = False\nitems = []\n',
                   ["x = 1", "assert not flag, 'flag was set'"])
-    return parameters.discover(d)
+    return parameters.discover(d, TOY)
 
 
 def test_runner_rejects_an_unknown_key_naming_it(tmp_path, capsys):
@@ -87,8 +98,38 @@ def test_notebooks_have_one_parameters_cell_python3_kernel_and_no_outputs():
         for c in nb.cells:
             if c.cell_type == "code":
                 assert not c.outputs and c.execution_count is None, f"{p.name} has stored outputs"
-        parameters.read_parameters(p)  # plain literals only
     parameters.declared(parameters.discover())  # same type for a name everywhere
+
+
+def test_each_notebooks_parameters_cell_and_the_docs_table_are_written_from_its_stage_config():
+    """The configs are the one source: a cell that differs (an edited default, a setting added to a
+    notebook alone) fails here; `python -m draftsmith.parameters --write-cells` writes them."""
+    for stage in parameters.discover():
+        nb = parameters.read_notebook(stage.path)
+        assert nb["cells"][parameters.parameters_cell(nb)]["source"] == parameters.cell_source(stage), stage.title
+    assert (REPO_ROOT / "docs" / "parameters.md").read_text() == parameters.reference()
+    stage = parameters.select(parameters.discover(), "02")[0]
+    stage.params["concurrency"].default = 7
+    assert "concurrency = 7  # [1, inf) requests in flight" in parameters.cell_source(stage)
+
+
+def test_the_library_takes_its_defaults_and_bounds_without_the_notebooks_folder(tmp_path):
+    """As installed from a wheel: the package alone, no notebooks/ beside it."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copytree(REPO_ROOT / "src" / "draftsmith", tmp_path / "draftsmith")
+    script = ("from draftsmith import parameters, paths\n"
+              "assert not paths.NOTEBOOKS_DIR.exists(), paths.NOTEBOOKS_DIR\n"
+              "from draftsmith.generate.options import Options\n"
+              "print(Options(concurrency=1, spend_limit_usd=1.0).max_attempts, parameters.declaration('concurrency').default)\n"
+              "parameters.check_bounds({'concurrency': 0})\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
+    defaults = parameters.select(parameters.discover(), "02")[0].params
+    assert r.stdout.split() == [str(defaults["max_attempts"].default), str(defaults["concurrency"].default)], r.stderr
+    assert "concurrency must be at least 1" in r.stderr
 
 
 def test_runner_passes_only_declared_parameters_with_absolute_paths(toy_stages, tmp_path, monkeypatch):
@@ -127,7 +168,8 @@ def test_on_several_nodes_each_node_keeps_its_own_executed_notebook_and_log(tmp_
     make_notebook(d / "03_once.ipynb", 'run_name = "x"\noutputs_dir = "outputs"\n', ["print('once')"])
     make_notebook(d / "04_nodes.ipynb", 'run_name = "x"\noutputs_dir = "outputs"\nnnodes = 1  # [1, inf) machines\n',
                   ["import socket\nprint('ran on', socket.gethostname())"])
-    stages = parameters.discover(d)[1:]
+    configs = {"03": ("once", toy(**RUN)), "04": ("nodes", toy(**RUN, nnodes=(1, "machines", "[1, inf)")))}
+    stages = parameters.discover(d, configs)[1:]
     values = {"run_name": "r", "outputs_dir": str(tmp_path / "out"), "nnodes": 2}
     for host in ("node-a", "node-b"):
         monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
@@ -138,7 +180,7 @@ def test_on_several_nodes_each_node_keeps_its_own_executed_notebook_and_log(tmp_
     assert "04_nodes@node-a" in report and "04_nodes@node-b" in report
     runner.run_stages(stages, {**values, "run_name": "one", "nnodes": 1}, echo=False)
     assert [p.name for p in (tmp_path / "out" / "one" / "notebooks").iterdir()] == ["04_nodes.ipynb"]
-    once = parameters.discover(d)[:1]       # a stage that does not run on several nodes keeps its name
+    once = parameters.discover(d, configs)[:1]       # a stage that does not run on several nodes keeps its name
     runner.run_stages(once, {**values, "run_name": "once"}, echo=False)
     assert [p.name for p in (tmp_path / "out" / "once" / "notebooks").iterdir()] == ["03_once.ipynb"]
 
@@ -229,7 +271,8 @@ def test_ctrl_c_stops_the_run_with_one_line_and_exit_130(toy_stages, tmp_path):
     make_notebook(toy_stages[0].path, 'run_name = "x"\noutputs_dir = "outputs"\n',
                   ["import time\nprint('sleeping', flush=True)\ntime.sleep(60)"])
     script = ("import sys\nfrom pathlib import Path\nfrom draftsmith import cli, parameters\n"
-              f"stages = parameters.discover(Path({str(toy_stages[0].path.parent)!r}))\n"
+              f"sys.path.insert(0, {str(Path(__file__).parent)!r})\nfrom test_runner import TOY\n"
+              f"stages = parameters.discover(Path({str(toy_stages[0].path.parent)!r}), TOY)\n"
               "parameters.discover = lambda: stages\n"
               f"sys.exit(cli.main(['run', '01', '--defaults', '-p', 'outputs_dir', {str(tmp_path)!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -101,14 +101,12 @@ def test_a_bound_is_declared_once_in_the_notebook_line_and_both_preflight_and_th
     parameters.check_bounds({"concurrency": 1, "shard_mb": 0.01})
 
 
-def test_a_notebook_whose_default_breaks_its_own_bound_or_bounds_a_string_is_refused(tmp_path):
-    import nbformat
+def test_a_config_whose_default_breaks_its_own_bound_or_bounds_a_string_is_refused():
+    import dataclasses
 
-    for line, says in [("concurrency = 0  # [1, inf) requests in flight", "concurrency must be at least 1"),
-                       ('model = "m"  # [1, inf) model id', "a bound is for numbers")]:
-        nb = nbformat.v4.new_notebook()
-        nb.cells = [nbformat.v4.new_code_cell(line, metadata={"tags": ["parameters"]})]
-        path = tmp_path / "09_x.ipynb"
-        nbformat.write(nb, path)
+    from draftsmith import config
+
+    for name, default, says in [("concurrency", 0, "concurrency must be at least 1"), ("model", "m", "a bound is for numbers")]:
+        cls = dataclasses.make_dataclass("X", [(name, type(default), config.setting(default, "help", bound="[1, inf)"))])
         with pytest.raises(parameters.ParamError, match=says):
-            parameters.read_parameters(path)
+            parameters.config_parameters(cls, "09_x.ipynb")

@@ -54,7 +54,7 @@ def generate_and_validate(tmp_path, backend: str, budget: int, max_tokens: int, 
         assert result.complete, result.message
         ledger = {line["generation_id"]: line for line in emu.ledger_lines() if line["billed"]}
     if notebook:  # the smoke params, less the keys of stages whose notebooks may not exist yet
-        declared = parameters.read_parameters(REPO_ROOT / "notebooks" / "03_validate_tokens.ipynb")
+        declared = parameters.select(parameters.discover(), "03")[0].params
         smoke = yaml.safe_load((REPO_ROOT / "params" / "smoke.yaml").read_text())
         params = tmp_path / "params.yaml"
         params.write_text(yaml.safe_dump({**{k: v for k, v in smoke.items() if k in declared}, "datasets": datasets}))

@@ -20,7 +20,7 @@ def note(kind: str) -> None:
 def tally(path) -> dict[str, int]:
     """{kind: count} of the lines in `path` (empty when it does not exist)."""
     try:
-        lines = open(path, encoding="utf-8").read().split()
+        lines = open(path, encoding="utf-8").read().splitlines()
     except FileNotFoundError:
         return {}
     return {k: lines.count(k) for k in sorted(set(lines))}

@@ -1,23 +1,19 @@
-"""The stages and their parameters: what each notebook declares, and the values a run gives them.
+"""The stages and their settings, and the values a run gives them.
 
-A stage is a notebook `notebooks/NN_name.ipynb`; its one cell tagged `parameters` declares the
-parameters it takes as `name = literal  # help`, and that literal is the setting's one default.
-A number's help may start with its bound, an interval: `concurrency = 64  # [1, inf) requests in
-flight` (`(0, 1]`, `[0, inf)`, ...). That line is the setting's one declaration: the runner's
-preflight and the library (`check_bounds`, called where a stage takes its settings) read it, and a
-stage's `run(run, **params)` takes the notebook's names end to end (`given` picks them out of a
-notebook's namespace).
-A params file (and `-p` overrides) hold only what differs: they are merged over the defaults, a
-key that no notebook declares or a value of the wrong type is rejected (naming the file and key),
-relative paths (`datasets` and `imports` entries too) become absolute, relative to where
-`draftsmith` is run (`effective_params`); `preflight.prepare` then checks every value of the
-chosen stages before anything starts or pays.
+Each stage's settings are declared once, in its typed config (`draftsmith.config`): type, default,
+bound and one line of help. `discover` turns the configs into `Stage`s (the notebook a stage runs
+is only where the runner finds it); the notebooks' parameters cells are written from the configs
+(`python -m draftsmith.parameters --write-cells`) and a test holds them equal. A params file (and
+`-p` overrides) hold only what differs: they are merged over the defaults, a key no stage declares
+or a value of the wrong type is rejected (naming the file and key), relative paths become absolute
+(`effective_params`); `preflight.prepare` then checks every value of the chosen stages.
 """
 
 from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import difflib
 import functools
 import json
@@ -28,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from . import config
 from .paths import NOTEBOOKS_DIR
 
 PATH_SUFFIXES = ("_dir", "_file", "_path")
@@ -52,6 +49,11 @@ class Bound:
         return ((v >= self.low if self.low_closed else v > self.low) and
                 (v <= self.high if self.high_closed else v < self.high))
 
+    @property
+    def written(self) -> str:
+        """As a config writes it: `[1, inf)`."""
+        return f"{'[' if self.low_closed else '('}{self.low:g}, {self.high:g}{']' if self.high_closed else ')'}"
+
     def __str__(self) -> str:
         low = f"{self.low:g}"
         if self.high == float("inf"):
@@ -74,9 +76,12 @@ class Param:
     help: str
     notebook: str
     bound: Bound | None = None
+    annotation: str | None = None   # the config's type, e.g. "str | None"
 
     @property
     def type_name(self) -> str:
+        if self.annotation:
+            return self.annotation
         return "any" if self.default is None else type(self.default).__name__
 
     def problem(self, value) -> str | None:
@@ -92,8 +97,9 @@ class Param:
 class Stage:
     number: str
     name: str
-    path: Path
+    path: Path                       # the notebook the runner executes
     params: dict[str, Param]
+    config: type | None = None       # its typed config (draftsmith.config)
 
     @property
     def title(self) -> str:
@@ -123,41 +129,6 @@ def parameters_cell(nb) -> int:
     return idx[0]
 
 
-def read_parameters(path: Path) -> dict[str, Param]:
-    """`name = literal  # help` lines of the notebook's parameters cell, in order. A stage notebook
-    carrying outputs was run and saved in place (Jupyter's autosave), so its parameters cell may
-    hold one session's values instead of the shipped defaults: it is refused, not read."""
-    nb = read_notebook(path)
-    ran = [i + 1 for i, c in enumerate(nb["cells"])
-           if c.get("cell_type") == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
-    if ran:
-        raise ParamError(f"{path}: cell {ran[0]} holds outputs: the notebook was run and saved in place, so its "
-                         f"parameters cell may no longer hold the defaults; restore it as shipped (in a git clone: "
-                         f"git checkout -- {path}) and explore in `make lab`, which opens copies in lab/")
-    src = nb["cells"][parameters_cell(nb)]["source"]
-    tree = ast.parse(src)
-    lines = src.splitlines()
-    out: dict[str, Param] = {}
-    for node in tree.body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            raise ParamError(f"{path.name}: parameters cell line {node.lineno}: only `name = literal` allowed")
-        try:
-            value = ast.literal_eval(node.value)
-        except ValueError:
-            raise ParamError(f"{path.name}: parameter {node.targets[0].id!r} must be a plain literal") from None
-        line = lines[node.end_lineno - 1]
-        help_ = line.split("#", 1)[1].strip() if "#" in line[node.end_col_offset:] else ""
-        bound, help_ = parse_bound(help_)
-        if bound is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
-            raise ParamError(f"{path.name}: parameter {node.targets[0].id!r}: a bound is for numbers, "
-                             f"its default is {value!r}")
-        param = out[node.targets[0].id] = Param(node.targets[0].id, value, help_, path.name, bound)
-        problem = param.problem(value)
-        if problem:
-            raise ParamError(f"{path.name}: {problem} (its own default)")
-    return out
-
-
 @functools.cache
 def _shipped() -> tuple[list[Stage], dict[str, Param]]:
     """The repository's stages and every setting they declare, read once per process."""
@@ -166,16 +137,16 @@ def _shipped() -> tuple[list[Stage], dict[str, Param]]:
 
 
 def declaration(name: str) -> Param:
-    """The one declaration of setting `name` (the notebooks' parameters cells, read once)."""
+    """The one declaration of setting `name` (the stages' configs)."""
     params = _shipped()[1]
     if name not in params:
-        raise KeyError(f"no notebook declares {name!r}")
+        raise KeyError(f"no stage declares {name!r}")
     return params[name]
 
 
 def default_field(name: str):
-    """A dataclass field whose default is setting `name`'s one default (its notebook declaration),
-    for the library's settings classes: no second default to drift from the notebook's."""
+    """A dataclass field whose default is setting `name`'s one default (its stage config's), for the
+    library's settings classes: no second default to drift from it."""
     return field(default_factory=lambda: copy.deepcopy(declaration(name).default))
 
 
@@ -196,12 +167,84 @@ def given(number: str, namespace: dict) -> dict:
     return {name: namespace[name] for name in stage.params if name not in ("run_name", "outputs_dir")}
 
 
-def discover(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Stage]:
+def discover(notebooks_dir: Path = NOTEBOOKS_DIR, configs: dict | None = None) -> list[Stage]:
+    """The stages of `configs` ({number: (name, config class)}, `config.STAGES` by default), their
+    settings read from the config classes; `notebooks_dir` only says where each stage's notebook,
+    `NN_name.ipynb`, lies for the runner."""
     stages = []
-    for p in sorted(notebooks_dir.glob("[0-9][0-9]_*.ipynb")):
-        num, name = p.stem.split("_", 1)
-        stages.append(Stage(num, name, p, read_parameters(p)))
+    for number, (name, cls) in sorted((configs or config.STAGES).items()):
+        path = Path(notebooks_dir) / f"{number}_{name}.ipynb"
+        stages.append(Stage(number, name, path, config_parameters(cls, path.name), cls))
     return stages
+
+
+def config_parameters(cls, notebook: str) -> dict[str, Param]:
+    """The settings a config class declares, in order, each held to its own bound."""
+    out: dict[str, Param] = {}
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        bound = None
+        if f.metadata.get("bound"):
+            bound, rest = parse_bound(f.metadata["bound"])
+            if bound is None or rest:
+                raise ParamError(f"{cls.__name__}.{f.name}: bound {f.metadata['bound']!r} is not an interval")
+            if not (isinstance(default, (int, float)) and not isinstance(default, bool)):
+                raise ParamError(f"{cls.__name__}.{f.name}: a bound is for numbers, its default is {default!r}")
+        param = out[f.name] = Param(f.name, default, f.metadata.get("help", ""), notebook, bound, str(f.type))
+        problem = param.problem(default)
+        if problem:
+            raise ParamError(f"{cls.__name__}: {problem} (its own default)")
+    return out
+
+
+def literal(v) -> str:
+    """`v` as the Python literal a parameters cell writes: strings in double quotes."""
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(literal(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{literal(k)}: {literal(x)}" for k, x in v.items()) + "}"
+    return repr(v)
+
+
+def cell_source(stage: Stage) -> str:
+    """The parameters cell of `stage`'s notebook, written from its config: `name = literal  # help`."""
+    lines = []
+    for p in stage.params.values():
+        help_ = " ".join(x for x in (p.bound and p.bound.written, p.help) if x)
+        lines.append(f"{p.name} = {literal(p.default)}" + (f"  # {help_}" if help_ else ""))
+    return "\n".join(lines) + "\n"
+
+
+def reference(stages: list[Stage] | None = None) -> str:
+    """docs/parameters.md: every stage's settings as tables (name, type, default, bound, help)."""
+    out = ["# Parameters", "", "Every setting of every stage, written from the stages' configs (`src/draftsmith/config.py`) by",
+           "`python -m draftsmith.parameters --write-cells`; a params file names only what differs from these.", ""]
+    for stage in stages or discover():
+        out += [f"## {stage.title}", "", "| setting | type | default | bound | what it is |", "|---|---|---|---|---|"]
+        for p in stage.params.values():
+            cells = [f"`{p.name}`", f"`{p.type_name}`", f"`{literal(p.default)}`", p.bound.written if p.bound else "",
+                     p.help]
+            cells = [c.replace("|", "\\|") for c in cells]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_cells(stages: list[Stage] | None = None) -> list[Path]:
+    """Rewrite each stage notebook's parameters cell from its config; the notebooks changed."""
+    changed = []
+    for stage in stages or discover():
+        nb = json.loads(stage.path.read_text(encoding="utf-8"))
+        cell = nb["cells"][parameters_cell(read_notebook(stage.path))]
+        src = cell_source(stage)
+        current = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if current != src:
+            cell["source"] = src.splitlines(keepends=True)
+            stage.path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            changed.append(stage.path)
+    return changed
 
 
 def select(stages: list[Stage], which: str) -> list[Stage]:
@@ -219,7 +262,7 @@ def select(stages: list[Stage], which: str) -> list[Stage]:
 
 
 def declared(stages: list[Stage]) -> dict[str, Param]:
-    """Every parameter any notebook declares; the same name must have the same type everywhere."""
+    """Every parameter any stage declares; the same name must have the same type everywhere."""
     out: dict[str, Param] = {}
     for s in stages:
         for name, p in s.params.items():
@@ -251,7 +294,7 @@ def check_type(name: str, value, p: Param, source: str) -> None:
 
 def load_params(file: str | None, overrides: list[tuple[str, str]], known: dict[str, Param],
                 sources: dict[str, str] | None = None) -> dict:
-    """Params file + `-p` overrides, checked against what the notebooks declare. `sources`, when
+    """Params file + `-p` overrides, checked against what the stages declare. `sources`, when
     given, is filled with where each value came from (the file, or `-p KEY`)."""
     values: dict = {}
     sources = {} if sources is None else sources
@@ -290,7 +333,7 @@ def _check_known(key, known: dict[str, Param], source: str) -> None:
     if key not in known:
         close = difflib.get_close_matches(str(key), known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ParamError(f"{source}: unknown parameter {key!r}: no notebook declares it{hint} "
+        raise ParamError(f"{source}: unknown parameter {key!r}: no stage declares it{hint} "
                          f"(see `draftsmith run --list`)")
 
 
@@ -317,7 +360,7 @@ def absolutize(values: dict, base: Path) -> dict:
 
 def effective_params(stages_all: list[Stage], file: str | None, overrides: list[tuple[str, str]],
                      base: Path | None = None, sources: dict[str, str] | None = None) -> dict:
-    """Defaults of every notebook, overlaid by the params file and the overrides, paths absolute.
+    """Defaults of every stage, overlaid by the params file and the overrides, paths absolute.
     `sources`, when given, maps each key to where its value came from."""
     known = declared(stages_all)
     values = {name: p.default for name, p in known.items()}
@@ -328,3 +371,16 @@ def effective_params(stages_all: list[Stage], file: str | None, overrides: list[
     if not values.get("run_name"):
         raise ParamError(f"{given.get('run_name', file or '-p')}: run_name is required")
     return absolutize(values, base or Path.cwd())
+
+
+if __name__ == "__main__":   # python -m draftsmith.parameters --write-cells: cells and docs from the configs
+    import sys
+
+    if sys.argv[1:] != ["--write-cells"]:
+        sys.exit("usage: python -m draftsmith.parameters --write-cells")
+    for path in write_cells():
+        print(f"rewrote the parameters cell of {path}")
+    docs = NOTEBOOKS_DIR.parent / "docs" / "parameters.md"
+    if not docs.exists() or docs.read_text(encoding="utf-8") != reference():
+        docs.write_text(reference(), encoding="utf-8")
+        print(f"rewrote {docs}")

@@ -7,7 +7,7 @@ the API key each api_base needs (a key file given with `api_base: local` is read
 that exists and whose tokenizer loads (one shipped as code only with trust_remote_code), an
 outputs folder that can be written. Only the parameters the selected stages
 declare are checked, and each problem is one line naming where the value came from (the params
-file, `-p KEY`, or a notebook's default). `prepare` gives a run its values with every check made;
+file, `-p KEY`, or a stage's default). `prepare` gives a run its values with every check made;
 `warnings` names what is allowed but likely a mistake.
 """
 

@@ -1,10 +1,10 @@
 """The settings of one training run (`TrainConfig`), checked before any work.
 
-Every setting a user chooses is a required field: its one default is in notebook 05's parameters
-cell (`draft_vocab_size`, `train_lr`, ...), which is where a user reads and sets it, and each field is
-named as the notebook names it; the bounds declared there are checked here (`parameters.check_bounds`).
-Only the settings the notebook does not offer have defaults here, and DFlash's, which take the
-notebook's (`parameters.default_field`), so an EAGLE-3 run need not name them.
+Every setting a user chooses is a required field: its one default is in stage 05's config
+(`config.DrafterConfig`: `draft_vocab_size`, `train_lr`, ...), and each field is named as the config
+names it; the bounds declared there are checked here (`parameters.check_bounds`). Only the settings
+the stage does not offer have defaults here, and DFlash's, which take the config's
+(`parameters.default_field`), so an EAGLE-3 run need not name them.
 
 A checkpoint remembers the settings that change the trained weights (`fingerprint`), so a run is
 resumed only with the settings and data it was started with.
@@ -55,7 +55,7 @@ class TrainConfig:
     train_resume: bool
     stop_at: int = 0                 # return after this many steps (0: train to the end)
 
-    LIBRARY_ONLY = ("hidden_dir", "target_path", "out_dir", "step_weight", "stop_at", "drafter_kind")  # no notebook declares these
+    LIBRARY_ONLY = ("hidden_dir", "target_path", "out_dir", "step_weight", "stop_at", "drafter_kind")  # no stage declares these
     DFLASH_ONLY = ("drafter_kind", "dflash_layers", "dflash_block_size", "dflash_anchors")
     BOOKKEEPING = ("train_eval_every", "train_checkpoint_every", "export_fractions", "export_engine",
                    "export_dtype", "train_resume", "stop_at", "out_dir", "hidden_dir", "target_path")

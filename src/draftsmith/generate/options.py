@@ -12,7 +12,7 @@ from .. import parameters
 @dataclass
 class Options:
     """How a session behaves: notebook 02's parameters of that name, and the few knobs below
-    that no notebook declares (benchmarks and tests turn them)."""
+    that no stage declares (benchmarks and tests turn them)."""
 
     concurrency: int
     spend_limit_usd: float

@@ -54,7 +54,7 @@ def open_capture(target_backend: str, target, layer_ids: list[int], *, device: s
 
 @dataclass
 class Settings:
-    """How to extract: notebook 04's settings under its names, each left out at the notebook's
+    """How to extract: stage 04's settings under their names, each left out at its config's
     default (`parameters.declaration`), held to its declared bounds by `check`."""
 
     layer_ids: list[int] | None = parameters.default_field("layer_ids")  # None or []: layer_set's
