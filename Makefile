@@ -14,7 +14,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench rehearsal venv clean-demo lab gpu-venv sglang-venv
+.PHONY: demo test test-fast bench rehearsal venv clean-demo lab gpu-venv sglang-venv gpu-preflight gpu-smoke
 
 venv: $(STAMP)
 
@@ -70,7 +70,7 @@ clean-demo:
 
 # GPU machines (docs/gpu.md): one environment per serving engine, as vLLM and SGLang pin different
 # torch releases; each is the project's own requirements plus its engine's, CUDA builds from PyPI.
-# `make gpu-venv`: vLLM, for stages 04 and 06 on GPUs and bench/gpu_smoke.py, in $(GPU_VENV)/;
+# `make gpu-venv`: vLLM, for stages 04 and 06 on GPUs and `make gpu-preflight` / `make gpu-smoke`, in $(GPU_VENV)/;
 # `make sglang-venv`: SGLang, to serve the drafter's SGLang export, in $(SGLANG_VENV)/.
 GPU_VENV    := .venv-gpu
 SGLANG_VENV := .venv-sglang
@@ -89,6 +89,17 @@ endef
 gpu-venv: $(GPU_VENV)/.installed
 $(GPU_VENV)/.installed: requirements-gpu-vllm.txt requirements-common.txt requirements-benchmarks.txt pyproject.toml
 	$(call engine_venv,$(GPU_VENV),requirements-gpu-vllm.txt,vLLM)
+
+# The GPU node's first checks (docs/real-job.md), in the vLLM environment:
+# `make gpu-preflight`: the node alone (driver, GPUs, peer access, all-reduce, disk for the run
+# PREFLIGHT_PARAMS describes), no stage run; `make gpu-smoke`: the INT4 kimi-mini through all six
+# stages in vLLM, after the same checks. GPU_SMOKE_ARGS: e.g. --tp 2, --dry-run (no GPU needed).
+PREFLIGHT_PARAMS ?= params/kimi-k2.5.yaml
+gpu-preflight: $(GPU_VENV)/.installed
+	$(GPU_VENV)/bin/python bench/gpu_smoke.py --preflight --params $(PREFLIGHT_PARAMS)
+
+gpu-smoke: $(GPU_VENV)/.installed
+	$(GPU_VENV)/bin/python bench/gpu_smoke.py $(GPU_SMOKE_ARGS)
 
 sglang-venv: $(SGLANG_VENV)/.installed
 $(SGLANG_VENV)/.installed: requirements-gpu-sglang.txt requirements-common.txt requirements-benchmarks.txt pyproject.toml

@@ -152,6 +152,9 @@ def test_stage_01_end_to_end_excludes_fp4_and_flags_the_perturbed_provider(tmp_p
     for f in ("endpoints.csv", "probe.csv", "summary.json", "figures/price_vs_throughput.png",
               "figures/cost_vs_balance.png"):
         assert (out / f).is_file(), f
+    # the notebook's tables are for people: no index column, units in the headers, routing as a table
+    shown = json.dumps(json.loads((tmp_path / "smoke" / "notebooks" / "01_providers.ipynb").read_text())["cells"])
+    assert "price out ($/M tokens)" in shown and "allow_fallbacks" in shown and "row_heading" not in shown
     # the key never reaches anything saved
     for path in (tmp_path / "smoke").rglob("*"):
         if path.is_file() and path.suffix in (".ipynb", ".json", ".csv", ".log", ".yaml", ".html", ".jsonl"):

@@ -45,7 +45,7 @@ def test_the_ttt_curves_differ_in_colour_and_line_style_and_none_is_pale():
                 "acc_i": [0.1 * s] * 3} for s in range(1, 6) for split in ("train", "heldout")]
     fig = drafter_figures.curves_figure(metrics, {"acc": 0.1})
     for ax in fig.axes:
-        steps = [ln for ln in ax.get_lines() if ln.get_label().startswith(("step", "acc_"))]
+        steps = [ln for ln in ax.get_lines() if ln.get_label().startswith("TTT step")]
         assert len(steps) == 3
         assert len({to_hex(ln.get_color()) for ln in steps}) == 3
         assert len({ln.get_linestyle() for ln in steps}) == 3

@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from .. import parameters
+from ..plotting import plain_log_ticks
 from .dflash_export import serving_command as dflash_serving_command
 from .export import for_engine, serving_command
 from .vocab import DraftVocab, coverage_curve
@@ -22,7 +23,8 @@ def coverage_figure(vocab: DraftVocab):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(sizes, coverage_curve(vocab.counts, sizes))
     ax.axvline(vocab.size, color="C3", ls="--", label=f"draft vocab {vocab.size}: {vocab.coverage():.1%}")
-    ax.set(xscale="log", xlabel="draft vocabulary size (most frequent tokens)", ylabel="coverage",
+    ax.set(xscale="log", xlabel="draft vocabulary size (tokens, most frequent first)",
+           ylabel="response tokens covered (fraction)",
            title="response tokens covered by the draft vocabulary")
     ax.legend()
     fig.tight_layout()
@@ -43,14 +45,15 @@ def step_style(i: int) -> dict:
 
 
 def curves_figure(metrics: list[dict], baseline: dict | None = None, kind: str = "eagle3"):
-    """Against the optimizer step, one line per TTT step (DFlash: per block position, at most eight
-    of them): train loss, held-out KL to the target (loss minus the teacher's entropy, 0 = a
-    perfect copy) and held-out acc_i."""
+    """Against the optimizer step, one line per TTT step (DFlash: per block position; at most four,
+    the first, the last and evenly between): train loss, held-out KL to the target (loss minus the
+    teacher's entropy, 0 = a perfect copy) and held-out acc_i."""
     train = [r for r in metrics if r["split"] == "train"]
     held = [r for r in metrics if r["split"] == "heldout"]
     k = len((train or held)[0]["loss_i"]) if (train or held) else 0
     unit = "TTT step" if kind == "eagle3" else "block position"
-    shown = list(range(k)) if k <= 8 else sorted({round(j * (k - 1) / 7) for j in range(8)})
+    name = "TTT step" if kind == "eagle3" else "position"
+    shown = list(range(k)) if k <= 4 else sorted({round(j * (k - 1) / 3) for j in range(4)})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     every = max(1, len(train) // 8)
     for i in shown:
@@ -58,14 +61,19 @@ def curves_figure(metrics: list[dict], baseline: dict | None = None, kind: str =
         # coincide still show one mark each
         st = {**step_style(i), "mfc": "none", "lw": 1.4}
         axes[0].plot([r["step"] for r in train], [r["loss_i"][i] for r in train], ms=5,
-                     markevery=(i * every // max(k, 1), every), label=f"step {i}", **st)
-        axes[1].plot([r["step"] for r in held], [r["kl_i"][i] for r in held], ms=4 + 2 * i, label=f"step {i}", **st)
-        axes[2].plot([r["step"] for r in held], [r["acc_i"][i] for r in held], ms=4 + 2 * i, label=f"acc_{i}", **st)
+                     markevery=(i * every // max(k, 1), every), label=f"{name} {i}", **st)
+        ms = 4 + 2 * shown.index(i)
+        axes[1].plot([r["step"] for r in held], [r["kl_i"][i] for r in held], ms=ms, label=f"{name} {i}", **st)
+        axes[2].plot([r["step"] for r in held], [r["acc_i"][i] for r in held], ms=ms, label=f"{name} {i}", **st)
     if baseline:
         axes[2].axhline(baseline["acc"], color="k", ls=":", label="unigram")
-    axes[0].set(title=f"train loss per {unit}", xlabel="optimizer step", ylabel="soft cross-entropy")
-    axes[1].set(title=f"held-out KL(target || drafter) per {unit}", xlabel="optimizer step", yscale="log")
-    axes[2].set(title="held-out acc_i (top-1 agrees with the target)", xlabel="optimizer step", ylim=(0, 1))
+    axes[0].set(title=f"train loss per {unit}", xlabel="optimizer step (batches)",
+                ylabel="soft cross-entropy (nats)")
+    axes[1].set(title=f"held-out KL(target || drafter) per {unit}", xlabel="optimizer step (batches)",
+                ylabel="KL (nats, log scale)", yscale="log")
+    axes[2].set(title=f"held-out acc_i per {unit}", xlabel="optimizer step (batches)",
+                ylabel="top-1 agrees with the target (fraction)", ylim=(0, 1))
+    plain_log_ticks(axes[1].yaxis)
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()

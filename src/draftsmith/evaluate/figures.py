@@ -76,7 +76,8 @@ def by_dataset(report: dict) -> Figure:
             ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xticks(x, groups)
-        ax.set_ylabel("tokens per verification")
+        ax.set_xlabel("prompt set")
+        ax.set_ylabel("acceptance length (tokens per verification)")
         ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom so the legend sits above the bars
         ax.set_title(f"acceptance length, {_label(t)}, k = {report['draft_tokens']}", fontsize=10)
     panels[0][0].legend(fontsize=7, ncols=len(panels[0][1]["methods"]), loc="upper center")
@@ -106,7 +107,7 @@ def training(report: dict) -> Figure:
         ax.axhline(1.0, color="grey", lw=0.8, ls=":", label="no drafter")
         ax.set_xlim(0, 1.05)
         ax.set_xlabel("fraction of training")
-        ax.set_ylabel("acceptance length")
+        ax.set_ylabel("acceptance length (tokens per verification)")
         ax.set_title(f"as the drafter trains, {_label(t)}", fontsize=10)
     for ax, _ in panels:
         ax.legend(fontsize=7)
@@ -134,7 +135,7 @@ def positions(report: dict) -> Figure:
         ax.set_ylabel("P(draft j accepted)")
         given = any("position_acceptance_conditional" in s for s in t["methods"].values())
         ax.set_title(f"per position, {_label(t)}" + (" (dashed: given j-1)" if given else ""), fontsize=10)
-    panels[0][0].legend(fontsize=7)
+        ax.legend(fontsize=7)  # each panel its own: the perfect drafter's mark is not in every one
     fig.tight_layout()
     return fig
 
@@ -151,7 +152,7 @@ def speedup_estimate(report: dict) -> Figure:
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.axvline(report["draft_cost_ratio"], color="black", lw=0.8, ls="--")
         ax.set_xlabel("drafter forward cost / target forward cost")
-        ax.set_ylabel("estimated speed-up")
+        ax.set_ylabel("estimated speed-up (× no drafter)")
         ax.set_title(f"speed-up estimate, {_label(t)}, k = {report['draft_tokens']}", fontsize=10)
     panels[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -184,6 +185,7 @@ def benchmarks(report: dict) -> Figure:
             ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xticks(x, names)
+        ax.set_xlabel("benchmark")
         ax.set_ylabel("acceptance length (tokens per verification)")
         ax.set_ylim(0, max(ax.get_ylim()[1], report["draft_tokens"] + 1) * 1.15)
         ax.set_title(f"benchmarks, {_label(t)}, k = {report['draft_tokens']} ({source})", fontsize=10)

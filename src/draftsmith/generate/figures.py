@@ -8,6 +8,7 @@ import pandas as pd
 
 from . import outputs
 from ..paths import Run
+from ..plotting import none_panel
 
 COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens", "completion_tokens",
            "reasoning_tokens", "cost", "attempts", "latency_s", "started_at", "completed_at"]
@@ -87,8 +88,9 @@ def sessions_table(manifest: dict) -> pd.DataFrame:
 
 
 def plot_overview(df: pd.DataFrame, manifest: dict, spend_limit_usd: float):
-    """Six panels: tokens over time per dataset, spend vs the limit, latency and length
-    distributions, provider share, errors by kind."""
+    """Six panels: tokens over time per dataset, spend (against the limit where both read on one
+    axis), latency and length distributions, provider share, errors by kind; a panel with nothing to
+    show says "none" in its title."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(2, 3, figsize=(15, 8))
@@ -104,25 +106,42 @@ def plot_overview(df: pd.DataFrame, manifest: dict, spend_limit_usd: float):
             b = (manifest.get("datasets", {}).get(name) or {}).get("budget")
             if b:
                 ax[0].axhline(b, ls=":", lw=1, color=ax[0].lines[-1].get_color())
-        ax[1].plot((d["completed_at"] - t0) / div, d["cost"].fillna(0).cumsum(), label="spent (saved responses)")
+        ax[1].plot((d["completed_at"] - t0) / div, d["cost"].fillna(0).cumsum())
         ax[2].hist(df["latency_s"].dropna(), bins=40)
         for name, g in df.groupby("dataset"):
             ax[3].hist(g["completion_tokens"].dropna(), bins=40, alpha=0.6, label=name)
         share = df.groupby("provider")["completion_tokens"].sum().sort_values()
         ax[4].barh(share.index, share.values)
-    ax[0].set(title="output tokens over time (dotted: budget)", xlabel=f"{unit} since the first response", ylabel="tokens")
-    ax[0].legend()
-    ax[1].axhline(spend_limit_usd, color="red", ls="--", label=f"spend_limit_usd ${spend_limit_usd:g}")
-    ax[1].set(title=f"spend vs limit (run total ${manifest.get('spent_usd', 0):.4f})", xlabel=unit, ylabel="USD")
-    ax[1].legend()
-    ax[2].set(title="latency per response", xlabel="seconds", ylabel="responses")
-    ax[3].set(title="response length", xlabel="completion tokens", ylabel="responses")
-    ax[3].legend()
-    ax[4].set(title="output tokens per provider", xlabel="tokens")
+    if not len(df):
+        for a, what in zip(ax[:5], ("output tokens over time", "spend", "latency per response", "response length",
+                                    "output tokens per provider")):
+            none_panel(a, what)
+    else:
+        ax[0].set(title="output tokens over time (dotted: budget)", xlabel=f"{unit} since the first response",
+                  ylabel="output tokens")
+        ax[0].legend()
+        spent = float(df["cost"].fillna(0).sum())
+        if spent <= 0:
+            none_panel(ax[1], rf"spend (limit \${spend_limit_usd:g})")
+        else:
+            # the limit is drawn only where the spend would still read; else it is named in the title
+            near = spend_limit_usd <= 3 * spent
+            if near:
+                ax[1].axhline(spend_limit_usd, color="red", ls="--", label=f"spend_limit_usd ${spend_limit_usd:g}")
+                ax[1].legend()
+            ax[1].set(title=rf"spend (run total \${manifest.get('spent_usd', spent):.4f}"
+                            + (")" if near else rf", limit \${spend_limit_usd:g} far above)"),
+                      xlabel=f"{unit} since the first response", ylabel="USD spent")
+        ax[2].set(title="latency per response", xlabel="seconds", ylabel="responses")
+        ax[3].set(title="response length", xlabel="completion tokens", ylabel="responses")
+        ax[3].legend()
+        ax[4].set(title="output tokens per provider", xlabel="output tokens", ylabel="provider")
     errs = pd.Series(manifest.get("errors_by_kind") or {}, dtype="int64").sort_values()
     if len(errs):
         ax[5].barh(errs.index, errs.values)
-    ax[5].set(title="failed attempts by kind (retried unless final)", xlabel="attempts")
+        ax[5].set(title="failed attempts by kind (retried unless final)", xlabel="attempts", ylabel="error kind")
+    else:
+        none_panel(ax[5], "failed attempts")
     fig.tight_layout()
     return fig
 
@@ -152,11 +171,13 @@ def plot_timeline(tl: pd.DataFrame, manifest: dict, spend_limit_usd: float):
             ax[0].annotate(f"session {session}: {ends.get(session) or 'running'}", (x.iloc[-1], g["spent"].iloc[-1]),
                            xytext=(-4, 8), textcoords="offset points", ha="right", fontsize=8, color="red")
         ax[0].axhline(spend_limit_usd, color="red", ls="--", lw=1, label=f"spend_limit_usd ${spend_limit_usd:g}")
+        ax[0].set(title="spend vs balance (dotted red: a session ends)", xlabel=f"{unit} since the first session",
+                  ylabel="USD")
+        ax[0].legend(fontsize=8)
+        ax[1].set(title="requests in flight", xlabel=f"{unit} since the first session", ylabel="requests")
+        ax[1].legend(fontsize=8)
     else:
-        unit = "seconds"
-    ax[0].set(title="spend vs balance (dotted red: a session ends)", xlabel=f"{unit} since the first session", ylabel="USD")
-    ax[0].legend(fontsize=8)
-    ax[1].set(title="requests in flight", xlabel=f"{unit} since the first session", ylabel="requests")
-    ax[1].legend(fontsize=8)
+        none_panel(ax[0], "spend vs balance")
+        none_panel(ax[1], "requests in flight")
     fig.tight_layout()
     return fig

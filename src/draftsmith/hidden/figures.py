@@ -29,7 +29,7 @@ def plot_norms(check: dict, norms):
     a.legend()
     b.boxplot([norms[c] for c in norms.columns], showfliers=False)
     b.set_xticks(range(1, len(norms.columns) + 1), norms.columns, rotation=15)
-    b.set(ylabel="token L2 norm", title=f"stored tensors, {len(norms):,} tokens")
+    b.set(xlabel="stored tensor", ylabel="token L2 norm", title=f"stored tensors, {len(norms):,} tokens")
     fig.tight_layout()
     return fig
 
@@ -49,20 +49,42 @@ def health_figures(hidden_dir) -> dict:
 
 
 def plot_health(entries: list[dict]):
-    """Left: each stored layer's RMS per shard (rejected shards marked). Right: NaN/inf values per shard."""
+    """Each stored layer's RMS per shard (rejected shards marked), on plain ticks (a log axis only
+    where the RMS spans more than a decade) and whole shard numbers; beside it NaN/inf values per
+    shard, or "NaN/inf: none" in the title when every shard has none."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [3, 1]})
+    from ..plotting import plain_log_ticks
+
+    nonfinite = [sum(e["health"]["nonfinite"].values()) for e in entries]
+    if any(nonfinite):
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [3, 1]})
+    else:
+        fig, a = plt.subplots(figsize=(8.5, 3.6))
     x = list(range(len(entries)))
+    values = []
     for name in entries[0]["health"]["rms"]:
-        a.plot(x, [e["health"]["rms"].get(name) for e in entries], "o-", ms=3, label=name)
+        ys = [e["health"]["rms"].get(name) for e in entries]
+        values += [y for y in ys if y]
+        a.plot(x, ys, "o-", ms=3, label=name)
     bad = [i for i, e in enumerate(entries) if e.get("problems")]
     for i in bad:
         a.axvline(i, color="C3", alpha=0.3)
-    a.set(xlabel="shard", ylabel="RMS", yscale="log",
-          title=f"stored layers' RMS per shard ({len(bad)} rejected)" if bad else "stored layers' RMS per shard")
+    if values and min(values) > 0 and max(values) / min(values) > 10:
+        a.set_yscale("log")
+        plain_log_ticks(a.yaxis)
+    else:
+        a.yaxis.set_major_formatter(ScalarFormatter(useOffset=False))
+    a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a.set_xlim(-0.5, len(entries) - 0.5)
+    title = f"stored layers' RMS per shard ({len(bad)} rejected)" if bad else "stored layers' RMS per shard"
+    a.set(xlabel="shard (in index order)", ylabel="RMS (activation units)",
+          title=title if any(nonfinite) else f"{title}; NaN/inf: none")
     a.legend(fontsize=8)
-    b.bar(x, [sum(e["health"]["nonfinite"].values()) for e in entries], color="C3")
-    b.set(xlabel="shard", ylabel="values", title="NaN/inf")
+    if any(nonfinite):
+        b.bar(x, nonfinite, color="C3")
+        b.xaxis.set_major_locator(MaxNLocator(integer=True))
+        b.set(xlabel="shard (in index order)", ylabel="NaN/inf values", title="NaN/inf per shard")
     fig.tight_layout()
     return fig

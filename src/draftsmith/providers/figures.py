@@ -9,7 +9,8 @@ import pandas as pd
 
 def cost_vs_balance(plan: pd.DataFrame, balance_usd: float | None, spend_limit: float):
     """Stacked bars: each dataset's planned cost at the cheapest endpoint, the expected mix and the
-    most expensive one; lines: the balance and the spend limit."""
+    most expensive one; lines: the balance and the spend limit (named in the title instead when far
+    above the bars, so the bars stay readable)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     cols = ["cost_cheapest", "cost_mix", "cost_most_expensive"]
     bottom = pd.Series(0.0, index=cols)
@@ -24,16 +25,19 @@ def cost_vs_balance(plan: pd.DataFrame, balance_usd: float | None, spend_limit: 
     top = 1.3 * max(float(bottom.max()), 1e-9)
     lines = [(spend_limit, "red", ":", "spend limit")] + ([] if balance_usd is None else
                                                            [(balance_usd, "black", "--", "balance")])
+    above = []
     for value, color, style, name in lines:
         label = f"{name} ${value:,.2f}"
         if value <= 3 * top:
             ax.axhline(value, color=color, linestyle=style, label=label)
             top = max(top, 1.1 * value)
         else:
-            ax.plot([], [], color=color, linestyle=style, label=f"{label} (above the chart)")
+            above.append(label)
     ax.set_ylim(0, top)
-    ax.set_ylabel("USD")
-    ax.set_title("Planned cost of the output budget vs the money available")
+    ax.set_xlabel("endpoint price assumed")
+    ax.set_ylabel("planned cost (USD)")
+    named = f"\n(far above the bars: {', '.join(above)})".replace("$", r"\$") if above else ""  # not mathtext
+    ax.set_title(f"Planned cost of the output budget vs the money available{named}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..paths import Run
+from ..plotting import none_panel
 from .outputs import read_checks
 
 
@@ -24,13 +25,15 @@ def _delta_hist(rows: list[dict]):
 
     deltas = [r["checks"]["completion_delta"] for r in rows if r["checks"]["completion_delta"] is not None]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    if deltas:
+    if not deltas:
+        none_panel(ax, "Per-sample completion-token delta")
+    else:
         lo, hi = max(min(deltas), -30), min(max(deltas), 30)
         ax.hist([min(max(d, lo), hi) for d in deltas], bins=range(lo, hi + 2), align="left", log=True, color="#4c72b0")
         ax.set_ylim(bottom=0.3)  # the log axis starts below 1, so a bin of one sample shows as a bar
-    ax.set_xlabel("billed − reconstructed completion tokens (clipped to ±30)")
-    ax.set_ylabel("samples (log scale)")
-    ax.set_title("Per-sample completion-token delta (0 = exact)")
+        ax.set_xlabel("billed − reconstructed completion tokens (clipped to ±30)")
+        ax.set_ylabel("samples (log scale)")
+        ax.set_title("Per-sample completion-token delta (0 = exact)")
     fig.tight_layout()
     return fig
 
@@ -44,6 +47,7 @@ def _provider_deltas(providers: dict):
     a1.barh(names, [100 * (providers[p]["relative_error"] or 0) for p in names], color=colors)
     a1.axvline(0, color="k", lw=0.5)
     a1.set_xlabel("(billed − reconstructed) / billed, %")
+    a1.set_ylabel("provider")
     a2.barh(names, [100 * (providers[p]["clean_rate"] or 0) for p in names], color=colors)
     a2.set_xlabel("samples with exact counts and no issue, %")
     for i, p in enumerate(names):
@@ -70,6 +74,7 @@ def _lengths(rows: list[dict]):
     a1.set_xlabel("prompt tokens")
     a2.set_xlabel("response tokens")
     a1.set_ylabel("samples")
+    a2.set_ylabel("samples")
     a1.legend()
     fig.suptitle("Length distributions per dataset")
     fig.tight_layout()

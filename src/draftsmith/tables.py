@@ -1,0 +1,85 @@
+"""Tables for people, as the notebooks show them: no index column, numbers to three significant
+figures (whole numbers whole, with thousands separators), units in the headers, yes/no for
+booleans, and long cells cut with the full value in a tooltip (an HTML title attribute); a dict as
+a small two-column table."""
+
+from __future__ import annotations
+
+import html
+import numbers
+import re
+
+import numpy as np
+import pandas as pd
+from pandas.io.formats.style import Styler
+
+# (column-name pattern, unit, suffix to drop from the name): the first match names the unit
+UNIT_RULES = ((r"^price_request$", "$ per request", ""), (r"^price_", "$/M tokens", ""), (r"_usd$", "USD", "_usd"),
+              (r"^cost(_|$)", "USD", ""), (r"_s$", "s", "_s"), (r"^throughput", "tokens/s", ""))
+MAX_CHARS = 60
+
+
+def header(column, units: dict | None = None) -> str:
+    """`latency_p50_s` -> "latency p50 (s)", `price_out` -> "price out ($/M tokens)"; `units`
+    names (or, with None, drops) the unit of a column by its name."""
+    name = str(column)
+    unit = None
+    if units and name in units:
+        unit = units[name]
+    else:
+        for pattern, rule_unit, suffix in UNIT_RULES:
+            if re.search(pattern, name):
+                unit, name = rule_unit, name[: len(name) - len(suffix)] if suffix else name
+                break
+    name = name.replace("_", " ")
+    return f"{name} ({unit})" if unit else name
+
+
+def cell_text(value) -> str:
+    """A cell as shown: three significant figures, whole numbers whole, n/a for missing."""
+    if not isinstance(value, (list, tuple, set, dict)) and pd.isna(value) is True:
+        return "n/a"
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if isinstance(value, numbers.Integral):
+        return f"{int(value):,}"
+    if isinstance(value, numbers.Real):
+        v = float(value)
+        if v.is_integer() or abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.3g}"
+    if isinstance(value, (list, tuple, set)):
+        return ", ".join(cell_text(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {cell_text(v)}" for k, v in value.items())
+    return str(value)
+
+
+def cut(text: str, max_chars: int) -> str:
+    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
+
+
+def show(df: pd.DataFrame | None, units: dict | None = None, max_chars: int = MAX_CHARS) -> Styler:
+    """`df` styled for people (see the module); None or no rows shows one cell, "none"."""
+    if df is None or not len(df):
+        return pd.DataFrame({"": ["none"]}).style.hide(axis="index")
+    frame = df.reset_index(drop=True)
+    text = frame.map(cell_text)
+    shown = text.map(lambda t: cut(t, max_chars))
+    tips = text.where(text != shown, "").map(lambda t: html.escape(t, quote=True))  # pandas writes titles raw
+    styler = shown.rename(columns=lambda c: header(c, units)).style.hide(axis="index").format(escape="html")
+    if (tips != "").any().any():
+        tips.columns = shown.rename(columns=lambda c: header(c, units)).columns
+        styler = styler.set_tooltips(tips, as_title_attribute=True)
+    return styler
+
+
+def dict_table(values: dict, key: str = "setting", value: str = "value", max_chars: int = 120) -> Styler:
+    """A dict as a two-column table, nested dicts flattened to `outer / inner` keys."""
+    def rows(d: dict, prefix: str = ""):
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                yield from rows(v, f"{prefix}{k} / ")
+            else:
+                yield {key: f"{prefix}{k}", value: cell_text(v)}
+    return show(pd.DataFrame(list(rows(values)), columns=[key, value]), max_chars=max_chars)

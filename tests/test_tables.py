@@ -1,0 +1,50 @@
+"""The notebooks' tables for people: no index column, three significant figures, whole numbers
+whole, units in the headers, long cells cut with the full value in a title, dicts as small tables,
+and nothing of a cell read as HTML."""
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from draftsmith import tables
+
+
+def cells(html: str) -> list[str]:
+    return [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>.*?</td>", html, re.S)]
+
+
+def test_a_table_has_no_index_three_significant_figures_and_units_in_its_headers():
+    df = pd.DataFrame({"provider": ["A", "B"], "price_out": [2.5, 3.123456], "latency_p50_s": [0.123456, None],
+                       "output_tokens": [1234567, 12], "cost_mix": [0.000123456, 1234.5678],
+                       "allowed": np.array([True, False])}, index=[5, 7])
+    html = tables.show(df).to_html()
+    assert "row_heading" not in html and ">5<" not in html
+    headers = re.findall(r'class="col_heading[^"]*" >([^<]*)<', html)
+    assert headers == ["provider", "price out ($/M tokens)", "latency p50 (s)", "output tokens", "cost mix (USD)",
+                       "allowed"]
+    assert cells(html) == ["A", "2.5", "0.123", "1,234,567", "0.000123", "yes",
+                           "B", "3.12", "n/a", "12", "1,235", "no"]
+
+
+def test_a_long_cell_is_cut_and_its_full_value_is_the_title_escaped():
+    full = 'temperature,top_p,"seed",<tools>,' + "x" * 80
+    html = tables.show(pd.DataFrame({"supported_parameters": [full, "short"]}), max_chars=20).to_html()
+    shown = cells(html)
+    assert shown[0] == "temperature,top_p,&#34;…"  # 19 characters and the ellipsis, escaped
+    assert shown[1] == "short"
+    title = re.search(r'title="([^"]*)"', html).group(1)
+    assert title == full.replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+    assert "<tools>" not in html
+
+
+def test_a_dict_is_a_small_table_nested_keys_joined():
+    html = tables.dict_table({"order": ["a", "b"], "allow_fallbacks": False,
+                              "max_price": {"prompt": 1, "completion": 2.5}}).to_html()
+    assert cells(html) == ["order", "a, b", "allow_fallbacks", "no", "max_price / prompt", "1",
+                           "max_price / completion", "2.5"]
+
+
+def test_nothing_to_show_says_none():
+    assert cells(tables.show(None).to_html()) == ["none"]
+    assert cells(tables.show(pd.DataFrame(columns=["a"])).to_html()) == ["none"]
