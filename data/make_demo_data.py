@@ -5,7 +5,7 @@ legacy.jsonl is not from here: answers sampled with vLLM from the tiny-test targ
 
   code.jsonl     messages format, 240 rows: questions about stdlib functions and classes,
                  some with a system prompt, some multi-turn, a few without an id
-  chat.jsonl     ShareGPT format, 160 rows: writing, reasoning and arithmetic requests,
+  chat.jsonl     ShareGPT format, 200 rows: writing, reasoning and arithmetic requests,
                  some multi-turn with an earlier gpt answer, some with a system turn
 """
 
@@ -53,7 +53,7 @@ def code_rows(rng):
 
 def chat_rows(rng):
     rows = []
-    for i in range(160):
+    for i in range(200):
         conv = []
         if i % 6 == 0:
             conv.append({"from": "system", "value": rng.choice(SYSTEMS)})

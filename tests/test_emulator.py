@@ -12,6 +12,7 @@ import pytest
 from draftsmith.datasets import stable_id
 from draftsmith.emulator import read_ledger, running, top_up
 from draftsmith.emulator.catalogue import default_catalogue
+from draftsmith.emulator.config import load_config
 from draftsmith.emulator.quirks import TRUNCATE_CHARS
 
 from conftest import wait_until
@@ -267,6 +268,31 @@ def test_capacity_overflow_is_upstream_429_with_retry_after(tmp_path):
     for status, headers, j in results:
         if status == 429:
             assert headers["Retry-After"] == "3" and j["error"]["metadata"]["retry_after_seconds"] == 3
+
+
+def test_capacities_shrink_a_provider_and_the_overflow_falls_back_silently(tmp_path):
+    slow = {"latency_s": {"median": 2.0, "sigma": 0.01}}
+    cfg = {**QUIET, "time_scale": 1.0, "capacities": {"a/int4": 1}, "providers": [
+        {"slug": "a", "name": "A", "quantization": "int4", "prompt_price": 0.5, "completion_price": 2, **slow},
+        {"slug": "b", "name": "B", "quantization": "int4", "prompt_price": 0.6, "completion_price": 2.5, **slow}]}
+    with running(cfg, state_dir=tmp_path) as emu:
+        results = post_at_once(emu, 5, max_tokens=3, provider={"order": ["a", "b"]})
+        lines = emu.ledger_lines()
+    assert Counter((s, j["provider"]) for s, _, j in results) == {(200, "A"): 1, (200, "B"): 4}
+    overflow = [line["attempts"] for line in lines if line["attempts"][-1]["provider"] == "b/int4"]
+    assert len(overflow) == 4 and all(a[0] == {"provider": "a/int4", "status": 429, "reason": "capacity"}
+                                      for a in overflow)
+
+
+def test_capacities_must_name_an_endpoint(tmp_path):
+    bad = tmp_path / "emulator.yaml"
+    bad.write_text("capacities: {parasail/fp8: 3}\n")
+    with pytest.raises(ValueError, match=r"emulator.yaml: capacities: no endpoint tagged parasail/fp8 .*parasail/int4"):
+        load_config(bad)
+    with pytest.raises(ValueError, match=r"capacities.parasail/int4: .*greater than or equal to 1"):
+        load_config({"capacities": {"parasail/int4": 0}})
+    assert {e.tag: e.capacity for e in load_config({"capacities": {"parasail/int4": 3}, "capacity_scale": 2}
+                                                   ).endpoints()}["parasail/int4"] == 6
 
 
 # ---- credits and ledger -------------------------------------------------------------------------

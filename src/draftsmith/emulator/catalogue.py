@@ -68,7 +68,7 @@ class Quirks(Strict):
     produce from the text (model backend: a non-canonical candidate is kept instead of rejected;
     synthetic backend: a multi-byte token is split in two). `billing_tokenizer`: `merges-dropped`
     counts the billed prompt and completion tokens with a weaker tokenizer (the target's
-    tokenizer.json with its later BPE merges dropped), so usage disagrees with the ids served.
+    tokenizer.json with most of its BPE merges dropped), so usage disagrees with the ids served.
     `strip_whitespace`: leading/trailing whitespace stripped from the returned content.
     `reasoning_truncate_rate` / `reasoning_drop_rate`: the returned reasoning is cut to its first
     `quirks.TRUNCATE_CHARS` characters / null on that fraction of responses (reasoning_tokens and

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from .catalogue import Endpoint, Faults, Strict, default_catalogue
 from .faults import RouterFaults
@@ -40,6 +40,8 @@ class EmulatorConfig(Strict):
     #   sending `X-OpenRouter-Cache: false` is not cached), always (on whatever the request sends)
     cache_ttl_s: float = Field(300.0, gt=0)  # real seconds a cached response is served again
     router_faults: RouterFaults = RouterFaults()  # OpenRouter's own retryable errors and outage (faults.py)
+    capacities: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)  # endpoint tag
+    #   (slug/quantization) -> its concurrency capacity, replacing the catalogue's (the demo's small quirky providers)
     capacity_scale: float = Field(1.0, gt=0)  # multiplies every provider's concurrency capacity
     credits: float = Field(10.0, ge=0)  # initial credits in USD, used only when the state dir is new
     key_capped: bool = True  # /key shows limit = credits (False: limit null; use /credits)
@@ -61,13 +63,23 @@ class EmulatorConfig(Strict):
     synthetic_tokens: int = Field(300, ge=1)  # synthetic backend: median response length (tokens)
     synthetic_reasoning_fraction: float = Field(0.4, ge=0, le=1)
 
+    @model_validator(mode="after")
+    def _capacities_name_endpoints(self) -> "EmulatorConfig":
+        tags = [e.tag for e in (self.providers if self.providers is not None else default_catalogue())]
+        unknown = sorted(set(self.capacities) - set(tags))
+        if unknown:
+            raise ValueError(f"capacities: no endpoint tagged {', '.join(unknown)} "
+                             f"(the endpoints: {', '.join(tags)})")
+        return self
+
     def endpoints(self) -> list[Endpoint]:
         eps = self.providers if self.providers is not None else default_catalogue()
         out = []
         for ep in eps:
             faults = (self.faults if self.faults is not None else ep.faults).scaled(self.fault_scale)
+            capacity = self.capacities.get(ep.tag, ep.capacity)
             out.append(ep.model_copy(update={"faults": faults,
-                                             "capacity": max(1, round(ep.capacity * self.capacity_scale))}))
+                                             "capacity": max(1, round(capacity * self.capacity_scale))}))
         tags = [e.tag for e in out]
         dup = sorted({t for t in tags if tags.count(t) > 1})
         if dup:
@@ -98,5 +110,6 @@ def load_config(source: str | os.PathLike | dict | None = None, **overrides) -> 
     try:
         return EmulatorConfig(**data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(".".join(str(x) for x in err["loc"]) + ": " * bool(err["loc"])
+                             + err["msg"].removeprefix("Value error, ") for err in e.errors())
         raise ValueError(f"{where}: {problems}") from None

@@ -1,9 +1,11 @@
 """Provider quirks applied to what is returned and billed (the ids served stay the truth).
 
-`merges-dropped` billing: the target's tokenizer.json with the later half of its BPE merges dropped,
-so it splits words into more pieces and bills more tokens than the ids served, like a provider
-counting with the wrong tokenizer. (No other tokenizer ships offline; this one is real BPE with
-the same vocabulary and special tokens, just fewer merges.)
+`merges-dropped` billing: the target's tokenizer.json with only the first tenth of its BPE merges
+kept, so it splits words into more pieces and bills more tokens than the ids served, like a provider
+counting with the wrong tokenizer: on the demo's prompts and answers it disagrees with the target on
+nearly every text (about +17% tokens), so even a few samples show both counts off. (No other
+tokenizer ships offline; this one is real BPE with the same vocabulary and special tokens, just
+fewer merges.)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ TRUNCATE_CHARS = 40  # a truncated reasoning stops after this many characters
 
 
 @lru_cache(maxsize=4)
-def merges_dropped_tokenizer(tokenizer_json: str | None = None, keep: float = 0.5):
+def merges_dropped_tokenizer(tokenizer_json: str | None = None, keep: float = 0.1):
     from tokenizers import Tokenizer
 
     spec = json.loads(open(tokenizer_json or tokenizer_json_path(), encoding="utf-8").read())
