@@ -20,7 +20,6 @@ are run first into a temporary folder (about 10 minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import subprocess
@@ -29,8 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith.evaluate import engine_summary
-from draftsmith.paths import REPO_ROOT
+from draftsmith.evaluate import engine_summary, outputs
+from draftsmith.files import read_jsonl
+from draftsmith.paths import REPO_ROOT, Run
 
 DECODED = re.compile(r"^(?P<method>.+): T=(?P<t>[\d.]+), (?P<n>\d+) prompts decoded in (?P<s>[\d.]+)s")
 ESTIMATED = re.compile(r"estimated time of the \d+ engine\(s\): (?P<est>[^(]+) \(")
@@ -68,12 +68,13 @@ def stage_06(run: Path, where: Path, concurrency: int | None) -> dict:
         m = ESTIMATED.search(line)
         if m and estimate is None:
             estimate = m["est"].strip()
-    rows = [json.loads(line) for line in (copy / "eval" / "engine_rounds.jsonl").read_text().splitlines()]
+    measured = Run(copy.parent, copy.name)
+    rows = [row for _, row in read_jsonl(outputs.engine_rounds_file(measured))]
     acceptance = {}
     for key in decode:
         mine = [r for r in rows if (r["method"], r["temperature"]) == key]
         acceptance[key] = engine_summary.acceptance(mine, len(mine[0]["counters"]["per_pos"]) or 3)
-    report = json.loads((copy / "eval" / "report.json").read_text())
+    report = outputs.read_report(measured)
     return {"wall": wall, "decode": decode, "acceptance": acceptance, "estimate": estimate,
             "estimated_part": sum(decode.values()) + sum(starts[1:]),
             "concurrency": report["engine"]["concurrency"],

@@ -24,8 +24,9 @@ OWNERS = {
     "report.json": {"tokens/outputs.py", "evaluate/outputs.py"},
     # stage 04
     "index.json": {"hidden/outputs.py"}, "extract_config.json": {"hidden/stage.py"}, "check.json": {"hidden/outputs.py"},
-    # summary.json: stage 01's, stage 04's and stage 05's, each in its own folder
-    "summary.json": {"providers/outputs.py", "hidden/outputs.py", "drafter/outputs.py"},
+    # summary.json: stage 01's, stage 04's and stage 05's, each in its own folder,
+    # and the run's own, beside report.html (summary.py)
+    "summary.json": {"providers/outputs.py", "hidden/outputs.py", "drafter/outputs.py", "summary.py"},
     # stage 05
     "heldout.json": {"drafter/outputs.py"}, "metrics.jsonl": {"drafter/outputs.py"},
     "exports.json": {"drafter/outputs.py"}, "vocab.safetensors": {"drafter/outputs.py"},

@@ -211,7 +211,7 @@ def test_a_stage_that_stopped_in_a_cell_or_left_no_output_is_failed_naming_why(r
     (run.root / "eval/report.json").unlink()
     s = summary.build(run)
     assert stage(s, "05_train_drafter").notes[0] == "stopped: RuntimeError: CUDA out of memory"
-    assert stage(s, "06_evaluate").notes == ["stopped: no eval/report.json: the stage did not finish"]
+    assert stage(s, "06_evaluate").notes == ["stopped: eval/report.json: no stage 06 report (run stage 06 first)"]
     assert summary.lines(s)[0] == "run r: failed (05_train_drafter failed, 06_evaluate failed)"
 
 

@@ -175,14 +175,18 @@ class Unreadable(Exception):
     """A stage's file is missing or not what the stage writes: the message names it."""
 
 
-def _json(run: Run, rel: str) -> dict | list:
-    path = run.root / rel
-    if not path.is_file():
-        raise Unreadable(f"no {rel}: the stage did not finish")
+def _read(run: Run, read, *args):
+    """`read(*args)`, a stage's own reader of one of its files in `run`; Unreadable, with the reader's
+    words (paths relative to the run), when the file is missing, damaged or empty."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        out = read(*args)
+    except FileNotFoundError as e:
+        raise Unreadable(str(e).replace(f"{run.root}/", "")) from None
     except ValueError as e:
-        raise Unreadable(f"{rel}: not valid JSON ({e})") from None
+        raise Unreadable(f"not valid JSON: {e}".replace(f"{run.root}/", "")) from None
+    if not out:
+        raise Unreadable(f"{getattr(read, '__qualname__', read)} found nothing: the stage did not finish")
+    return out
 
 
 def _usd(x: float | None) -> str:
@@ -201,7 +205,10 @@ def _length(x: float | None) -> str:
 # stage's numbers, verdict, figures and notes; a missing or unreadable file raises (`stage` says so).
 
 def providers(run: Run, anchor: str):
-    s, routing = _json(run, "providers/summary.json"), _json(run, "providers/routing.json")
+    from .providers import outputs as providers_outputs
+
+    s = _read(run, providers_outputs.read_summary, run)
+    routing = _read(run, providers_outputs.read_routing_record, run)
     n = ProvidersNumbers(allowed=list(routing["allowed"]),
                          excluded={e["tag"]: e["reason"] for e in routing.get("excluded", [])},
                          balance_usd=s["balance_usd"], spent_usd=s["stage_01_spent_usd"],
@@ -225,7 +232,9 @@ _GENERATE_FAILED = ("fatal", "write_error", "no_room", "killed")
 def generate(run: Run, anchor: str):
     from .generate import outputs
 
-    m = _json(run, "generate/manifest.json")
+    from .generate.outputs import read_manifest
+
+    m = _read(run, read_manifest, run)
     timeline = outputs.read_timeline(run)
     last = (m.get("sessions") or [{}])[-1]
     n = GenerateNumbers(
@@ -257,7 +266,9 @@ def generate(run: Run, anchor: str):
 def tokens(run: Run, anchor: str):
     from .tokens.summary import BILLING_ONLY
 
-    r = _json(run, "tokens/report.json")
+    from .tokens.outputs import read_report
+
+    r = _read(run, read_report, run)
     t, flagged = r["totals"], r["flagged_providers"]
     kept_totals = r.get("totals_kept")
     scope = kept_totals or t
@@ -294,8 +305,13 @@ def tokens(run: Run, anchor: str):
 
 
 def hidden(run: Run, anchor: str):
-    c = _json(run, "hidden/check.json")
-    s = _json(run, "hidden/summary.json") if (run.root / "hidden/summary.json").is_file() else {}
+    from .hidden import outputs as hidden_outputs
+
+    c = _read(run, hidden_outputs.read_check, run.root / "hidden")
+    try:
+        s = hidden_outputs.read_summary(run.root / "hidden")
+    except FileNotFoundError:
+        s = {}
     engine = (f"vllm {c['vllm']}, model runner {c.get('model_runner') or '-'}" if c.get("vllm") else c["engine"])
     answers = c.get("answers") or {}
     bounds = answers.get("bounds") or {}
@@ -332,10 +348,11 @@ def hidden(run: Run, anchor: str):
 
 
 def _drafter(run: Run, folder: str, kind: str) -> DrafterNumbers:
-    from .files import read_jsonl
+    from .drafter import outputs as drafter_outputs
 
-    s = _json(run, f"{folder}/summary.json")
-    train = [row for _, row in read_jsonl(run.root / folder / "metrics.jsonl") if row.get("split") == "train"]
+    where = drafter_outputs.drafter_dir(run, kind, create=False)
+    s = _read(run, drafter_outputs.read_summary, where)
+    train = [row for row in drafter_outputs.read_metrics(where) if row.get("split") == "train"]
     last, end, start = (train[-1] if train else {}), s.get("heldout") or {}, s.get("heldout_start") or {}
 
     def acc(row):
@@ -348,8 +365,14 @@ def _drafter(run: Run, folder: str, kind: str) -> DrafterNumbers:
 
 
 def drafter(run: Run, anchor: str):
-    kinds = [("drafter", "eagle3")] + ([("drafter-dflash", "dflash")]
-                                      if (run.root / "drafter-dflash" / "summary.json").is_file() else [])
+    from .drafter import outputs as drafter_outputs
+
+    kinds = [("drafter", "eagle3")]
+    try:   # DFlash beside it when it was trained too
+        drafter_outputs.read_summary(drafter_outputs.drafter_dir(run, "dflash", create=False))
+        kinds.append(("drafter-dflash", "dflash"))
+    except FileNotFoundError:
+        pass
     n = [_drafter(run, folder, kind) for folder, kind in kinds]
     figures, notes = [], []
     for d in n:
@@ -386,7 +409,9 @@ def _rows(by_t: dict, key: str, ngram_kind: str) -> list[AcceptanceRow]:
 
 
 def evaluate(run: Run, anchor: str):
-    r = _json(run, "eval/report.json")
+    from .evaluate.outputs import read_report as read_eval_report
+
+    r = _read(run, read_eval_report, run)
     bench = r.get("benchmarks") or {}
     if r.get("engine"):
         n = EvalNumbers("vllm", "eagle3", _rows(r["engine"]["temperatures"], "acceptance_length", "ngram")

@@ -175,7 +175,9 @@ def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Setting
         return _run_shards(capture, samples, mine, **work)
     opts = dict(s.engine_options)
     if s.target_backend == "vllm":
-        longest = max(len(samples[i]) for _, p in mine for b in p for i in b)
+        # the check may take any sample of the run (the first in `order`, and the longest), not only this rank's
+        longest = max(len(samples[i]) for i in ([i for _, p in mine for b in p for i in b] +
+                                                 (list(order) if s.check_samples > 0 else [])))
         opts = {"max_model_len": longest + 1, "log_file": engine_log, **opts}
     opened = open_capture(s.target_backend, target, layer_ids, device=s.device, log=log, **opts)
     try:

@@ -136,6 +136,14 @@ def read_summary(directory: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
+def read_check(directory: str | os.PathLike) -> dict:
+    """check.json: stage 04's own check of its last run."""
+    path = Path(directory) / CHECK
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no record of stage 04's check (run stage 04 first)")
+    return json.loads(path.read_text())
+
+
 def remove_summary(directory: str | os.PathLike) -> None:
     (Path(directory) / SUMMARY).unlink(missing_ok=True)
 

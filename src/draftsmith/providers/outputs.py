@@ -44,6 +44,22 @@ def read_routing(run: Run) -> dict | None:
     return obj
 
 
+def read_routing_record(run: Run) -> dict:
+    """routing.json whole: the provider object, and which endpoints were allowed and excluded, and why."""
+    path = routing_file(run)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no routing (run stage 01 first)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_summary(run: Run) -> dict:
+    """summary.json: stage 01's figures (`stage_summary`)."""
+    path = run.root / STAGE / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no stage 01 summary (run stage 01 first)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 def read_endpoints(run: Run) -> pd.DataFrame:
     """The endpoint table with the policy's verdicts, as stage 01 last wrote it."""
     return pd.read_csv(run.root / STAGE / "endpoints.csv")
