@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from bench_generate import write_prompts  # noqa: E402
 from draftsmith.emulator import KEY_ENV, new_key, read_ledger  # noqa: E402
 from draftsmith.emulator.config import load_config  # noqa: E402
 from draftsmith.generate.outputs import RESPONSES  # noqa: E402
@@ -62,14 +63,6 @@ def export(rev: str, into: Path) -> Path:
                          capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=tar, check=True)
     return into / "src"
-
-
-def prompts(path: Path, n: int) -> Path:
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"p-{i}", "messages": [
-                {"role": "user", "content": f"Say something short about item {i}."}]}) + "\n")
-    return path
 
 
 def provider(**faults) -> list[dict]:
@@ -142,7 +135,7 @@ def main() -> None:
         tmp = Path(tmp)
         (tmp / "before").mkdir()
         trees = {"before": export(args.before, tmp / "before"), "after": REPO / "src"}
-        data = prompts(tmp / "p.jsonl", args.prompts)
+        data = write_prompts(tmp / "p.jsonl", args.prompts)
         print(f"{args.prompts} prompts, {args.concurrency} in flight, request_timeout_s 5, max_tokens 64 "
               f"(after: deadline 5 + 64/10 = 11.4 s), stalls {args.stall_s:.0f}s then a 524; before = {args.before}")
         head = f"{'case':<13} {'version':<7} {'run s':>7} {'rows':>5} {'copies':>6} {'spent $':>10} {'ledger $':>10} " \
