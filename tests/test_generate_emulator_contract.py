@@ -64,18 +64,6 @@ def test_a_key_budget_running_out_stops_the_run_and_writes_no_sample_off(tmp_pat
         assert r.spent_usd == pytest.approx(ledger_cost(emu), abs=1e-6) and r.spent_usd <= 0.002 + 1e-9
 
 
-def test_a_403_stops_the_run_and_the_rerun_still_has_every_sample_to_do(tmp_path):
-    with running(emu_config(credits=100.0, fault_scale=0.0, key_forbidden=True), state_dir=tmp_path / "emu") as emu:
-        path = prompts_file(tmp_path / "p.jsonl", 50, "forbidden")
-        ds = [{"name": "p", "path": str(path)}]
-        r = generate(emu, tmp_path, ds, concurrency=4)
-        assert r.reason == "fatal" and not r.complete, r.message
-        assert not errors_written(tmp_path) and not saved(tmp_path, "p")
-    with running(emu_config(credits=100.0, fault_scale=0.0), state_dir=tmp_path / "emu") as emu:   # key fixed
-        again = generate(emu, tmp_path, ds, concurrency=4)
-        assert again.complete and len(saved(tmp_path, "p")) == 50, again.message
-
-
 def test_one_request_heavier_than_the_whole_budget_stops_at_once(tmp_path):
     with running(emu_config(credits=100.0, fault_scale=0.0, key_budget_usd=0.00001), state_dir=tmp_path / "emu") as emu:
         path = prompts_file(tmp_path / "p.jsonl", 30, "weight")
