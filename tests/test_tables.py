@@ -1,5 +1,5 @@
 """The notebooks' tables for people: no index column, three significant figures, whole numbers
-whole, units in the headers, long cells cut with the full value in a title, dicts as small tables,
+whole, units in the headers, every cell whole (long ones wrap), dicts as small tables,
 and nothing of a cell read as HTML."""
 
 import re
@@ -27,15 +27,12 @@ def test_a_table_has_no_index_three_significant_figures_and_units_in_its_headers
                            "B", "3.12", "n/a", "12", "1,235", "no"]
 
 
-def test_a_long_cell_is_cut_and_its_full_value_is_the_title_escaped():
+def test_a_long_cell_is_shown_whole_wrapping_in_a_bounded_column_and_escaped():
     full = 'temperature,top_p,"seed",<tools>,' + "x" * 80
-    html = tables.show(pd.DataFrame({"supported_parameters": [full, "short"]}), max_chars=20).to_html()
-    shown = cells(html)
-    assert shown[0] == "temperature,top_p,&#34;…"  # 19 characters and the ellipsis, escaped
-    assert shown[1] == "short"
-    title = re.search(r'title="([^"]*)"', html).group(1)
-    assert title == full.replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
-    assert "<tools>" not in html
+    html = tables.show(pd.DataFrame({"supported_parameters": [full, "short"]})).to_html()
+    assert cells(html) == [full.replace("<", "&lt;").replace(">", "&gt;").replace('"', "&#34;"), "short"]
+    assert "<tools>" not in html and "…" not in html
+    assert "max-width: 36em" in html and "overflow-wrap: anywhere" in html
 
 
 def test_a_dict_is_a_small_table_nested_keys_joined():

@@ -1,11 +1,9 @@
 """Tables for people, as the notebooks show them: no index column, numbers to three significant
 figures (whole numbers whole, with thousands separators), units in the headers, yes/no for
-booleans, and long cells cut with the full value in a tooltip (an HTML title attribute); a dict as
-a small two-column table."""
+booleans, every cell whole (a long one wraps inside a bounded column); a dict as a small two-column table."""
 
 from __future__ import annotations
 
-import html
 import numbers
 import re
 
@@ -16,7 +14,9 @@ from pandas.io.formats.style import Styler
 # (column-name pattern, unit, suffix to drop from the name): the first match names the unit
 UNIT_RULES = ((r"^price_request$", "$ per request", ""), (r"^price_", "$/M tokens", ""), (r"_usd$", "USD", "_usd"),
               (r"^cost(_|$)", "USD", ""), (r"_s$", "s", "_s"), (r"^throughput", "tokens/s", ""))
-MAX_CHARS = 60
+# a cell wraps rather than widening its column past this; a word longer than it breaks anywhere
+CELL_STYLE = [{"selector": "td", "props": [("max-width", "36em"), ("white-space", "normal"),
+                                           ("overflow-wrap", "anywhere")]}]
 
 
 def header(column, units: dict | None = None) -> str:
@@ -55,26 +55,16 @@ def cell_text(value) -> str:
     return str(value)
 
 
-def cut(text: str, max_chars: int) -> str:
-    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
-
-
-def show(df: pd.DataFrame | None, units: dict | None = None, max_chars: int = MAX_CHARS) -> Styler:
+def show(df: pd.DataFrame | None, units: dict | None = None) -> Styler:
     """`df` styled for people (see the module); None or no rows shows one cell, "none"."""
     if df is None or not len(df):
         return pd.DataFrame({"": ["none"]}).style.hide(axis="index")
-    frame = df.reset_index(drop=True)
-    text = frame.map(cell_text)
-    shown = text.map(lambda t: cut(t, max_chars))
-    tips = text.where(text != shown, "").map(lambda t: html.escape(t, quote=True))  # pandas writes titles raw
-    styler = shown.rename(columns=lambda c: header(c, units)).style.hide(axis="index").format(escape="html")
-    if (tips != "").any().any():
-        tips.columns = shown.rename(columns=lambda c: header(c, units)).columns
-        styler = styler.set_tooltips(tips, as_title_attribute=True)
-    return styler
+    text = df.reset_index(drop=True).map(cell_text)
+    return (text.rename(columns=lambda c: header(c, units)).style.hide(axis="index").format(escape="html")
+            .set_table_styles(CELL_STYLE))
 
 
-def dict_table(values: dict, key: str = "setting", value: str = "value", max_chars: int = 120) -> Styler:
+def dict_table(values: dict, key: str = "setting", value: str = "value") -> Styler:
     """A dict as a two-column table, nested dicts flattened to `outer / inner` keys."""
     def rows(d: dict, prefix: str = ""):
         for k, v in d.items():
@@ -82,4 +72,4 @@ def dict_table(values: dict, key: str = "setting", value: str = "value", max_cha
                 yield from rows(v, f"{prefix}{k} / ")
             else:
                 yield {key: f"{prefix}{k}", value: cell_text(v)}
-    return show(pd.DataFrame(list(rows(values)), columns=[key, value]), max_chars=max_chars)
+    return show(pd.DataFrame(list(rows(values)), columns=[key, value]))
