@@ -120,9 +120,9 @@ def test_chain_summary_holds_the_numbers_of_each_stages_own_report(smoke_run):
         m = t_["methods"]
         for ds in sorted(m["eagle3"]["per_dataset"]):
             expected.append({"prompt_set": ds, "temperature": t_["temperature"],
-                             "drafter": m["eagle3"]["per_dataset"][ds]["acceptance_length_vllm"],
-                             "ngram": m["prompt lookup"]["per_dataset"][ds]["acceptance_length_vllm"],
-                             "no_drafter": m["none"]["per_dataset"][ds]["acceptance_length_vllm"],
+                             "drafter": m["eagle3"]["per_dataset"][ds]["acceptance_length"],
+                             "ngram": m["prompt lookup"]["per_dataset"][ds]["acceptance_length"],
+                             "no_drafter": m["none"]["per_dataset"][ds]["acceptance_length"],
                              "lossless": m["eagle3"]["lossless"]})
     assert e["rows"] == expected and len(expected) == 2 * len(ev["temperatures"])
 

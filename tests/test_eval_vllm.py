@@ -20,7 +20,7 @@ from draftsmith.drafter.export import export, for_engine
 from draftsmith.drafter.model import DrafterConfig
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.vocab import DraftVocab
-from draftsmith.evaluate import engine, engine_summary, figures
+from draftsmith.evaluate import engine, engine_summary, figures, results
 from draftsmith.targets import vllm_fixes
 from draftsmith.targets.checkpoint import target_config, target_tensors
 
@@ -252,12 +252,22 @@ def test_the_engines_greedy_acceptance_equals_our_decoders_step_by_step(engine_r
     assert prompts == 4 and same >= 1, t["vs_ours"]
     for kind in ("eagle3", "dflash"):
         engine = t["methods"][kind]["acceptance_length"]
-        ours = engine_report["temperatures"]["0"]["methods"][kind]["acceptance_length_vllm"]
+        ours = engine_report["temperatures"]["0"]["methods"][kind]["acceptance_length"]
         print(f"{kind} greedy acceptance: vLLM {engine:.4f}, ours {ours:.4f}; {t['vs_ours']}")
         assert engine > 1.0
         assert t["vs_ours"]["methods"][kind]["same_accepted_per_step"] >= same, kind
         if same == prompts:   # then the sums are over the same steps
             assert abs(engine - ours) <= TOLERANCE, kind
+    # the results tables carry the same figures, our decoder's as the cross-check column
+    for title, table in results.tables(engine_report).items():
+        if not title.startswith("greedy (T = 0) · held-out"):
+            continue
+        rows, ds = table.set_index("method"), title.rsplit(" ", 1)[1]
+        assert set(rows["measured in"]) == {f"vLLM {engine_report['engine']['version']}"}
+        for kind, row in (("eagle3", "eagle3 (final)"), ("dflash", "dflash")):
+            assert rows.loc[row, "acceptance length"] == t["methods"][kind]["per_dataset"][ds]["acceptance_length"]
+            check = rows.loc[row, "our decoder agrees (by how much)"]
+            assert check.startswith("yes, ") if same == prompts else check != "not measured", (title, check)
 
 
 def test_at_t_1_the_engine_accepts_drafts(engine_report):

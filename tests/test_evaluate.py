@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -96,13 +97,13 @@ class Oracle:
 
 # -- accounting ---------------------------------------------------------------------------------
 
-def test_acceptance_counts_sglang_and_vllm_lengths_and_per_position_rates_by_hand():
+def test_acceptance_counts_the_fields_length_tokens_per_round_and_per_position_rates_by_hand():
     rounds = [{"start": [1, 5, 7, 8, 12, 14], "drafted": [3, 3, 0, 3, 2, 0], "accepted": [3, 1, 0, 3, 1, 0],
                "produced": [4, 2, 1, 4, 2, 1], "top_prob": [1.0, 0.5, 0.5, 1.0, 1.0, 1.0]}]
     a = metrics.acceptance(rounds, 3)
     assert a["rounds"] == 6 and a["tokens"] == 14
-    assert a["acceptance_length"] == pytest.approx(14 / 6)          # tokens per verification
-    assert a["acceptance_length_vllm"] == pytest.approx(1 + 8 / 4)  # rounds without drafts not counted
+    assert a["acceptance_length"] == pytest.approx(1 + 8 / 4)  # the field's: rounds without drafts not counted
+    assert a["tokens_per_round"] == pytest.approx(14 / 6)      # every round, drafting or not
     assert a["draft_acceptance_rate"] == pytest.approx(8 / 11)
     assert a["position_acceptance"] == pytest.approx([1.0, 0.5, 2 / 3])
     assert a["position_acceptance_conditional"] == pytest.approx([1.0, 0.5, 1.0])
@@ -111,7 +112,7 @@ def test_acceptance_counts_sglang_and_vllm_lengths_and_per_position_rates_by_han
     assert before["produced"] == [4, 2, 1] and after["produced"] == [4, 2, 1] and after["top_prob"] == [1.0] * 3
     none = metrics.acceptance([{"start": [1, 2], "drafted": [0, 0], "accepted": [0, 0], "produced": [1, 1],
                                 "top_prob": [1.0, 1.0]}], 3)
-    assert none["acceptance_length"] == 1.0 and none["acceptance_length_vllm"] == 1.0
+    assert none["acceptance_length"] == 1.0 and none["tokens_per_round"] == 1.0
 
 
 def test_a_scripted_drafter_against_the_known_greedy_output_gives_the_hand_computed_acceptance(
@@ -125,7 +126,7 @@ def test_a_scripted_drafter_against_the_known_greedy_output_gives_the_hand_compu
     assert d.rounds() == {"start": [1, 5, 7, 8], "drafted": [3, 3, 0, 3], "accepted": [3, 1, 0, 3],
                           "produced": [4, 2, 1, 2], "top_prob": [1.0] * 4}
     a = metrics.acceptance([d.rounds()], 3)
-    assert a["acceptance_length"] == pytest.approx(9 / 4) and a["acceptance_length_vllm"] == pytest.approx(1 + 7 / 3)
+    assert a["tokens_per_round"] == pytest.approx(9 / 4) and a["acceptance_length"] == pytest.approx(1 + 7 / 3)
 
 
 def test_repeat_start_is_the_first_output_token_closing_an_already_seen_ngram():
@@ -189,7 +190,8 @@ def test_speculative_decoding_outputs_the_targets_greedy_tokens_with_any_drafter
                 assert d.output == ref, f"{name}, prompt {i}: output differs from greedy decoding"
                 assert sum(d.produced) == len(ref) - 1
             right = decode.decode(target, scripted["always right"], p, 3, 24)
-            assert metrics.acceptance([right.rounds()], 3)["acceptance_length"] == pytest.approx(23 / 6)  # 4 x 5 + 3
+            a = metrics.acceptance([right.rounds()], 3)
+            assert a["tokens_per_round"] == pytest.approx(23 / 6) and a["acceptance_length"] == 4.0  # 4 x 5 + 3 fit
         target.close()
 
 
@@ -282,6 +284,20 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     assert (trained_run / "eval" / "rounds.jsonl").read_text() == rounds
     again = json.loads((trained_run / "eval" / "report.json").read_text())
     assert again["temperatures"] == report["temperatures"]
+
+    # the README's table, written from this report.json by the results command, and the rows it saved
+    from draftsmith.evaluate import results
+    page, saved = trained_run / "README.md", trained_run / "results.json"
+    page.write_text(f"intro\n{results.README_BEGIN}\nold\n{results.README_END}\nrest\n", encoding="utf-8")
+    assert results.main([str(trained_run), "--readme", str(page), "--save", str(saved)]) == 0
+    table = results.readme_block(page.read_text(encoding="utf-8"), page)
+    assert table == results.readme_table(results.load(saved)) and page.read_text().endswith("rest\n")
+    chat = next(line for line in table.splitlines() if line.startswith("| greedy | held-out chat |"))
+    expected = [greedy[m]["per_dataset"]["chat"]["acceptance_length"] for m in ("eagle3", "prompt lookup", "none")]
+    assert [float(c.strip(" *")) for c in chat.split("|")[3:6]] == [round(x, 2) for x in expected]
+    page.write_text("no markers\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="README.md: no stage 06 results block"):
+        results.main([str(trained_run), "--readme", str(page)])
 
 
 def test_heldout_prompts_are_the_samples_stage_05_held_out_in_its_order(trained_run, tmp_path):
@@ -446,7 +462,7 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
     import shutil
 
     from draftsmith import cli
-    from draftsmith.evaluate import figures
+    from draftsmith.evaluate import figures, results
     from draftsmith.paths import REPO_ROOT
 
     run = tmp_path / "outputs" / "bench"
@@ -476,9 +492,14 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
     assert len(mt) == 6 and all(len(r["turns"]) == 2 for r in mt)     # 3 methods x 2 temperatures, both turns
     assert all(len(r["output"]) == sum(t["output_tokens"] for t in r["turns"]) <= 12 for r in mt)
     assert {r["sample_id"] for r in rows if r["dataset"] == "gsm8k"} == {"g0", "g1"}
-    table = figures.benchmark_table(report)
-    assert list(table["benchmark"]) == ["gsm8k", "mt_bench"] * 2 and "eagle3 P(pos 3)" in table
-    assert not any("published" in c for c in table.columns)
+    tabs = results.tables(report)
+    assert list(tabs) == [f"{mode} · {s}" for mode in ("greedy (T = 0)", "sampling (T = 1)")
+                          for s in ("held-out chat", "held-out code", "GSM8K", "MT-bench")]
+    gsm = tabs["greedy (T = 0) · GSM8K"]
+    assert list(gsm["method"]) == ["none", "prompt lookup", "eagle3 (final)"] and "P(draft 3)" in gsm
+    assert set(gsm["measured in"]) == {"our decoder"} and "output tok/s per request (measured)" not in gsm
+    assert gsm["acceptance length"].tolist() == [greedy[m]["per_dataset"]["gsm8k"]["acceptance_length"]
+                                                 for m in ("none", "prompt lookup", "eagle3")]
     assert "--sharegpt-output-len 8 --max-concurrency 1" in b["commands"]["gsm8k"]
     assert len(json.loads((run / "eval" / "bench_gsm8k_sharegpt.json").read_text())) == 2
     assert (run / "eval" / "figures" / "benchmarks.png").is_file()
@@ -486,9 +507,21 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
 
     from draftsmith.evaluate import published   # the same report, had the target been Kimi-K2.5
     kimi = {**report, "benchmarks": {**b, "references": published.REFERENCES}}
-    table = figures.benchmark_table(kimi)
-    assert table.loc[table.benchmark == "mt_bench", "lightseekorg/kimi-k2.5-eagle3 (published)"].tolist() == [2.687] * 2
-    assert table.loc[table.benchmark == "gsm8k", "AQ-MedAI/Kimi-K25-eagle3 (published, rate)"].tolist() == [0.518] * 2
+    mt = results.tables(kimi)["sampling (T = 1) · MT-bench"].set_index("method")
+    assert mt.loc["lightseekorg/kimi-k2.5-eagle3", ["measured in", "acceptance length"]].tolist() == [
+        results.PUBLISHED, 2.687]
+    gsm = results.tables(kimi)["greedy (T = 0) · GSM8K"].set_index("method")
+    assert gsm.loc["AQ-MedAI/Kimi-K25-eagle3", "draft acceptance rate"] == 0.5178
+    assert pd.isna(gsm.loc["AQ-MedAI/Kimi-K25-eagle3", "acceptance length"])   # a rate is not a length
     assert "lightseekorg/kimi-k2.5-eagle3-mla" in figures.explain_benchmarks(kimi)
     labels = figures.benchmarks(kimi).axes[0].get_legend_handles_labels()[1]
     assert "lightseekorg/kimi-k2.5-eagle3 (published)" in labels and "AQ-MedAI/Kimi-K25-eagle3 (published)" not in labels
+
+
+def test_our_decoder_agrees_with_the_engine_exactly_when_greedy_and_within_sampling_noise_when_not():
+    from draftsmith.evaluate.results import agrees
+    engine, ours = {"acceptance_length": 2.0, "drafts": 400}, {"acceptance_length": 2.004, "drafting_rounds": 400}
+    assert agrees(engine, ours, 0.0, 3) and not agrees(engine, {**ours, "acceptance_length": 2.01}, 0.0, 3)
+    # two standard errors of the difference: 2 * hypot(3 / (2 * 20), 3 / (2 * 20)) = 0.212
+    assert agrees(engine, {**ours, "acceptance_length": 2.2}, 1.0, 3)
+    assert not agrees(engine, {**ours, "acceptance_length": 2.25}, 1.0, 3)

@@ -218,7 +218,8 @@ def test_the_training_curves_show_at_most_four_ttt_steps_named_apart_from_the_op
 def method(kind: str, al: float, fraction: float | None = None, final: bool = False) -> dict:
     per = {"code": {"acceptance_length": al}, "chat": {"acceptance_length": al - 0.1},
            "mt-bench": {"acceptance_length": al + 0.1}}
-    return {"kind": kind, "fraction": fraction, "final": final, "acceptance_length": al, "per_dataset": per,
+    return {"kind": kind, "fraction": fraction, "final": final, "acceptance_length": al, "tokens_per_round": al - 0.05,
+            "per_dataset": per,
             "drafts": 10, "position_acceptance": [0.5, 0.3, 0.1], "position_acceptance_conditional": [0.5, 0.6, 0.3],
             "position1_ceiling": 0.9, "draft_forwards_per_round": 3 if kind == "eagle3" else 0,
             "novel_text": {"acceptance_length": al - 0.2, "rounds": 5}}

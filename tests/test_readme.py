@@ -224,3 +224,15 @@ def test_the_checks_name_a_broken_link_a_missing_heading_an_unknown_target_and_s
         "README.md: `draftsmith frobnicate x`: draftsmith has no subcommand 'frobnicate' "
         "(['import-sglang', 'run'])",
     ]
+
+
+def test_the_readmes_stage_06_table_is_the_one_written_from_the_demos_saved_results():
+    """README's table is `python -m draftsmith.evaluate.results outputs/demo --readme README.md --save
+    docs/demo-results.json`: the rows saved beside it render to exactly the table it shows."""
+    from draftsmith.evaluate import results
+
+    readme = REPO / "README.md"
+    rows = results.load(REPO / "docs" / "demo-results.json")
+    assert results.readme_block(readme.read_text(encoding="utf-8"), readme) == results.readme_table(rows)
+    assert {r.measured_in for r in rows} == {"vLLM 0.32.0"} and any(r.final for r in rows)
+

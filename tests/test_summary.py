@@ -39,7 +39,7 @@ def provider(samples, flagged=False, cause=None, reasons=()):
     return {"samples": samples, "flagged": flagged, "cause": cause, "reasons": list(reasons)}
 
 
-def method(kind, by_set, lossless=None, final=None, key="acceptance_length_vllm"):
+def method(kind, by_set, lossless=None, final=None, key="acceptance_length"):
     m = {"kind": kind, "lossless": lossless, "per_dataset": {ds: {key: v} for ds, v in by_set.items()}}
     if final is not None:
         m["final"] = final

@@ -417,8 +417,8 @@ def evaluate(run: Run, anchor: str):
         n = EvalNumbers("vllm", "eagle3", _rows(r["engine"]["temperatures"], "acceptance_length", "ngram")
                         + _rows((bench.get("engine") or {}).get("temperatures") or {}, "acceptance_length", "ngram"))
     else:
-        n = EvalNumbers("decoder", "eagle3", _rows(r["temperatures"], "acceptance_length_vllm", "prompt_lookup")
-                        + _rows(bench.get("temperatures") or {}, "acceptance_length_vllm", "prompt_lookup"))
+        n = EvalNumbers("decoder", "eagle3", _rows(r["temperatures"], "acceptance_length", "prompt_lookup")
+                        + _rows(bench.get("temperatures") or {}, "acceptance_length", "prompt_lookup"))
     figures = [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_length(row.drafter)} vs ngram "
                       f"{_length(row.ngram)}, none {_length(row.no_drafter)}" + ("" if row.lossless is None else
                                                         ", lossless" if row.lossless else ", NOT lossless"), anchor)

@@ -4,11 +4,13 @@ booleans, every cell whole (a long one wraps inside a bounded column); a dict as
 
 from __future__ import annotations
 
+import html
 import numbers
 import re
 
 import numpy as np
 import pandas as pd
+from IPython.display import HTML
 from pandas.io.formats.style import Styler
 
 # (column-name pattern, unit, suffix to drop from the name): the first match names the unit
@@ -73,3 +75,10 @@ def dict_table(values: dict, key: str = "setting", value: str = "value") -> Styl
             else:
                 yield {key: f"{prefix}{k}", value: cell_text(v)}
     return show(pd.DataFrame(list(rows(values)), columns=[key, value]))
+
+
+def show_all(frames: dict[str, pd.DataFrame], units: dict | None = None) -> HTML:
+    """Several tables, each under its title (a caption), as one block."""
+    return HTML("".join(show(df, units).set_caption(html.escape(title)).set_table_styles(
+        [{"selector": "caption", "props": [("text-align", "left"), ("font-weight", "bold"), ("padding", "0.8em 0 0.3em")]}],
+        overwrite=False).to_html() for title, df in frames.items()) or "none")

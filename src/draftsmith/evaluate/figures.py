@@ -77,7 +77,7 @@ def by_dataset(report: dict) -> Figure:
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xticks(x, groups)
         ax.set_xlabel("prompt set")
-        ax.set_ylabel("acceptance length (tokens per verification)")
+        ax.set_ylabel("acceptance length (1 + accepted / drafts)")
         ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom so the legend sits above the bars
         ax.set_title(f"acceptance length, {_label(t)}, k = {report['draft_tokens']}", fontsize=10)
     panels[0][0].legend(fontsize=7, ncols=len(panels[0][1]["methods"]), loc="upper center")
@@ -107,7 +107,7 @@ def training(report: dict) -> Figure:
         ax.axhline(1.0, color="grey", lw=0.8, ls=":", label="no drafter")
         ax.set_xlim(0, 1.05)
         ax.set_xlabel("fraction of training")
-        ax.set_ylabel("acceptance length (tokens per verification)")
+        ax.set_ylabel("acceptance length (1 + accepted / drafts)")
         ax.set_title(f"as the drafter trains, {_label(t)}", fontsize=10)
     for ax, _ in panels:
         ax.legend(fontsize=7)
@@ -147,7 +147,7 @@ def speedup_estimate(report: dict) -> Figure:
     for ax, t in panels:
         for name, s in t["methods"].items():
             if s["kind"] != "none":
-                ax.plot(c, [speedup(s["acceptance_length"], s["draft_forwards_per_round"], x) for x in c],
+                ax.plot(c, [speedup(s["tokens_per_round"], s["draft_forwards_per_round"], x) for x in c],
                         color=_color(t, name), label=name)
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.axvline(report["draft_cost_ratio"], color="black", lw=0.8, ls="--")
@@ -186,7 +186,7 @@ def benchmarks(report: dict) -> Figure:
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xticks(x, names)
         ax.set_xlabel("benchmark")
-        ax.set_ylabel("acceptance length (tokens per verification)")
+        ax.set_ylabel("acceptance length (1 + accepted / drafts)")
         ax.set_ylim(0, max(ax.get_ylim()[1], report["draft_tokens"] + 1) * 1.15)
         ax.set_title(f"benchmarks, {_label(t)}, k = {report['draft_tokens']} ({source})", fontsize=10)
     panels[0][0].legend(fontsize=7, loc="upper left")
@@ -194,48 +194,15 @@ def benchmarks(report: dict) -> Figure:
     return fig
 
 
-def table(summary: dict, temperature: float) -> pd.DataFrame:
-    """One row per method: acceptance (both conventions), per dataset, novel/repeating text."""
-    rows = []
-    for name, s in summary.items():
-        row = {"T": temperature, "method": name, "acceptance length": s["acceptance_length"],
-               "vLLM 1+acc/drafts": s["acceptance_length_vllm"],
-               "draft acceptance rate": s["draft_acceptance_rate"]}
-        row |= {f"{ds}": v["acceptance_length"] for ds, v in s["per_dataset"].items()}
-        row |= {"P(draft 1)": s["position_acceptance"][0],
-                "novel text": s["novel_text"]["acceptance_length"],
-                "repeating text": s["repeating_text"]["acceptance_length"],
-                "speed-up est.": s["speedup_estimate"], "lossless": s["lossless"]}
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
 def decoder_table(report: dict) -> pd.DataFrame:
-    """Our decoder's numbers, one row per (temperature, method); empty when it did not run."""
-    if not report["temperatures"]:
-        return pd.DataFrame()
-    return pd.concat([table(t["methods"], t["temperature"]) for t in report["temperatures"].values()],
-                     ignore_index=True).round(3)
-
-
-def engine_table(report: dict) -> pd.DataFrame:
-    """The engine's numbers, one row per (temperature, method), our decoder's acceptance beside them;
-    empty when no engine measured."""
-    if not report["engine"]:
-        return pd.DataFrame()
-    rows = []
-    for key, t in report["engine"]["temperatures"].items():
-        ours = report["temperatures"].get(key, {}).get("methods", {})
-        for name, s in t["methods"].items():
-            mine = ours.get("prompt lookup" if s["kind"] == "ngram" else name, {})
-            row = {"T": t["temperature"], "method": name, "k": s.get("k", report["draft_tokens"]),
-                   "acceptance length": s["acceptance_length"]}
-            row |= {ds: v["acceptance_length"] for ds, v in s["per_dataset"].items()}
-            row |= {f"P(pos {j + 1})": p for j, p in enumerate(s["position_acceptance"])}
-            row |= {"tok/s": s["tokens_per_s"], "× none": s["speedup_tokens_per_s"], "lossless": s["lossless"],
-                    "ours": mine.get("acceptance_length_vllm")}
-            rows.append(row)
-    return pd.DataFrame(rows).round(3)
+    """Where our decoder's acceptance comes from, one row per (temperature, method): on novel text
+    and on text the target repeats (see the module `metrics`); empty when it did not run."""
+    rows = [{"T": t["temperature"], "method": name, "acceptance length": s["acceptance_length"],
+             "novel text": s["novel_text"]["acceptance_length"], "novel rounds": s["novel_text"]["rounds"],
+             "repeating text": s["repeating_text"]["acceptance_length"],
+             "repeating rounds": s["repeating_text"]["rounds"]}
+            for t in report["temperatures"].values() for name, s in t["methods"].items() if s["kind"] != "none"]
+    return pd.DataFrame(rows)
 
 
 def explain_engine(report: dict) -> str:
@@ -252,13 +219,13 @@ def explain_engine(report: dict) -> str:
         found = next(((n, s) for n, s in m.items() if s["kind"] == "eagle3" and s.get("final")), None)
         if found is None:  # the drafter's engine could not start here (`gpu_only` below)
             lines.append(f"**vLLM {e['version']}, {mode}, k = {report['draft_tokens']}:** no drafter engine; ngram "
-                         f"{m['ngram']['acceptance_length']:.2f} tokens per verification, "
+                         f"{m['ngram']['acceptance_length']:.2f}, "
                          f"{m['none']['tokens_per_s']:.0f} tok/s without speculation.")
             continue
         name, final = found
         ck = sorted((s["fraction"], s["acceptance_length"]) for s in m.values() if s["kind"] == "eagle3")
         line = (f"**vLLM {e['version']}, {mode}, k = {report['draft_tokens']}:** drafter **{final['acceptance_length']:.2f}**, "
-                f"ngram {m['ngram']['acceptance_length']:.2f} tokens per verification "
+                f"ngram {m['ngram']['acceptance_length']:.2f} "
                 f"({'the drafter wins' if final['acceptance_length'] > m['ngram']['acceptance_length'] else 'ngram wins'}); "
                 f"through training " + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in ck)
                 + f". Output {final['tokens_per_s']:.0f} tok/s per request with the drafter, "
@@ -266,12 +233,12 @@ def explain_engine(report: dict) -> str:
         ours = report["temperatures"].get(key, {}).get("methods", {}).get(name)
         if ours and t["temperature"] <= 0:
             c = v["methods"][name]
-            line += (f" Our decoder: {ours['acceptance_length_vllm']:.2f}. The two targets (vLLM's kernels, "
+            line += (f" Our decoder: {ours['acceptance_length']:.2f}. The two targets (vLLM's kernels, "
                      f"transformers) decode {v['same_no_drafter_output']} of {v['prompts']} prompts identically; on "
                      f"{c['same_accepted_per_step']} the accepted count is the same at every verification step (same "
                      f"rule, same float32 weights: only a near-tie argmax that one side breaks the other way can part them).")
         elif ours:
-            line += (f" Our decoder: {ours['acceptance_length_vllm']:.2f}; at T > 0 the two draw different random "
+            line += (f" Our decoder: {ours['acceptance_length']:.2f}; at T > 0 the two draw different random "
                      f"numbers, so they agree in expectation only (same rule: a draft is accepted with the target's "
                      f"probability of it).")
         elif report.get("hf_scope"):
@@ -297,7 +264,7 @@ def explain(report: dict) -> str:
         mode = "greedy" if t["temperature"] <= 0 else f"sampling at T = {t['temperature']:g}"
         ck = [(s["fraction"], s["acceptance_length"]) for s in m.values() if s["kind"] == "eagle3"]
         line = (f"**{mode}, k = {report['draft_tokens']}:** drafter **{v['drafter']:.2f}**, prompt lookup "
-                f"{v['prompt_lookup']:.2f}, no drafter 1.00 tokens per verification. Through training "
+                f"{v['prompt_lookup']:.2f}, no drafter 1.00. Through training "
                 + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in sorted(ck)) + ". ")
         if len(ck) > 1 and not max(a for _, a in ck) > min(ck)[1]:
             line += "Training did not raise it here" + (
@@ -338,35 +305,6 @@ def benchmark_view(report: dict) -> tuple[str, dict]:
     return "our decoder", b["temperatures"]
 
 
-def benchmark_table(report: dict) -> pd.DataFrame:
-    """One row per (temperature, benchmark): acceptance length of every method measured there (the
-    final drafters, vLLM's ngram or our prompt lookup, no drafter), the final drafter per draft position and its output
-    tok/s against no drafter; when the target is Kimi-K2.5 the published drafters' figures beside
-    (`published`), for a benchmark they report. Empty when no benchmark was asked for."""
-    if not report.get("benchmarks"):
-        return pd.DataFrame()
-    source, temps = benchmark_view(report)
-    sets = {s["name"]: s for s in report["benchmarks"]["sets"]}
-    refs = report["benchmarks"]["references"] or []
-    rows = []
-    for t in temps.values():
-        methods = t["methods"]
-        final = next(n for n, s in methods.items() if s["kind"] == "eagle3" and s.get("final"))
-        for name, info in sets.items():
-            row = {"T": t["temperature"], "benchmark": name, "prompts": info["prompts"], "turns": info["turns"],
-                   "max_new_tokens": info["max_new_tokens"], "measured in": source}
-            per = {m: s["per_dataset"].get(name, {}) for m, s in methods.items()}
-            row |= {m: p.get("acceptance_length") for m, p in per.items()}
-            row |= {f"{final} P(pos {j + 1})": p for j, p in enumerate(per[final].get("position_acceptance", []))}
-            row[f"{final} draft acceptance rate"] = per[final].get("draft_acceptance_rate")
-            if "tokens_per_s" in per[final]:
-                row |= {"tok/s none": per["none"].get("tokens_per_s"), f"tok/s {final}": per[final]["tokens_per_s"]}
-            row |= {f"{r['drafter']} (published{', rate' if r['metric'] != 'acceptance_length' else ''})":
-                    r["benchmarks"].get(name) for r in refs}
-            rows.append(row)
-    return pd.DataFrame(rows).round(3)
-
-
 def load(engine: dict) -> str:
     """How many requests the engine's rows were decoded with in flight (acceptance does not depend
     on it; tok/s per request does)."""
@@ -393,7 +331,7 @@ def explain_benchmarks(report: dict) -> str:
         mode = "greedy" if t["temperature"] <= 0 else f"T = {t['temperature']:g}"
         line = f"**{mode}:** " + "; ".join(
             f"{s['name']} {m[final]['per_dataset'].get(s['name'], {}).get('acceptance_length', float('nan')):.2f}"
-            for s in b["sets"]) + " tokens per verification with the drafter (no drafter: 1.00)"
+            for s in b["sets"]) + " with the drafter (no drafter: 1.00)"
         mine = held.get(key, {}).get("methods", {}).get(final)
         if mine:
             line += f"; on the held-out prompts of this run {mine['acceptance_length']:.2f}"

@@ -1,9 +1,9 @@
 """Acceptance from the rounds of our decoder's decodes (a round = one target verification).
 
-    acceptance length (SGLang's `avg_spec_accept_length`) = tokens emitted by rounds / rounds;
-        the first token, which the prefill emits, is not counted, so no drafter gives exactly 1.0;
-    vLLM's mean acceptance length = 1 + accepted drafts / rounds that drafted (rounds where the
-        proposer had nothing to offer do not count there: differs for prompt lookup);
+    acceptance length, the field's (vLLM's and SGLang's counters) = 1 + accepted drafts / rounds
+        that drafted (rounds where the proposer had nothing to offer do not count; no drafter: 1);
+    tokens per round = tokens emitted by rounds / rounds, every round counted (the first token,
+        which the prefill emits, is not): what a speed-up estimate divides;
     per draft position j: P(accepted), and P(accepted | j-1 accepted).
 
 Each decode is also split where the output starts repeating itself (its first repeated
@@ -29,8 +29,9 @@ def repeat_start(context: list[int], output: list[int], n: int = LOOP_NGRAM) -> 
 
 
 def acceptance(rounds: list[dict], k: int) -> dict:
-    """Acceptance of a set of decodes (their `Decoded.rounds()`): SGLang's and vLLM's acceptance
-    length, and per draft position j = 1..k the unconditional and conditional acceptance rate."""
+    """Acceptance of a set of decodes (their `Decoded.rounds()`): the field's acceptance length
+    (1 + accepted / drafts, as vLLM and SGLang count it), tokens per verification round, and per
+    draft position j = 1..k the unconditional and conditional acceptance rate."""
     n_rounds = produced = drafting = acc = drafted_tokens = 0
     top = 0.0
     pos_drafted = [0] * k
@@ -55,8 +56,8 @@ def acceptance(rounds: list[dict], k: int) -> dict:
     return {
         "rounds": n_rounds, "tokens": produced, "draft_tokens": drafted_tokens, "accepted_tokens": acc,
         "drafting_rounds": drafting,
-        "acceptance_length": ratio(produced, n_rounds),
-        "acceptance_length_vllm": 1 + ratio(acc, drafting) if drafting else 1.0,
+        "acceptance_length": 1 + ratio(acc, drafting) if drafting else 1.0,
+        "tokens_per_round": ratio(produced, n_rounds),
         "draft_acceptance_rate": ratio(acc, drafted_tokens),
         "position_acceptance": [ratio(pos_accepted[j], pos_drafted[j]) for j in range(k)],
         "position_acceptance_conditional": [ratio(pos_accepted[j], pos_reached[j]) for j in range(k)],
@@ -72,11 +73,11 @@ def split_rounds(rounds: dict, cut: int) -> tuple[dict, dict]:
     return before, after
 
 
-def speedup(acceptance_length: float, draft_steps: float, cost_ratio: float) -> float:
+def speedup(tokens_per_round: float, draft_steps: float, cost_ratio: float) -> float:
     """Decoding speed-up over the target alone when one round costs a target forward (the verify
     of k+1 tokens costs about one decode step while decoding is memory-bound) plus `draft_steps`
     drafter forwards, each `cost_ratio` of a target forward."""
-    return acceptance_length / (1 + draft_steps * cost_ratio)
+    return tokens_per_round / (1 + draft_steps * cost_ratio)
 
 
 def summarize(rows: list[dict], methods: list, draft_tokens: int, draft_cost_ratio: float) -> dict:
@@ -106,7 +107,7 @@ def summarize(rows: list[dict], methods: list, draft_tokens: int, draft_cost_rat
             "kind": m.kind, **m.info, **total,
             "per_dataset": per_ds,
             "novel_text": novel, "repeating_text": repeating,
-            "speedup_estimate": speedup(total["acceptance_length"], draft_steps, draft_cost_ratio),
+            "speedup_estimate": speedup(total["tokens_per_round"], draft_steps, draft_cost_ratio),
             "draft_forwards_per_round": draft_steps,
             "lossless": None if not greedy else not mismatches, "mismatched_samples": mismatches,
             "seconds": sum(r["seconds"] for r in mine), "prompts": len(mine),
@@ -127,14 +128,15 @@ def verdict(summary: dict) -> dict:
 
 
 DEFINITIONS = {   # written into the report beside the numbers
-    "acceptance_length": "tokens emitted by verification rounds / rounds (SGLang avg_spec_accept_length; "
-                         "the prefill's first token not counted)",
-    "acceptance_length_vllm": "1 + accepted draft tokens / rounds that drafted (vLLM)",
+    "acceptance_length": "1 + accepted draft tokens / verification steps that drafted (vLLM's and SGLang's "
+                         "counters); no drafter: 1",
+    "tokens_per_round": "tokens emitted / verification rounds, rounds that drafted nothing included (the "
+                        "prefill's first token not counted)",
     "position_acceptance": "P(draft j accepted) over rounds that drafted position j",
     "position_acceptance_conditional": "P(draft j accepted | drafts 1..j-1 accepted)",
     "position1_ceiling": "mean over rounds of the target's probability of its own top token: "
                          "P(draft 1 accepted) for a perfect drafter (1 when greedy)",
     "novel_text": f"rounds starting before the output's first repeated {LOOP_NGRAM}-gram",
     "repeating_text": "rounds starting at or after it",
-    "speedup_estimate": "acceptance_length / (1 + draft_forwards_per_round * draft_cost_ratio)",
+    "speedup_estimate": "tokens_per_round / (1 + draft_forwards_per_round * draft_cost_ratio)",
 }

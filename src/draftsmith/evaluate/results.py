@@ -1,0 +1,230 @@
+"""Stage 06's results in one definition, the field's: acceptance length = 1 + accepted / drafts per
+verification step, as vLLM's and SGLang's counters give it (no drafter: 1).
+
+One `Result` per (temperature, prompt set, method): measured in vLLM where stage 06 measured there,
+else by our decoder. Beside an engine figure stands our decoder's on the same prompts as a
+cross-check: at T = 0 the two must agree to the shown precision; at T > 0 they draw different random
+numbers and must agree within their sampling noise. Output tok/s appears only where the engine
+measured it. For a Kimi-K2.5 target the published drafters' benchmark figures are rows of their own,
+marked as references.
+
+`python -m draftsmith.evaluate.results RUN [--readme README.md] [--save FILE]` prints a run's table
+for the README, writes it between the README's markers and saves the rows it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+
+PUBLISHED = "published (model card)"
+GREEDY_AGREEMENT = 0.005          # at T = 0 the two figures are equal as shown (three decimals)
+README_BEGIN = "<!-- stage 06 results: python -m draftsmith.evaluate.results -->"
+README_END = "<!-- end of stage 06 results -->"
+SET_NAMES = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "math500": "MATH-500"}
+
+
+@dataclass(frozen=True)
+class Result:
+    temperature: float
+    prompt_set: str                     # "held-out chat", "MT-bench", ...
+    method: str                         # "none", "ngram", "eagle3 50%", "eagle3", a published drafter
+    kind: str                           # none | ngram | prompt_lookup | eagle3 | dflash | published
+    final: bool                         # the drafter a user ships (the last eagle3 export)
+    measured_in: str                    # "vLLM 0.32.0", "our decoder" or PUBLISHED
+    acceptance_length: float | None
+    drafts: int | None                  # verification steps that drafted: the length's denominator
+    draft_acceptance_rate: float | None
+    position_acceptance: tuple          # P(draft j accepted), j = 1..k
+    lossless: bool | None               # T = 0: outputs equal no drafter's token for token
+    tokens_per_s: float | None          # measured by the engine, per request at its load
+    tokens_per_s_vs_none: float | None
+    ours: float | None                  # our decoder's acceptance length on the same prompts
+    ours_agrees: bool | None
+
+
+def noise(drafts: int | None, k: int) -> float:
+    """A bound on one acceptance length's standard error: accepted per step lies in [0, k]."""
+    return k / (2 * math.sqrt(drafts)) if drafts else math.inf
+
+
+def agrees(engine: dict, ours: dict, temperature: float, k: int) -> bool:
+    """Greedy: the same to the shown precision; sampling: within two standard errors of the difference."""
+    diff = abs(engine["acceptance_length"] - ours["acceptance_length"])
+    if temperature <= 0:
+        return diff < GREEDY_AGREEMENT
+    se = math.hypot(noise(engine.get("drafts"), k), noise(ours.get("drafting_rounds"), k))
+    return diff <= 2 * se
+
+
+def _set_name(name: str, held_out: bool) -> str:
+    return f"held-out {name}" if held_out else SET_NAMES.get(name, name)
+
+
+def _part(temps: dict, ours_temps: dict, source: str, held_out: bool, draft_tokens: int) -> list[Result]:
+    out = []
+    for key, t in temps.items():
+        temperature = float(t["temperature"])
+        ours_methods = (ours_temps or {}).get(key, {}).get("methods", {})
+        final = next((n for n, s in t["methods"].items() if s["kind"] == "eagle3" and s.get("final")),
+                     "eagle3" if "eagle3" in t["methods"] else None)
+        sets = sorted({ds for s in t["methods"].values() for ds in s.get("per_dataset", {})})
+        for ds in sets:
+            for name, s in t["methods"].items():
+                p = s.get("per_dataset", {}).get(ds)
+                if p is None:
+                    continue
+                k = s.get("k", draft_tokens)
+                mine = None
+                if source != "our decoder":
+                    twin = ours_methods.get("prompt lookup" if s["kind"] == "ngram" else name, {})
+                    mine = twin.get("per_dataset", {}).get(ds)
+                out.append(Result(
+                    temperature, _set_name(ds, held_out), name, s["kind"], name == final, source,
+                    p.get("acceptance_length"), p.get("drafts", p.get("drafting_rounds")),
+                    p.get("draft_acceptance_rate"), tuple(p.get("position_acceptance") or ()),
+                    s.get("lossless") if temperature <= 0 else None,
+                    p.get("tokens_per_s"), _ratio(p, s, t, ds),
+                    mine["acceptance_length"] if mine else None,
+                    agrees(p, mine, temperature, k) if mine else None))
+    return out
+
+
+def _ratio(p: dict, s: dict, t: dict, ds: str) -> float | None:
+    none = next((m for m in t["methods"].values() if m["kind"] == "none"), None)
+    base = (none or {}).get("per_dataset", {}).get(ds, {}).get("tokens_per_s")
+    return p["tokens_per_s"] / base if p.get("tokens_per_s") and base else None
+
+
+def _published(report: dict, sets: list[str], temperatures: list[float]) -> list[Result]:
+    refs = (report.get("benchmarks") or {}).get("references") or []
+    out = []
+    for temperature in temperatures:
+        for name in sets:
+            for r in refs:
+                v = r["benchmarks"].get(name)
+                if v is None:
+                    continue
+                length = v if r["metric"] == "acceptance_length" else None
+                rate = v if r["metric"] == "draft_acceptance_rate" else None
+                out.append(Result(temperature, _set_name(name, False), r["drafter"], "published", False, PUBLISHED,
+                                  length, None, rate, (), None, None, None, None, None))
+    return out
+
+
+def results(report: dict) -> list[Result]:
+    """Every result of a stage 06 report, by temperature: the held-out prompts, then the benchmarks,
+    then the published figures; the engine's numbers when it measured, else our decoder's."""
+    k = report["draft_tokens"]
+    engine, bench = report.get("engine"), report.get("benchmarks") or {}
+    if engine:
+        source = f"vLLM {engine['version']}"
+        rows = _part(engine["temperatures"], report["temperatures"], source, True, k)
+    else:
+        rows = _part(report["temperatures"], {}, "our decoder", True, k)
+    if bench.get("engine"):
+        b = _part(bench["engine"]["temperatures"], bench.get("temperatures"), f"vLLM {bench['engine']['version']}",
+                  False, k)
+    else:
+        b = _part(bench.get("temperatures") or {}, {}, "our decoder", False, k)
+    names = [s["name"] for s in bench.get("sets", [])]
+    return sorted(rows + b + _published(report, names, sorted({r.temperature for r in b})),
+                  key=lambda r: r.temperature)
+
+
+def _mode(temperature: float) -> str:
+    return "greedy (T = 0)" if temperature <= 0 else f"sampling (T = {temperature:g})"
+
+
+def _cross_check(r: Result) -> str:
+    if r.ours is None:
+        return "not measured"
+    return f"{'yes' if r.ours_agrees else 'no'}, {r.ours - r.acceptance_length:+.3f}"
+
+
+def tables(report: dict) -> dict[str, pd.DataFrame]:
+    """Title -> one table per temperature and prompt set, methods as rows."""
+    rows = results(report)
+    out: dict[str, pd.DataFrame] = {}
+    for r in rows:
+        key = f"{_mode(r.temperature)} · {r.prompt_set}"
+        row = {"method": r.method + (" (final)" if r.final else ""), "measured in": r.measured_in,
+               "acceptance length": r.acceptance_length, "draft acceptance rate": r.draft_acceptance_rate}
+        row |= {f"P(draft {j + 1})": p for j, p in enumerate(r.position_acceptance)}
+        if r.temperature <= 0:
+            row["lossless"] = r.lossless
+        if any(x.tokens_per_s is not None for x in rows):
+            row |= {"output tok/s per request (measured)": r.tokens_per_s,
+                    "tok/s ÷ no drafter's (measured)": r.tokens_per_s_vs_none}
+        if any(x.ours is not None for x in rows):
+            row["our decoder agrees (by how much)"] = "n/a" if r.kind == "published" else _cross_check(r)
+        out.setdefault(key, []).append(row)
+    return {key: pd.DataFrame(v) for key, v in out.items()}
+
+
+def readme_rows(rows: list[Result]) -> list[dict]:
+    """Per temperature and prompt set: the final drafter, the n-gram baseline and no drafter."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        row = out.setdefault((r.temperature, r.prompt_set), {"temperature": r.temperature, "prompt_set": r.prompt_set})
+        if r.final:
+            row["drafter"] = r.acceptance_length
+        elif r.kind in ("ngram", "prompt_lookup"):
+            row["ngram"] = r.acceptance_length
+        elif r.kind == "none":
+            row["none"] = r.acceptance_length
+    return sorted(out.values(), key=lambda x: (x["temperature"], not x["prompt_set"].startswith("held-out")))
+
+
+def readme_table(rows: list[Result]) -> str:
+    """The README's markdown table: the best of drafter and n-gram in bold."""
+    lines = ["| | prompts | final drafter | n-gram baseline | no drafter |", "|---|---|---|---|---|"]
+    for x in readme_rows(rows):
+        best = max(x.get("drafter") or 0, x.get("ngram") or 0)
+        cell = lambda v: "n/a" if v is None else (f"**{v:.2f}**" if v == best and v > 1 else f"{v:.2f}")
+        mode = "greedy" if x["temperature"] <= 0 else f"T = {x['temperature']:g}"
+        lines.append(f"| {mode} | {x['prompt_set']} | {cell(x.get('drafter'))} | {cell(x.get('ngram'))} | "
+                     f"{cell(x.get('none'))} |")
+    return "\n".join(lines)
+
+
+def load(path: Path) -> list[Result]:
+    return [Result(**{**d, "position_acceptance": tuple(d["position_acceptance"])})
+            for d in json.loads(path.read_text(encoding="utf-8"))]
+
+
+def readme_block(text: str, path: Path) -> str:
+    """The table between the README's markers; a clear error naming the file when they are missing."""
+    m = re.search(re.escape(README_BEGIN) + r"\n(.*?)\n" + re.escape(README_END), text, re.S)
+    if not m:
+        raise ValueError(f"{path}: no stage 06 results block (the lines {README_BEGIN!r} ... {README_END!r})")
+    return m.group(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m draftsmith.evaluate.results", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="a run folder (holding eval/report.json)")
+    ap.add_argument("--readme", type=Path, help="write the table between this file's markers")
+    ap.add_argument("--save", type=Path, help="save the rows as JSON (what the README's table is checked against)")
+    a = ap.parse_args(argv)
+    report = json.loads((a.run / "eval" / "report.json").read_text(encoding="utf-8"))
+    rows = results(report)
+    table = readme_table(rows)
+    if a.save:
+        a.save.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n", encoding="utf-8")
+    if a.readme:
+        text = a.readme.read_text(encoding="utf-8")
+        a.readme.write_text(text.replace(readme_block(text, a.readme), table), encoding="utf-8")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
