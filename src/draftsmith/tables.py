@@ -1,5 +1,6 @@
 """Tables for people, as the notebooks show them: no index column, numbers to three significant
-figures (whole numbers whole, with thousands separators), units in the headers, yes/no for
+figures (whole numbers whole, with thousands separators), row labels as the first column, units
+in the headers, yes/no for
 booleans, every cell whole (a long one wraps inside a bounded column); a dict as a small two-column table."""
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ def show(df: pd.DataFrame | None, units: dict | None = None) -> Styler:
     """`df` styled for people (see the module); None or no rows shows one cell, "none"."""
     if df is None or not len(df):
         return pd.DataFrame({"": ["none"]}).style.hide(axis="index")
-    text = df.reset_index(drop=True).map(cell_text)
+    # row labels (a named or non-default index) become the first column; a plain row count is dropped
+    frame = df.reset_index(drop=True) if isinstance(df.index, pd.RangeIndex) and df.index.name is None else \
+        df.rename_axis(df.index.name or "").reset_index()
+    text = frame.map(cell_text)
     return (text.rename(columns=lambda c: header(c, units)).style.hide(axis="index").format(escape="html")
             .set_table_styles(CELL_STYLE))
 
