@@ -493,11 +493,11 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
     assert all(len(r["output"]) == sum(t["output_tokens"] for t in r["turns"]) <= 12 for r in mt)
     assert {r["sample_id"] for r in rows if r["dataset"] == "gsm8k"} == {"g0", "g1"}
     tabs = results.tables(report)
-    assert list(tabs) == [f"{mode} · {s}" for mode in ("greedy (T = 0)", "sampling (T = 1)")
+    assert list(tabs) == [f"{mode} · {s} · our decoder" for mode in ("greedy (T = 0)", "sampling (T = 1)")
                           for s in ("held-out chat", "held-out code", "GSM8K", "MT-bench")]
-    gsm = tabs["greedy (T = 0) · GSM8K"]
+    gsm = tabs["greedy (T = 0) · GSM8K · our decoder"]
     assert list(gsm["method"]) == ["none", "prompt lookup", "eagle3 (final)"] and "P(draft 3)" in gsm
-    assert set(gsm["measured in"]) == {"our decoder"} and "output tok/s per request (measured)" not in gsm
+    assert "measured in" not in gsm and "output tok/s per request (measured)" not in gsm
     assert gsm["acceptance length"].tolist() == [greedy[m]["per_dataset"]["gsm8k"]["acceptance_length"]
                                                  for m in ("none", "prompt lookup", "eagle3")]
     assert "--sharegpt-output-len 8 --max-concurrency 1" in b["commands"]["gsm8k"]
@@ -507,7 +507,7 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
 
     from draftsmith.evaluate import published   # the same report, had the target been Kimi-K2.5
     kimi = {**report, "benchmarks": {**b, "references": published.REFERENCES}}
-    mt = results.tables(kimi)["sampling (T = 1) · MT-bench"].set_index("method")
+    mt = results.tables(kimi)["sampling (T = 1) · MT-bench"].set_index("method")   # two sources: a column
     assert mt.loc["lightseekorg/kimi-k2.5-eagle3", ["measured in", "acceptance length"]].tolist() == [
         results.PUBLISHED, 2.687]
     gsm = results.tables(kimi)["greedy (T = 0) · GSM8K"].set_index("method")

@@ -150,7 +150,8 @@ def _cross_check(r: Result) -> str:
 
 
 def tables(report: dict) -> dict[str, pd.DataFrame]:
-    """Title -> one table per temperature and prompt set, methods as rows."""
+    """Title -> one table per temperature and prompt set, methods as rows; where one source measured
+    every row, the title names it ("greedy (T = 0) · held-out chat · vLLM 0.32.0")."""
     rows = results(report)
     out: dict[str, pd.DataFrame] = {}
     for r in rows:
@@ -166,7 +167,13 @@ def tables(report: dict) -> dict[str, pd.DataFrame]:
         if any(x.ours is not None for x in rows):
             row["our decoder agrees (by how much)"] = "n/a" if r.kind == "published" else _cross_check(r)
         out.setdefault(key, []).append(row)
-    return {key: pd.DataFrame(v) for key, v in out.items()}
+    frames = {}
+    for key, v in out.items():   # one source for the whole table: named in its title, not on every row
+        df = pd.DataFrame(v)
+        sources = df["measured in"].unique()
+        frames[f"{key} · {sources[0]}" if len(sources) == 1 else key] = \
+            df.drop(columns="measured in") if len(sources) == 1 else df
+    return frames
 
 
 def readme_rows(rows: list[Result]) -> list[dict]:
