@@ -119,7 +119,7 @@ def test_chain_summary_holds_the_numbers_of_each_stages_own_report(smoke_run):
     for t_ in ev["temperatures"].values():
         m = t_["methods"]
         for ds in sorted(m["eagle3"]["per_dataset"]):
-            expected.append({"prompt_set": ds, "temperature": t_["temperature"],
+            expected.append({"prompt_set": f"held-out {ds}", "temperature": t_["temperature"],
                              "drafter": m["eagle3"]["per_dataset"][ds]["acceptance_length"],
                              "ngram": m["prompt lookup"]["per_dataset"][ds]["acceptance_length"],
                              "no_drafter": m["none"]["per_dataset"][ds]["acceptance_length"],

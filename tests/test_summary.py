@@ -116,14 +116,14 @@ def test_a_run_whose_stages_are_all_fine_is_ok_with_each_stages_deciding_figures
                    "check passed on 4 samples (508 positions; vllm 0.11.0, model runner v1, float32)",
                    "own answers (380 tokens): mean NLL 5.61 nat (<= 7), argmax agreement 6.1% (>= 2%)",
                    "final train loss 9.7, accuracy 40.0%", "held-out loss 16.9 -> 9.5",
-                   "code T=0: acceptance 1.90 vs ngram 1.40, none 1.00, lossless",
-                   "chat T=1: acceptance 1.50 vs ngram 1.05, none 1.00"):
+                   "held-out code T=0: acceptance 1.90 vs ngram 1.40, none 1.00, lossless",
+                   "held-out chat T=1: acceptance 1.50 vs ngram 1.05, none 1.00"):
         assert figure in text, figure
     assert summary.lines(s)[0] == "run r: ok"
     rows = stage(s, "06_evaluate").numbers.rows
     assert [(r.prompt_set, r.temperature, r.drafter, r.ngram, r.no_drafter, r.lossless) for r in rows] == [
-        ("chat", 0.0, 1.6, 1.2, 1.0, True), ("code", 0.0, 1.9, 1.4, 1.0, True),
-        ("chat", 1.0, 1.5, 1.05, 1.0, None), ("code", 1.0, 1.7, 1.1, 1.0, None)]
+        ("held-out chat", 0.0, 1.6, 1.2, 1.0, True), ("held-out code", 0.0, 1.9, 1.4, 1.0, True),
+        ("held-out chat", 1.0, 1.5, 1.05, 1.0, None), ("held-out code", 1.0, 1.7, 1.1, 1.0, None)]
 
 
 def test_summary_json_and_the_top_of_the_report_hold_the_same_summary(run):
@@ -192,7 +192,7 @@ def test_a_drafter_whose_greedy_outputs_differ_from_no_drafter_fails_stage_06(ru
 
 def test_with_the_engine_the_acceptance_lengths_are_vllms_on_every_prompt_set_and_a_weaker_drafter_is_a_warning(run):
     def engine(by_set_drafter):
-        return {"temperatures": {"0": {"temperature": 0.0, "methods": {
+        return {"version": "0.32.0", "temperatures": {"0": {"temperature": 0.0, "methods": {
             "none": method("none", {k: 1.0 for k in by_set_drafter}, True, key="acceptance_length"),
             "ngram": method("ngram", {k: 1.3 for k in by_set_drafter}, True, key="acceptance_length"),
             "eagle3": method("eagle3", by_set_drafter, True, final=True, key="acceptance_length")}}}}
@@ -202,7 +202,7 @@ def test_with_the_engine_the_acceptance_lengths_are_vllms_on_every_prompt_set_an
     e = stage(summary.build(run), "06_evaluate")
     assert e.numbers.source == "vllm"
     assert [(r.prompt_set, r.drafter, r.ngram) for r in e.numbers.rows] == [
-        ("chat", 1.2, 1.3), ("code", 1.8, 1.3), ("mt_bench", 1.25, 1.3)]
+        ("held-out chat", 1.2, 1.3), ("held-out code", 1.8, 1.3), ("MT-bench", 1.25, 1.3)]
     assert e.verdict == Verdict.WARNING and e.notes == ["the drafter is below ngram on 2 of 3 prompt sets x temperatures"]
 
 

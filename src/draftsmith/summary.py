@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
+from .evaluate.results import Headline
 from .files import write_json_atomic
 from .paths import Run
 
@@ -126,24 +127,10 @@ class DrafterNumbers:
 
 
 @dataclass
-class AcceptanceRow:
-    """Acceptance length (1 + accepted / drafts per verification step) on one prompt set at one
-    temperature: the final drafter, n-gram lookup, no drafter; `lossless`: at T = 0, whether the
-    drafter's outputs equal no drafter's token for token (None where not compared)."""
-
-    prompt_set: str
-    temperature: float
-    drafter: float | None
-    ngram: float | None
-    no_drafter: float | None
-    lossless: bool | None
-
-
-@dataclass
 class EvalNumbers:
     source: str                         # "vllm" (the engine's counters) or "decoder" (ours, eval_backend hf)
     drafter: str                        # the method measured as "the drafter"
-    rows: list[AcceptanceRow]
+    rows: list[Headline]                # the final drafter, n-gram and no drafter per prompt set and T
 
 
 @dataclass
@@ -391,34 +378,12 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
 
-def _rows(by_t: dict, key: str, ngram_kind: str) -> list[AcceptanceRow]:
-    """One row per (prompt set, temperature) of a report part's `temperatures`: the final eagle3
-    drafter, n-gram lookup (`ngram_kind`) and no drafter, by their acceptance `key`."""
-    rows = []
-    for t in by_t.values():
-        methods = t["methods"]
-        pick = {"drafter": next((m for m in methods.values() if m["kind"] == "eagle3" and m.get("final")), None),
-                "ngram": next((m for m in methods.values() if m["kind"] == ngram_kind), None),
-                "no_drafter": next((m for m in methods.values() if m["kind"] == "none"), None)}
-        sets = sorted({ds for m in pick.values() if m for ds in m.get("per_dataset", {})})
-        for ds in sets:
-            value = {k: (m["per_dataset"].get(ds) or {}).get(key) if m else None for k, m in pick.items()}
-            rows.append(AcceptanceRow(ds, float(t["temperature"]), value["drafter"], value["ngram"],
-                                      value["no_drafter"], pick["drafter"].get("lossless") if pick["drafter"] else None))
-    return rows
-
-
 def evaluate(run: Run, anchor: str):
+    from .evaluate import results
     from .evaluate.outputs import read_report as read_eval_report
 
     r = _read(run, read_eval_report, run)
-    bench = r.get("benchmarks") or {}
-    if r.get("engine"):
-        n = EvalNumbers("vllm", "eagle3", _rows(r["engine"]["temperatures"], "acceptance_length", "ngram")
-                        + _rows((bench.get("engine") or {}).get("temperatures") or {}, "acceptance_length", "ngram"))
-    else:
-        n = EvalNumbers("decoder", "eagle3", _rows(r["temperatures"], "acceptance_length", "prompt_lookup")
-                        + _rows(bench.get("temperatures") or {}, "acceptance_length", "prompt_lookup"))
+    n = EvalNumbers("vllm" if r.get("engine") else "decoder", "eagle3", results.headlines(results.results(r)))
     figures = [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_length(row.drafter)} vs ngram "
                       f"{_length(row.ngram)}, none {_length(row.no_drafter)}" + ("" if row.lossless is None else
                                                         ", lossless" if row.lossless else ", NOT lossless"), anchor)

@@ -12,5 +12,7 @@ The stage entry is `stage.run`. Around it, one idea a module:
     engine         the same methods measured inside vLLM (a child process: `engine_child`, many requests
                    in flight: `engine_batch`, its time estimated first: `estimate`), summed up by
                    `engine_summary`
+    results        every result in the field's one definition of acceptance length: the tables per
+                   temperature and prompt set, the headline rows, the README's table
     figures, serving   what notebook 06 shows (tables, text, figures), saves and prints
 """

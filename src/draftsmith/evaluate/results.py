@@ -122,7 +122,7 @@ def _published(report: dict, sets: list[str], temperatures: list[float]) -> list
 def results(report: dict) -> list[Result]:
     """Every result of a stage 06 report, by temperature: the held-out prompts, then the benchmarks,
     then the published figures; the engine's numbers when it measured, else our decoder's."""
-    k = report["draft_tokens"]
+    k = report.get("draft_tokens")
     engine, bench = report.get("engine"), report.get("benchmarks") or {}
     if engine:
         source = f"vLLM {engine['version']}"
@@ -176,29 +176,41 @@ def tables(report: dict) -> dict[str, pd.DataFrame]:
     return frames
 
 
-def readme_rows(rows: list[Result]) -> list[dict]:
-    """Per temperature and prompt set: the final drafter, the n-gram baseline and no drafter."""
-    out: dict[tuple, dict] = {}
+@dataclass
+class Headline:
+    """One prompt set at one temperature: the final drafter, the n-gram baseline and no drafter;
+    `lossless`: at T = 0, whether the drafter's outputs equal no drafter's (None where not compared)."""
+
+    prompt_set: str
+    temperature: float
+    drafter: float | None = None
+    ngram: float | None = None
+    no_drafter: float | None = None
+    lossless: bool | None = None
+
+
+def headlines(rows: list[Result]) -> list[Headline]:
+    """Per temperature and prompt set (held-out first): the three figures a reader compares first."""
+    out: dict[tuple, Headline] = {}
     for r in rows:
-        row = out.setdefault((r.temperature, r.prompt_set), {"temperature": r.temperature, "prompt_set": r.prompt_set})
+        h = out.setdefault((r.temperature, r.prompt_set), Headline(r.prompt_set, r.temperature))
         if r.final:
-            row["drafter"] = r.acceptance_length
+            h.drafter, h.lossless = r.acceptance_length, r.lossless
         elif r.kind in ("ngram", "prompt_lookup"):
-            row["ngram"] = r.acceptance_length
+            h.ngram = r.acceptance_length
         elif r.kind == "none":
-            row["none"] = r.acceptance_length
-    return sorted(out.values(), key=lambda x: (x["temperature"], not x["prompt_set"].startswith("held-out")))
+            h.no_drafter = r.acceptance_length
+    return sorted(out.values(), key=lambda h: (h.temperature, not h.prompt_set.startswith("held-out")))
 
 
 def readme_table(rows: list[Result]) -> str:
     """The README's markdown table: the best of drafter and n-gram in bold."""
     lines = ["| | prompts | final drafter | n-gram baseline | no drafter |", "|---|---|---|---|---|"]
-    for x in readme_rows(rows):
-        best = max(x.get("drafter") or 0, x.get("ngram") or 0)
+    for h in headlines(rows):
+        best = max(h.drafter or 0, h.ngram or 0)
         cell = lambda v: "n/a" if v is None else (f"**{v:.2f}**" if v == best and v > 1 else f"{v:.2f}")
-        mode = "greedy" if x["temperature"] <= 0 else f"T = {x['temperature']:g}"
-        lines.append(f"| {mode} | {x['prompt_set']} | {cell(x.get('drafter'))} | {cell(x.get('ngram'))} | "
-                     f"{cell(x.get('none'))} |")
+        mode = "greedy" if h.temperature <= 0 else f"T = {h.temperature:g}"
+        lines.append(f"| {mode} | {h.prompt_set} | {cell(h.drafter)} | {cell(h.ngram)} | {cell(h.no_drafter)} |")
     return "\n".join(lines)
 
 
