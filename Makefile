@@ -23,11 +23,11 @@ venv: $(STAMP)
 # --no-compile: pip would byte-compile all ~26,000 Python files of the environment, one after the
 # other, about a third of the install's time; Python compiles the few thousand a run imports the
 # first time it imports them, and keeps them.
-$(STAMP): requirements.txt requirements-common.txt requirements-benchmarks.txt pyproject.toml
+$(STAMP): requirements.txt requirements/common.txt requirements/benchmarks.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -r requirements.txt
-	$(PY) -m pip install -q --no-compile --no-deps -r requirements-benchmarks.txt
+	$(PY) -m pip install -q --no-compile --no-deps -r requirements/benchmarks.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (draftsmith)" >/dev/null
@@ -80,15 +80,15 @@ define engine_venv
 test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 $(1)/bin/python -m pip install -q --upgrade pip
 $(1)/bin/python -m pip install -q -r $(2)
-$(1)/bin/python -m pip install -q --no-deps -r requirements-benchmarks.txt
+$(1)/bin/python -m pip install -q --no-deps -r requirements/benchmarks.txt
 $(1)/bin/python -m pip install -q --no-deps -e .
 $(1)/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (draftsmith, $(3))" >/dev/null
 touch $(1)/.installed
 endef
 
 gpu-venv: $(GPU_VENV)/.installed
-$(GPU_VENV)/.installed: requirements-gpu-vllm.txt requirements-common.txt requirements-benchmarks.txt pyproject.toml
-	$(call engine_venv,$(GPU_VENV),requirements-gpu-vllm.txt,vLLM)
+$(GPU_VENV)/.installed: requirements/gpu-vllm.txt requirements/common.txt requirements/benchmarks.txt pyproject.toml
+	$(call engine_venv,$(GPU_VENV),requirements/gpu-vllm.txt,vLLM)
 
 # The GPU node's first checks (docs/real-job.md), in the vLLM environment:
 # `make gpu-preflight`: the node alone (driver, GPUs, peer access, all-reduce, disk for the run
@@ -102,5 +102,5 @@ gpu-smoke: $(GPU_VENV)/.installed
 	$(GPU_VENV)/bin/python bench/gpu_smoke.py $(GPU_SMOKE_ARGS)
 
 sglang-venv: $(SGLANG_VENV)/.installed
-$(SGLANG_VENV)/.installed: requirements-gpu-sglang.txt requirements-common.txt requirements-benchmarks.txt pyproject.toml
-	$(call engine_venv,$(SGLANG_VENV),requirements-gpu-sglang.txt,SGLang)
+$(SGLANG_VENV)/.installed: requirements/gpu-sglang.txt requirements/common.txt requirements/benchmarks.txt pyproject.toml
+	$(call engine_venv,$(SGLANG_VENV),requirements/gpu-sglang.txt,SGLang)

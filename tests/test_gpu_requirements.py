@@ -1,6 +1,6 @@
 """Each GPU requirements file is one whole, pinned environment that pip can resolve, checked without a GPU.
 
-requirements-gpu-vllm.txt (`make gpu-venv`) and requirements-gpu-sglang.txt (`make sglang-venv`)
+requirements/gpu-vllm.txt (`make gpu-venv`) and requirements/gpu-sglang.txt (`make sglang-venv`)
 are installed on GPU machines only, so nothing else on CI would notice when they stop resolving
 (vLLM and SGLang pin different torch releases: one file holding both never could). Here pip's
 resolver works each one out as on a clean machine: `--dry-run --ignore-installed`, the public
@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = "requirements-common.txt"
-GPU_FILES = sorted(p.name for p in ROOT.glob("requirements-gpu*.txt"))
+COMMON = "requirements/common.txt"
+GPU_FILES = sorted(f"requirements/{p.name}" for p in (ROOT / "requirements").glob("gpu*.txt"))
 # what reaches the index (a mirror, a proxy, a certificate); every other PIP_* setting is dropped
 PIP_NETWORK_SETTINGS = {"PIP_INDEX_URL", "PIP_CERT", "PIP_CLIENT_CERT", "PIP_TRUSTED_HOST", "PIP_PROXY",
                         "PIP_DEFAULT_TIMEOUT", "PIP_RETRIES"}
@@ -99,14 +99,15 @@ def resolve(requirements: Path, report: Path) -> dict:
 
 
 def test_there_is_one_gpu_environment_per_engine():
-    assert GPU_FILES == ["requirements-gpu-sglang.txt", "requirements-gpu-vllm.txt"], (
+    assert GPU_FILES == ["requirements/gpu-sglang.txt", "requirements/gpu-vllm.txt"], (
         f"GPU requirements files: {GPU_FILES}; each engine has its own environment (docs/gpu.md)")
 
 
 @pytest.mark.parametrize("name", ["requirements.txt", *GPU_FILES])
 def test_every_environment_is_the_common_file_plus_its_own_exact_pins(name):
     lines = requirement_lines(name)
-    assert lines[0] == f"-r {COMMON}", f"{name} must start from the project's own requirements: -r {COMMON}"
+    include = os.path.relpath(ROOT / COMMON, (ROOT / name).parent)   # pip reads -r relative to the file
+    assert lines[0] == f"-r {include}", f"{name} must start from the project's own requirements: -r {include}"
     loose = [line for line in lines[1:] if line.startswith("-") or not re.fullmatch(r"[\w.\-\[\],]+==[\w.+!]+", line)]
     assert not loose, f"{name}: every requirement is pinned with == (one environment, the same on every machine): {loose}"
     common = {project_name(line) for line in requirement_lines(COMMON)}
@@ -122,7 +123,7 @@ def resolutions(tmp_path_factory) -> dict[str, dict]:
         pytest.skip(f"package index {index_url()} unreachable ({why}): {', '.join(GPU_FILES)} not resolved")
     out = tmp_path_factory.mktemp("gpu-resolve")
     with ThreadPoolExecutor(len(GPU_FILES)) as pool:
-        return dict(zip(GPU_FILES, pool.map(lambda n: resolve(ROOT / n, out / f"{n}.report.json"), GPU_FILES)))
+        return dict(zip(GPU_FILES, pool.map(lambda n: resolve(ROOT / n, out / f"{Path(n).name}.report.json"), GPU_FILES)))
 
 
 @pytest.mark.parametrize("name", GPU_FILES)

