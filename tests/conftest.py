@@ -192,6 +192,8 @@ def pytest_terminal_summary(terminalreporter):
     counts = events.tally(path) if path else {}
     if counts:
         terminalreporter.write_line("expensive steps of this run: " + ", ".join(f"{k} {n}" for k, n in counts.items()))
+        for where, steps in list(events.by_file(path).items())[:10]:
+            terminalreporter.write_line(f"  {where}: " + ", ".join(f"{k} {n}" for k, n in sorted(steps.items())))
 
 
 def pytest_collection_finish(session):

@@ -280,3 +280,23 @@ def test_the_makefiles_recipes_keep_bytecode_where_the_environment_forbids_it():
     r = subprocess.run(["make", "-s", "--eval", probe, "probe"], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "False", (r.stdout, r.stderr)
+
+
+def test_the_tally_counts_each_expensive_step_by_kind_and_by_the_test_file_that_caused_it(tmp_path, monkeypatch):
+    from draftsmith import events
+
+    path = tmp_path / "events.txt"
+    monkeypatch.setenv(events.ENV, str(path))
+    for test, kinds in (("tests/test_a.py::test_x (setup)", ["engine start", "engine start", "papermill run"]),
+                        ("tests/test_b.py::test_y (call)", ["engine start"])):
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", test)
+        for kind in kinds:
+            events.note(kind)
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    events.note("target build")
+    assert events.tally(path) == {"engine start": 3, "papermill run": 1, "target build": 1}
+    assert events.by_file(path) == {"tests/test_a.py": {"engine start": 2, "papermill run": 1},
+                                    "tests/test_b.py": {"engine start": 1}, "(outside a test)": {"target build": 1}}
+    monkeypatch.delenv(events.ENV)
+    events.note("engine start")             # without the variable: nothing is written
+    assert events.tally(path)["engine start"] == 3
