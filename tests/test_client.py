@@ -348,7 +348,8 @@ def test_connection_refused_is_retryable():
         async with aiohttp.ClientSession() as s:
             return await client.complete(s, "http://127.0.0.1:9/x", {}, b"{}", False)
     f = asyncio.run(go())
-    assert (f.action, f.kind) == ("retry", "connection") and not f.maybe_billed   # never reached anyone
+    assert (f.action, f.kind) == (client.Action.RETRY, "connection") and f.action is client.Action.RETRY
+    assert f.refused and not f.maybe_billed   # never reached anyone: known from the exception's type, not its name
 
 
 def test_body_of_the_wrong_shape_is_a_retry_not_a_crash():

@@ -33,6 +33,7 @@ import aiohttp
 
 from ..datasets import Prompt
 from ..openrouter import client
+from ..openrouter.client import Action
 from ..openrouter.budget import SpendBudget
 from ..openrouter.deadline import KeepaliveWatch
 from ..openrouter.pricing import generation_cost
@@ -162,25 +163,24 @@ class Sampler:
                 counts.errors_by_kind[res.kind] = counts.errors_by_kind.get(res.kind, 0) + 1
                 self._settle_failed(res, reserved)
                 reserved = 0.0
-                if res.action == "permanent":
+                action = res.action
+                if action is Action.PERMANENT:
                     return self._record_failure(d, p, res, failures + 1, "permanent")
-                if res.action == "balance":
+                if action is Action.BALANCE:
                     return Stop("balance", f"the OpenRouter balance ran out ({res.message})")
-                if res.action == "fatal":
+                if action is Action.FATAL:
                     return Stop("fatal", f"{res}: {HINTS.get(res.kind, 'fix that').format(model=w.model)}")
-                if res.action == "unavailable":
+                if action is Action.UNAVAILABLE:
                     now = time.monotonic()
                     if self.outage.unavailable(now, res.kind):
                         return Stop("unavailable", self.outage.message(now))
                     unavailable_since = unavailable_since or now
-                    if now - unavailable_since <= self.outage.limit_s:
-                        res.action = "throttle"       # waited out, as a throttle
-                    else:
-                        res.action = "retry"          # only this prompt keeps failing: spend attempts
+                    # waited out as a throttle; once past the limit only this prompt keeps failing: spend attempts
+                    action = Action.THROTTLE if now - unavailable_since <= self.outage.limit_s else Action.RETRY
                 else:
                     unavailable_since = None
                 opts = self.opts
-                if res.action == "throttle":
+                if action is Action.THROTTLE:
                     throttles += 1
                     self.aimd.on_throttle()
                     delay = backoff_delay(min(throttles, 8), res.retry_after, opts.backoff_base_s, opts.backoff_cap_s)

@@ -19,7 +19,7 @@ import aiohttp
 
 from ..progress import Progress
 from .apikey import ApiKey
-from .client import NO_CACHE, Reply, complete
+from .client import NO_CACHE, Action, Reply, complete
 from .pricing import BalanceReader, fetch_endpoints
 from .retry import backoff_delay
 
@@ -97,7 +97,7 @@ class Api:
             outcome = await complete(session, self.base_url + "/chat/completions", None, body, stream=False)
             if isinstance(outcome, Reply):
                 return outcome
-            if outcome.action not in ("retry", "throttle", "unavailable") or attempt == self.attempts:
+            if outcome.action not in (Action.RETRY, Action.THROTTLE, Action.UNAVAILABLE) or attempt == self.attempts:
                 raise ApiError(outcome.status, str(outcome))
             await asyncio.sleep(backoff_delay(attempt, outcome.retry_after, base=0.25, cap=8.0))
         raise AssertionError("unreachable")

@@ -1,24 +1,25 @@
 """One OpenRouter chat completion: build the body, POST it, read the answer, classify the outcome.
 
-Every way a request can end is sorted into what the engine should do next (docs/openrouter.md):
+Every way a request can end is sorted into what the engine should do next, a Failure's `Action`
+(docs/openrouter.md):
 
   Reply                       a usable completion (`finish_reason` stop, length, ...) - keep it
-  Failure(action="retry")     408, 5xx from a provider, an error inside a 200 body or a stream, an
+  Failure(RETRY)              408, 5xx from a provider, an error inside a 200 body or a stream, an
                               empty 200, a cut stream, a hung or dropped connection, a request past
                               its deadline or a stream without data (deadline.py), a 200 whose body
                               cannot be read, a reply from the response cache - a real failure:
                               spends one of the sample's attempts
-  Failure(action="throttle")  429, 402 in-flight spending budget - wait it out (backoff, lower
+  Failure(THROTTLE)           429, 402 in-flight spending budget - wait it out (backoff, lower
                               concurrency); never spends an attempt
-  Failure(action="unavailable") `error.availability.retryable: true` (the router cannot serve the
+  Failure(UNAVAILABLE)        `error.availability.retryable: true` (the router cannot serve the
                               model just now: capacity, transient upstream failures, no endpoint for
                               the moment) - waited out like a throttle; a router answering only these
                               for longer than the engine's outage limit stops the run
-  Failure(action="permanent") 400 (e.g. context too long) - record the sample, do not retry
-  Failure(action="fatal")     401 bad key, 403 a key/workspace/guardrail budget or permission, 404 or
+  Failure(PERMANENT)          400 (e.g. context too long) - record the sample, do not retry
+  Failure(FATAL)              401 bad key, 403 a key/workspace/guardrail budget or permission, 404 or
                               a routing 503 (no endpoint meets the routing), 402
                               `weight_exceeds_budget` (this request alone is over the budget) - stop
-  Failure(action="balance")   402 "can only afford": the balance is gone - stop dispatching
+  Failure(BALANCE)            402 "can only afford": the balance is gone - stop dispatching
 
 Since August 2026 OpenRouter's errors carry `error.availability` {code, retryable, retry_after, ...};
 it is read first, wherever the error comes (a status, inside a 200, a stream chunk): retryable is
@@ -58,6 +59,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 
 import aiohttp
 
@@ -82,9 +84,20 @@ class Reply:
     prompt_ids: list[int] | None = None
 
 
+class Action(StrEnum):
+    """What the caller does with a failed attempt."""
+
+    RETRY = "retry"              # try again, spending one of the sample's attempts
+    THROTTLE = "throttle"        # slow down and try again, no attempt spent
+    UNAVAILABLE = "unavailable"  # the model or its providers are down: wait, or stop after an outage
+    PERMANENT = "permanent"      # this prompt cannot succeed: recorded in errors.jsonl
+    FATAL = "fatal"              # the key or the routing is wrong: stop the run
+    BALANCE = "balance"          # the account ran out of money: stop for a top-up
+
+
 @dataclass(slots=True)
 class Failure:
-    action: str                 # retry | throttle | unavailable | permanent | fatal | balance
+    action: Action
     kind: str                   # short label counted in the manifest, e.g. http_429, error_in_200, timeout
     message: str
     status: int | None = None
@@ -93,6 +106,7 @@ class Failure:
     cost: float = 0.0           # what the failed attempt was billed, if the body said so
     maybe_billed: bool = False  # the answer was lost after a provider took the request: ask /generation
     generation_id: str | None = None
+    refused: bool = False       # the connection could not be opened: nobody took the request
 
     def __str__(self) -> str:
         where = f" from {self.provider}" if self.provider else ""
@@ -183,34 +197,34 @@ def classify_error(status: int, error: dict | None, retry_after: float | None = 
     if in_200:
         # Errors inside a 200 are retryable, except the unambiguous account and routing ones.
         status = code if isinstance(code, int) and code in (401, 402, 403, 404) else None
-    f = Failure("retry", "error_in_200" if in_200 else f"http_{status}", message, status, retry_after, provider)
+    f = Failure(Action.RETRY, "error_in_200" if in_200 else f"http_{status}", message, status, retry_after, provider)
     if status is None:
         return f
     reason = str(meta.get("reason") or meta.get("code") or error.get("code") or "").lower()
     if status == 401:
-        f.action, f.kind = "fatal", "unauthorized"
+        f.action, f.kind = Action.FATAL, "unauthorized"
     elif status == 403:
-        f.action, f.kind = "fatal", "forbidden"
+        f.action, f.kind = Action.FATAL, "forbidden"
     elif status == 404 or (status == 503 and not provider and any(w in message.lower() for w in ROUTING_WORDS)):
-        f.action, f.kind = "fatal", "no_provider"
+        f.action, f.kind = Action.FATAL, "no_provider"
     elif status == 402:
         source = meta.get("limit_source")
         if reason == "weight_exceeds_budget":
-            f.action, f.kind = "fatal", "weight_exceeds_budget"
+            f.action, f.kind = Action.FATAL, "weight_exceeds_budget"
         elif source == "openrouter_in_flight_budget":
-            f.action, f.kind = "throttle", "in_flight_budget"
+            f.action, f.kind = Action.THROTTLE, "in_flight_budget"
         elif source == "openrouter_credits":
-            f.action, f.kind = "balance", "balance"
+            f.action, f.kind = Action.BALANCE, "balance"
         elif "in_flight" in reason or "in-flight" in message.lower() or "in flight" in message.lower():
-            f.action, f.kind = "throttle", "in_flight_budget"
+            f.action, f.kind = Action.THROTTLE, "in_flight_budget"
         else:
-            f.action, f.kind = "balance", "balance"
+            f.action, f.kind = Action.BALANCE, "balance"
     elif status == 429:
-        f.action = "throttle"
+        f.action = Action.THROTTLE
     elif status in RETRY_STATUSES or status >= 500:
-        f.action = "retry"
+        f.action = Action.RETRY
     elif 400 <= status < 500:
-        f.action = "permanent"
+        f.action = Action.PERMANENT
         f.kind = "bad_request" if status == 400 else f"http_{status}"
     return f
 
@@ -223,14 +237,14 @@ def _by_availability(avail: dict, status: int, message: str, retry_after: float 
     where = "error_in_200" if in_200 else f"http_{status}"
     if avail["retryable"]:
         wait = _seconds(avail.get("retry_after"))
-        return Failure("unavailable", where, f"{message} [{code}, retryable]", status if not in_200 else None,
+        return Failure(Action.UNAVAILABLE, where, f"{message} [{code}, retryable]", status if not in_200 else None,
                        wait if wait is not None else retry_after, provider)
     if code not in STOP_CODES:
         return None
     what = avail.get("excluded_by") or avail.get("constraint")
     if code == "constraint_filtered" and what:
         message = f"{message} (filtered by {json.dumps(what, ensure_ascii=False)[:300]})"
-    return Failure("fatal", STOP_CODES[code], message, status if not in_200 else None, retry_after, provider)
+    return Failure(Action.FATAL, STOP_CODES[code], message, status if not in_200 else None, retry_after, provider)
 
 
 def _usage(u: dict | None) -> dict:
@@ -264,17 +278,17 @@ def parse_completion(raw: bytes) -> Reply | Failure:
     body, bytes that are not UTF-8, cut or other JSON, no choices and no usage) may have been
     billed: `maybe_billed`, its generation id the body's when it can be read (else the caller's)."""
     if not raw.strip():
-        return Failure("retry", "empty", "HTTP 200 with an empty body", maybe_billed=True)
+        return Failure(Action.RETRY, "empty", "HTTP 200 with an empty body", maybe_billed=True)
     try:
         obj = json.loads(raw)
     except UnicodeDecodeError as e:
-        return Failure("retry", "bad_bytes", f"HTTP 200 body is not UTF-8 ({e.reason} at byte {e.start})",
+        return Failure(Action.RETRY, "bad_bytes", f"HTTP 200 body is not UTF-8 ({e.reason} at byte {e.start})",
                        maybe_billed=True, generation_id=_body_id(raw))
     except ValueError:
-        return Failure("retry", "bad_json", f"HTTP 200 body is not JSON: {raw.strip()[:120]!r}", maybe_billed=True,
+        return Failure(Action.RETRY, "bad_json", f"HTTP 200 body is not JSON: {raw.strip()[:120]!r}", maybe_billed=True,
                        generation_id=_body_id(raw))
     if not isinstance(obj, dict):
-        return Failure("retry", "bad_json", "HTTP 200 body is not a JSON object", maybe_billed=True)
+        return Failure(Action.RETRY, "bad_json", "HTTP 200 body is not a JSON object", maybe_billed=True)
     if obj.get("error"):
         f = classify_error(200, obj["error"], in_200=True)
         f.cost = _cost(obj.get("usage"))
@@ -282,7 +296,7 @@ def parse_completion(raw: bytes) -> Reply | Failure:
     choices = obj.get("choices")
     if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         gid = obj.get("id") if isinstance(obj.get("id"), str) else None
-        return Failure("retry", "no_choices", "HTTP 200 without choices", provider=obj.get("provider"),
+        return Failure(Action.RETRY, "no_choices", "HTTP 200 without choices", provider=obj.get("provider"),
                        cost=_cost(obj.get("usage")), maybe_billed=not isinstance(obj.get("usage"), dict),
                        generation_id=gid)
     choice = choices[0]
@@ -317,11 +331,11 @@ def _reply(head: dict, content, reasoning, finish, native, usage, choice_error=N
         return f
     if not finish:
         kind = "empty" if not content and not reasoning else "no_finish_reason"
-        return Failure("retry", kind, "HTTP 200 without a finish reason (cold start?)", provider=provider,
+        return Failure(Action.RETRY, kind, "HTTP 200 without a finish reason (cold start?)", provider=provider,
                        cost=_cost(usage))
     u = _usage(usage)
     if not content and not reasoning and not u["completion_tokens"]:
-        return Failure("retry", "empty", f"empty completion (finish_reason {finish})", provider=provider,
+        return Failure(Action.RETRY, "empty", f"empty completion (finish_reason {finish})", provider=provider,
                        cost=_cost(usage))
     return Reply(content or "", reasoning or None, finish, native, provider, head.get("model"), head.get("id"), u)
 
@@ -350,10 +364,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, progress_s: float | None = 
                 try:
                     chunk = json.loads(data)
                 except UnicodeDecodeError as e:
-                    return Failure("retry", "bad_bytes", f"stream chunk is not UTF-8 ({e.reason})",
+                    return Failure(Action.RETRY, "bad_bytes", f"stream chunk is not UTF-8 ({e.reason})",
                                    provider=head.get("provider"), maybe_billed=True, generation_id=head.get("id"))
                 except ValueError:
-                    return Failure("retry", "bad_json", f"stream chunk is not JSON: {data[:120]!r}",
+                    return Failure(Action.RETRY, "bad_json", f"stream chunk is not JSON: {data[:120]!r}",
                                    provider=head.get("provider"), maybe_billed=True, generation_id=head.get("id"))
                 if not head:
                     head = {"id": chunk.get("id"), "provider": chunk.get("provider"), "model": chunk.get("model")}
@@ -390,10 +404,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, progress_s: float | None = 
     except TimeoutError:
         if not quiet.expired():
             raise                                 # the request's own deadline (complete)
-        return Failure("retry", "stalled", f"no data in the stream for {progress_s:g}s (keep-alive comments only)",
+        return Failure(Action.RETRY, "stalled", f"no data in the stream for {progress_s:g}s (keep-alive comments only)",
                        provider=head.get("provider"), maybe_billed=True, generation_id=head.get("id"))
     if not done and not (finish and usage):
-        return Failure("retry", "stream_cut", "stream ended before [DONE]", provider=head.get("provider"),
+        return Failure(Action.RETRY, "stream_cut", "stream ended before [DONE]", provider=head.get("provider"),
                        cost=_cost(usage), maybe_billed=usage is None, generation_id=head.get("id"))
     res = _reply(head, "".join(content), "".join(reasoning), finish, native, usage)
     if isinstance(res, Reply):
@@ -452,7 +466,7 @@ async def complete(session: aiohttp.ClientSession, url: str, headers: dict | Non
                     res = await _read_stream(resp, progress_s, watch, token) if stream \
                         else parse_completion(await _read_body(resp, watch, token))
                     if isinstance(res, Reply) and _cached(res, resp.headers):
-                        res = Failure("retry", "cached", "a reply from OpenRouter's response cache (a copy of an "
+                        res = Failure(Action.RETRY, "cached", "a reply from OpenRouter's response cache (a copy of an "
                                       "earlier answer, usage zeroed): not a new sample", provider=res.provider,
                                       cost=res.usage.get("cost") or 0.0, generation_id=res.generation_id)
                     if isinstance(res, Failure) and not res.generation_id:
@@ -463,16 +477,18 @@ async def complete(session: aiohttp.ClientSession, url: str, headers: dict | Non
     except asyncio.TimeoutError:
         if limit.expired():
             idle = token is not None and watch.waits(token)
-            return _lost(Failure("retry", "deadline", f"not over within its {deadline_s:g}s deadline"
+            return _lost(Failure(Action.RETRY, "deadline", f"not over within its {deadline_s:g}s deadline"
                                  + (" (keep-alive padding only)" if idle else "")), seen, answered)
-        return _lost(Failure("retry", "timeout", "no data within the read timeout (hung connection)"), seen, answered)
+        return _lost(Failure(Action.RETRY, "timeout", "no data within the read timeout (hung connection)"), seen, answered)
     except aiohttp.ClientPayloadError as e:
-        return _lost(Failure("retry", "connection", f"response cut off: {type(e).__name__}"), seen, True)
+        return _lost(Failure(Action.RETRY, "connection", f"response cut off: {type(e).__name__}"), seen, True)
     except (aiohttp.ClientError, OSError) as e:
-        return _lost(Failure("retry", "connection", f"{type(e).__name__}: {e}"[:300]), seen, answered)
+        refused = isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError))
+        return _lost(Failure(Action.RETRY, "connection", f"{type(e).__name__}: {e}"[:300], refused=refused),
+                     seen, answered)
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
         # a body of the wrong shape (or an SSE line too long to buffer): one bad answer, not a crash
-        return _lost(Failure("retry", "bad_response", f"{type(e).__name__}: {e}"[:300]), seen, answered)
+        return _lost(Failure(Action.RETRY, "bad_response", f"{type(e).__name__}: {e}"[:300]), seen, answered)
     finally:
         if token is not None:
             watch.end(token)
@@ -491,9 +507,5 @@ def _lost(f: Failure, seen: dict, answered: bool) -> Failure:
     billed) it even before any header came back (a hung connection), so only a connection that
     could not be opened is surely free; the generation id is known if the headers arrived."""
     f.generation_id = seen.get("generation_id")
-    f.maybe_billed = answered or f.kind in ("timeout", "deadline") or not _refused(f.message)
+    f.maybe_billed = answered or f.kind in ("timeout", "deadline") or not f.refused
     return f
-
-
-def _refused(message: str) -> bool:
-    return message.startswith(("ClientConnectorError", "ClientConnectorDNSError", "ConnectionRefusedError"))
