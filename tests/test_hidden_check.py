@@ -152,11 +152,9 @@ def test_a_clean_fp8_capture_passes_its_looser_stored_bounds_and_the_tight_captu
     print(row(target, every_layer.backend, "none (clean capture, fp8 storage)", record))
 
 
-# Faults that move the final state by what one decoder layer adds. How far that moves the logprobs is
-# the built target's, and a 40-step MoE's weights and vLLM's CPU kernels may differ by CPU: on one
-# 2-core box kimi-mini-bf16's last layer moves them by 0.025 nat in vLLM (0.08 in transformers),
-# under the bf16 bound (0.03, set above tiny-test's rounding and below the subtlest fault the field
-# has shipped, 0.11); CI's box caught it.
+# Faults that move the final state by what one decoder layer adds. How far that moves the logprobs
+# depends on the built target (a 40-step MoE's weights and vLLM's CPU kernels may differ by CPU), so
+# on some builds it falls under the bf16 bound; the test then holds the check to having measured it.
 LAYER_SHIFTS = ("final state one layer early", "layer ids off by one (wrong layer_convention)")
 
 

@@ -1,19 +1,10 @@
 """Prompt datasets: JSONL in the OpenAI `messages` form or ShareGPT `conversations` form.
 
-Rows are streamed (memory grows only with the set of ids seen). The prompt of a row is every
-message up to and including its last user turn. A relative dataset path is taken from the
-repository root, as every default path is, so a notebook opened by hand finds the demo data.
-
-Duplicates, one rule: a sample is known by its id, the row's `id` or, when it has none, a hash of
-its prompt (`prompt_hash`). A row whose id an earlier row already had is skipped and reported with both line
-numbers ("same id as line 3" / "same prompt as line 3"). Rows with distinct ids are all kept, even
-with equal prompts. Malformed rows (bad JSON, bad fields, bytes that are not UTF-8) are reported
-with file and line and skipped, never silently: they are collected in `DatasetReader.problems`.
-
-A sample's identity across runs is its id and `prompt_hash` of its prompt messages, both recorded
-on its stage-02 line: the same id with other messages is the same sample reworded
-(generate/prompt_edits.py).
-"""
+`DatasetReader` streams a file's prompts (every message up to and including a row's last user
+turn); a relative path is taken from the repository root. A sample is known by its id, the row's
+`id` or else `prompt_hash` of its prompt; with its prompt's hash, recorded on its stage-02 line, it
+is the sample's identity across runs (the same id with other messages is the same sample reworded:
+generate/prompt_edits.py). No row is skipped silently."""
 
 from __future__ import annotations
 
@@ -150,8 +141,12 @@ def _decode(raw: bytes) -> str:
 
 @dataclass
 class DatasetReader:
-    """Streams the prompts of one dataset file. Iterate it; afterwards `problems` lists what was
-    skipped and why, `count` how many prompts were yielded."""
+    """Streams the prompts of one dataset file (memory grows only with the set of ids seen). Iterate
+    it; afterwards `problems` lists what was skipped and why, `count` how many prompts were yielded.
+    A row whose id an earlier row already had is skipped and reported with both line numbers ("same
+    id as line 3" / "same prompt as line 3"); rows with distinct ids are all kept, even with equal
+    prompts. Malformed rows (bad JSON, bad fields, bytes that are not UTF-8) are reported with file
+    and line and skipped."""
 
     spec: DatasetSpec
     problems: list[Problem] = field(default_factory=list)

@@ -1,30 +1,11 @@
 """This process's place among several started by torchrun (or alone): rank, world size, device,
 and the few collective operations stages 04 and 05 use.
 
-`init_dist()` reads torchrun's environment (WORLD_SIZE, LOCAL_RANK); with more than one process it
-joins the process group (NCCL on GPUs, gloo on CPU) and pins the process to its local GPU. Alone,
-nothing is initialised and every operation is a no-op, so the same code runs with and without
-torchrun. On several nodes `check_together` refuses, before any work, an output folder the nodes do
-not share and nodes started with different settings. Both stages hand their torchrun children one
-JSON file of settings (stage 04: `hidden.stage.write_config`, stage 05: `drafter.train.launch`),
-started by `torchrun` below.
-
-`torchrun` runs a draftsmith module as torchrun processes: `nproc` on this machine (one per GPU, or
-gloo on CPU), alone (`--standalone`) or as one of `nnodes` machines joined by torchrun's own c10d
-rendezvous at `rdzv_endpoint` (host:port of one of them), streaming their output into `log`.
-
-Several machines run the same command each; torchrun's rendezvous admits them, numbers them and
-picks the master; nothing of ours takes part in discovery or membership. The rendezvous id is the
-module's name: one endpoint serves one stage of one run at a time. Which node gets rank 0 is
-torchrun's choice; the ranks meet again in the run folder, which all nodes must share.
-
-Stages 04 and 05 resume where they stopped (whole shards, the last checkpoint), so a failed
-torchrun is simply started again, up to `attempts` times in all. A fresh torchrun gets a fresh
-rendezvous; with torchrun's own `--max-restarts` instead, gloo's connectFullMesh of the restarted
-ranks was refused in 4 of the 5 restarts tried here (torch 2.13, CPU). On several nodes the
-surviving nodes' fresh torchrun waits at the rendezvous (`join_timeout`, torchrun's default 600 s)
-for the lost node to be started again.
-"""
+`init_dist()` reads torchrun's environment and joins the process group (NCCL on GPUs, gloo on CPU);
+alone, nothing is initialised and every operation is a no-op, so the same code runs with and
+without torchrun. `torchrun` starts a draftsmith module as ranks on this machine or on several
+joined by torchrun's own rendezvous, and starts it again when it fails (the stages resume). The
+ranks meet in the run folder, which all nodes must share (`Dist.check_together`)."""
 
 from __future__ import annotations
 
@@ -143,8 +124,9 @@ def _visible(tokens: Path, world: int, tries: int = 5) -> list[int]:
 
 
 def init_dist(gpu: bool = True) -> Dist:
-    """This process's `Dist`; `gpu` False keeps it off the GPUs (gloo, CPU tensors) for a process
-    whose GPUs belong to an engine it starts (stage 04's vLLM)."""
+    """This process's `Dist`, from torchrun's WORLD_SIZE and LOCAL_RANK: with more than one process
+    it joins the process group and pins the process to its local GPU. `gpu` False keeps it off the
+    GPUs (gloo, CPU tensors) for a process whose GPUs belong to an engine it starts (stage 04's vLLM)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = gpu and torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -192,7 +174,18 @@ def done_launching(folder: Path, nnodes: int) -> None:
 
 def torchrun(nproc: int, module: str, args: list[str], *, nnodes: int = 1, rdzv_endpoint: str = "", attempts: int = 2,
              log=print) -> None:
-    """Run `python -m module *args` as `nproc` ranks here, of `nnodes` machines in all."""
+    """Run `python -m module *args` as `nproc` ranks here (one per GPU, or gloo on CPU), alone
+    (`--standalone`) or as one of `nnodes` machines joined by torchrun's c10d rendezvous at
+    `rdzv_endpoint` (host:port of one of them), streaming their output into `log`. The stages hand
+    their ranks one JSON file of settings (`hidden.stage.write_config`, `drafter.train.launch`).
+
+    Each machine runs the same command; torchrun's rendezvous admits them, numbers them and picks
+    the master (nothing of ours takes part in membership). The rendezvous id is the module's name:
+    one endpoint serves one stage of one run at a time. Stages 04 and 05 resume where they stopped,
+    so a failed torchrun is started again, up to `attempts` times in all, each with a fresh
+    rendezvous: torchrun's own `--max-restarts` is not used, as gloo does not reliably reconnect
+    restarted ranks. On several nodes the survivors' fresh torchrun waits at the rendezvous
+    (`join_timeout`, 600 s by default) for the lost node to be started again."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous_args(nnodes, rdzv_endpoint, module),
            f"--nproc-per-node={nproc}", "-m", module, *args]
     log("$ " + " ".join(cmd))

@@ -1,26 +1,11 @@
 """Batched text <-> ids for the target's tokenizer, whatever its kind: the one layer the emulator
 and stage 03 both encode and decode through.
 
-Three kinds of tokenizer reach here. `fast` (a tokenizers-backed one, the built-in tiny targets):
-Rust batch calls on its backend, plus a copy of the backend without its added tokens for plain
-text. `tiktoken` (Kimi-K2.5's remote-code tokenizer, a slow tokenizer whose `model` is a
-`tiktoken.Encoding`): straight to the Encoding, batched, cut exactly where that tokenizer's own
-`encode` cuts a text (every 400,000 characters, and 25,000 characters into any longer run of
-whitespace or non-whitespace, then every 25,000) but without its per-character Python loop.
-`slow`: any other transformers tokenizer, through its own calls.
-
-The added tokens (`added`) are read the way the tokenizer itself encodes them: the backend's added
-tokens (fast), the Encoding's special tokens (tiktoken: Kimi's code builds that table from the
-config itself and tells transformers of a few only), transformers' table (slow).
-
-Three ways to encode: `template` turns added-token strings into their tokens (the chat template's
-markup, prompts as serving engines tokenize them); `plain` keeps every character text; `compose`
-encodes a text given in parts, as the tokenizer encodes the joined text, with only the parts marked
-as markup (the reasoning delimiter, tool-call markers, the end of turn: what a model emits as single
-ids and an API returns as text) becoming their tokens. A self-test at load checks that an
-added-token string given as plain text stays text, so a user who types "<|im_end|>" never gets the
-real token.
-"""
+`Encoding` gives the same ids as the tokenizer's own calls, in batches, for a tokenizers-backed,
+a tiktoken-backed (Kimi-K2.5's) or any other transformers tokenizer. `template` turns added-token
+strings into their tokens, `plain` keeps every character text, and `compose` encodes a text given
+in parts with only the markup parts as tokens. A self-test at load checks that an added-token
+string given as plain text stays text, so a user who types "<|im_end|>" never gets the real token."""
 
 from __future__ import annotations
 
@@ -127,7 +112,18 @@ def _tiktoken_encoding(tokenizer):
 
 
 class Encoding:
-    """Batched encode/decode for one tokenizer; `kind` is "fast", "tiktoken" or "slow"."""
+    """Batched encode/decode for one tokenizer; `kind` is one of:
+
+      fast      a tokenizers-backed one (the built-in tiny targets): Rust batch calls on its
+                backend, plus a copy of the backend without its added tokens for plain text
+      tiktoken  Kimi-K2.5's remote-code tokenizer, a slow tokenizer whose `model` is a
+                `tiktoken.Encoding`: straight to the Encoding, batched, cut exactly where that
+                tokenizer's own `encode` cuts a text (`cuts`) but without its per-character loop
+      slow      any other transformers tokenizer, through its own calls
+
+    `added` is read the way the tokenizer itself encodes them: the backend's added tokens (fast),
+    the Encoding's special tokens (tiktoken: Kimi's code builds that table from the config itself
+    and tells transformers of a few only), transformers' table (slow)."""
 
     def __init__(self, tokenizer, source: str = ""):
         self.tokenizer = tokenizer
@@ -162,7 +158,8 @@ class Encoding:
     # ---- text -> ids ------------------------------------------------------------------------------
 
     def template(self, texts: list[str]) -> list[list[int]]:
-        """Ids of each text, added-token strings as their tokens."""
+        """Ids of each text, added-token strings as their tokens (the chat template's markup, prompts
+        as serving engines tokenize them)."""
         if not texts:
             return []
         if self.kind == "fast":
@@ -183,7 +180,9 @@ class Encoding:
         """Ids of each item, a list of (text, markup) parts read as one text: encoded as the tokenizer
         encodes the joined text (runs counted across parts, cut where it cuts them), but only the
         markup parts become their tokens, always; the rest is text, added-token strings included.
-        With each item's ids, how many come before its first markup part."""
+        Markup is what a model emits as single ids and an API returns as text (the reasoning
+        delimiter, tool-call markers, the end of turn). With each item's ids, how many come before
+        its first markup part."""
         flat: list[str] = []
         plans = []
         for parts in items:
@@ -276,6 +275,8 @@ class Encoding:
     # ---- load-time check --------------------------------------------------------------------------
 
     def _self_test(self) -> None:
+        """An added-token string typed as plain text stays text, and in the template's markup is
+        its single token; raises otherwise."""
         probe = [t for t in self.added if t.strip()][:512]
         if not probe:
             return

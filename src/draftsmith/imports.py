@@ -2,21 +2,9 @@
 stage 03 reads beside stage 02's files, so such data joins the training set without being paid for
 twice.
 
-An import file is JSONL, one answered prompt a line (docs/sources.md has the full description):
-  id             optional  the sample id; without it a hash of the prompt, as for prompt datasets
-  messages       required  the prompt, [{role, content}], ending with the user turn that was answered
-  reasoning      optional  the reasoning text (null or "" when there is none)
-  answer         required  the answer text
-  finish_reason  optional  "stop" (default) or "length" (cut off: no end-of-turn token)
-  output_ids     optional  the token ids the engine sampled; when present they are the truth
-  prompt_ids     optional  the token ids of the prompt as the engine read it
-  source         required  where the answers came from, e.g. "sglang-h100"
-  meta           optional  anything else; not read
-Any other key is an error (a misspelt "reasonning" would otherwise lose the reasoning silently).
-
-Lines are translated into the shape of stage 02's `raw_responses.jsonl` lines, so both are read
-and checked by one parser (`tokens.Response.parse`).
-"""
+An import file is JSONL, one answered prompt a line (fields at `to_raw`; docs/sources.md). Each
+line is translated into the shape of stage 02's `raw_responses.jsonl` lines, so both are read and
+checked by one parser (`tokens.Response.parse`); any unknown key is an error."""
 
 from __future__ import annotations
 
@@ -82,7 +70,19 @@ def _ids(row: dict, key: str) -> list[int] | None:
 
 
 def to_raw(row, dataset: str) -> dict:
-    """An import line as a stage-02 line; raises ValueError naming the field."""
+    """An import line as a stage-02 line; raises ValueError naming the field. The fields:
+
+      id             optional  the sample id; without it a hash of the prompt, as for prompt datasets
+      messages       required  the prompt, [{role, content}], ending with the user turn that was answered
+      reasoning      optional  the reasoning text (null or "" when there is none)
+      answer         required  the answer text
+      finish_reason  optional  "stop" (default) or "length" (cut off: no end-of-turn token)
+      output_ids     optional  the token ids the engine sampled; when present they are the truth
+      prompt_ids     optional  the token ids of the prompt as the engine read it
+      source         required  where the answers came from, e.g. "sglang-h100"
+      meta           optional  anything else; not read
+
+    Any other key is an error (a misspelt "reasonning" would otherwise lose the reasoning silently)."""
     if not isinstance(row, dict):
         raise ValueError("line is not a JSON object")
     unknown = set(row) - FIELDS

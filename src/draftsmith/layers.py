@@ -1,23 +1,21 @@
 """Which target layers feed the drafter, and how each engine names them.
 
-Two conventions name the same three tensors (docs/eagle3.md):
-  "output": id k = the OUTPUT of decoder layer k (SpecForge, ModelOpt forward hooks);
-            default {1, N/2-1, N-4}.
-  "input":  id k = the INPUT of decoder layer k, `hidden_states + residual` before it runs
-            (EAGLE, SGLang and vLLM model code); default {2, N/2, N-3}.
-Output id k == input id k+1. In Hugging Face `output_hidden_states`, element 0 is the embedding
-output and element j (1..N) the output of layer j-1, i.e. output id k is `hidden_states[k + 1]`
-and input id k is `hidden_states[k]`. (HF applies the final norm to its last element; layer ids
-never reach it since input ids stop at N-1.)
-
-draftsmith stores ids in the "output" convention. A draft config names them for one engine:
-  vLLM uses `eagle_aux_hidden_state_layer_ids` as written, as INPUT ids;
-  SGLang adds +1 to them (treats them as OUTPUT ids) when the first id is 1, and otherwise uses
-  them as written (INPUT ids).
-"""
+draftsmith stores layer ids in the "output" convention: id k is the output of decoder layer k,
+input id k+1, Hugging Face `output_hidden_states[k + 1]` (docs/eagle3.md; both conventions at
+`CONVENTIONS`). `engine_layer_ids` gives the ids a draft config must name for vLLM or SGLang so that
+the engine captures those tensors; `engine_capture_indices` reads them back the engine's way."""
 
 from __future__ import annotations
 
+# Two conventions name the same tensors:
+#   "output": id k = the OUTPUT of decoder layer k (SpecForge, ModelOpt forward hooks);
+#             EAGLE-3 default {1, N/2-1, N-4}.
+#   "input":  id k = the INPUT of decoder layer k, `hidden_states + residual` before it runs
+#             (EAGLE, SGLang and vLLM model code); EAGLE-3 default {2, N/2, N-3}.
+# Output id k == input id k+1. In Hugging Face `output_hidden_states`, element 0 is the embedding
+# output and element j (1..N) the output of layer j-1: output id k is `hidden_states[k + 1]`, input
+# id k is `hidden_states[k]`. (HF applies the final norm to its last element; layer ids never reach
+# it since input ids stop at N-1.)
 CONVENTIONS = ("output", "input")
 ENGINES = ("sglang", "vllm")
 
@@ -97,7 +95,9 @@ def hf_hidden_state_indices(layer_ids: list[int]) -> list[int]:
 
 
 def engine_layer_ids(layer_ids: list[int], engine: str) -> list[int]:
-    """The ids to write into a draft config for `engine` so that it captures these tensors."""
+    """The ids to write into a draft config for `engine` so that it captures these tensors. vLLM
+    reads `eagle_aux_hidden_state_layer_ids` as written, as INPUT ids; SGLang adds 1 to them
+    (treats them as OUTPUT ids) when the first id is 1, and otherwise reads them as INPUT ids."""
     if engine == "vllm":
         return [k + 1 for k in layer_ids]
     if engine == "sglang":

@@ -1,19 +1,10 @@
 """`api_base: local`: run a stage against the local OpenRouter emulator instead of the real one.
 
-    with open_api(api_base, api_key_file, run, target_model_path, emulator, model) as (base_url, key):
-        ...
-
-For a real `api_base` this only reads the key. For `local` it starts the emulator as a child
-process on a free port, serving the target checkpoint under the model's name, with its state
-(account, ledger) in `run.dir("emulator")` so that every stage of the run sees the same account;
-it stops the emulator on exit (and the emulator stops by itself if this process dies). The key is
-the one from `api_key_file` / $OPENROUTER_API_KEY if there is one, else a random throwaway key;
-it reaches the child through its environment, never its command line.
-
-`emulator` is the notebooks' `emulator` parameter: a dict of emulator config fields (see
-draftsmith.emulator.config), e.g. {"time_scale": 0.0, "credits": 5.0, "fault_scale": 1.0}. Here
-`backend` defaults to `model` (the target itself answers); tests may pass `synthetic`.
-"""
+`open_api` yields (base_url, key). For a real `api_base` it only reads the key; for `local` it
+starts the emulator as a child process serving the target checkpoint, its state in
+`run.dir("emulator")` so every stage of the run sees the same account, and stops it on exit (the
+emulator also stops by itself if this process dies). The key reaches the child through its
+environment, never its command line."""
 
 from __future__ import annotations
 
@@ -35,6 +26,13 @@ START_TIMEOUT_S = 300
 @contextmanager
 def open_api(api_base: str, api_key_file: str | None, run: Run, target_model_path: str | None,
              emulator: dict | None = None, model: str | None = None) -> Iterator[tuple[str, ApiKey]]:
+    """`with open_api(api_base, api_key_file, run, target_model_path, emulator, model) as (base_url,
+    key)`. With `local`, the emulator runs on a free port and serves the target under the model's
+    name; the key is the one from `api_key_file` / $OPENROUTER_API_KEY if there is one, else a
+    random throwaway key. `emulator` is the notebooks' `emulator` parameter, a dict of emulator
+    config fields (draftsmith.emulator.config), e.g. {"time_scale": 0.0, "credits": 5.0,
+    "fault_scale": 1.0}; its `backend` defaults to `model` (the target itself answers), and tests
+    may pass `synthetic`."""
     if api_base != "local":
         yield api_base.rstrip("/"), api_key_for(api_base, api_key_file)
         return

@@ -1,22 +1,10 @@
 """The drafter's training data, read from the hidden-state shards: split, supervision, micro-batches.
 
-Supervision. Target position u (hidden state after token u) gives the teacher for token u+1:
-softmax(lm_head(last[u])) restricted to the draft vocabulary. Position u is supervised when token
-u+1 is a response token (loss_mask[u+1] = 1, so the end-of-turn token is predicted and the
-assistant header never is) and the target's argmax over its FULL vocabulary at u lies in the draft
-vocabulary (other positions are dropped, as in EAGLE-3). `sup[u]` marks these; the full-vocab
-argmax needs one pass over `last` with the target's lm_head, done once before training
-(`supervision`) and cached beside the drafter.
-
-TTT step i at drafter position t predicts token t+2+i from target position u = t+1+i, so it uses
-the supervised positions u >= 1+i; `step_counts` gives their number per sample and step, which
-fixes every loss denominator before training starts (exact global-batch means, any split of the
-batch over micro-batches and processes).
-
-Batches. A global batch is `batch_size` training samples of a seeded per-epoch permutation; it is
-sorted by length and cut into micro-batches (less padding), and process r of W takes micro-batches
-r, r+W, ... Each micro-batch is right-padded to its longest sample.
-"""
+Target position u gives the teacher for token u+1, softmax(lm_head(last[u])) over the draft
+vocabulary, where `supervision` marks it supervised. `step_counts` fixes every loss denominator
+before training starts, so the means of a global batch are exact for any split over micro-batches
+and processes. A global batch is `batch_size` samples of a seeded per-epoch permutation, cut into
+micro-batches by length; process r of W takes micro-batches r, r+W, ..."""
 
 from __future__ import annotations
 
@@ -61,7 +49,12 @@ def by_source(shards: HiddenShards, indices) -> dict[str, list[int]]:
 
 def supervision(shards: HiddenShards, indices: list[int], lm_head: torch.Tensor, t2d: torch.Tensor,
                 max_len: int, device: torch.device, desc: str = "teacher argmax") -> dict[int, torch.Tensor]:
-    """sup [min(L, max_len)] uint8 of each sample in `indices` (see the module doc)."""
+    """sup [min(L, max_len)] uint8 of each sample in `indices`. Position u (hidden state after token
+    u) is supervised when token u+1 is a response token (loss_mask[u+1] = 1, so the end-of-turn
+    token is predicted and the assistant header never is) and the target's argmax over its FULL
+    vocabulary at u lies in the draft vocabulary (other positions are dropped, as in EAGLE-3). That
+    argmax needs one pass over `last` with the target's lm_head: done once before training and
+    cached beside the drafter."""
     lm_head = lm_head.to(device)
     used = t2d.nonzero().flatten().to(device)
     # logits of a chunk stay in cache on a CPU; a GPU wants big matmuls
@@ -107,7 +100,8 @@ def _argmax_in(logits: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
 
 
 def step_counts(sup: torch.Tensor, steps: int) -> torch.Tensor:
-    """[steps] number of positions TTT step i supervises in one sample: sup[u] for u >= 1+i."""
+    """[steps] number of positions TTT step i supervises in one sample: sup[u] for u >= 1+i (step i
+    at drafter position t predicts token t+2+i from target position u = t+1+i)."""
     c = sup.long().flip(0).cumsum(0).flip(0)          # c[u] = sup[u:].sum()
     return torch.stack([c[1 + i] if 1 + i < len(c) else c.new_zeros(()) for i in range(steps)])
 
@@ -149,7 +143,8 @@ def global_batches(train: list[int], batch_size: int, seed: int, epoch: int) -> 
 
 
 def micro_batches(batch: list[int], sup: Supervision, micro_batch_size: int) -> list[list[int]]:
-    """A global batch sorted by length (longest first, ties by index) and cut into micro-batches."""
+    """A global batch sorted by length (longest first, ties by index: less padding) and cut into
+    micro-batches, each right-padded to its longest sample (`MicroBatches`)."""
     ordered = sorted(batch, key=lambda i: (-sup.length(i), i))
     return [ordered[k:k + micro_batch_size] for k in range(0, len(ordered), micro_batch_size)]
 

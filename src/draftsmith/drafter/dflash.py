@@ -2,28 +2,9 @@
 that draft a whole block of tokens in one non-causal pass, reading the target's features as keys
 and values of every layer.
 
-    c      = hidden_norm(fc(concat(aux_1 .. aux_n)))          Linear(nH -> H): one row per target position
-    x      = embed([anchor, MASK, ..., MASK])                 a block of B positions at anchor .. anchor+B-1
-    layer  : block rows: q, k, v from input_layernorm(x); q_norm, k_norm per head; RoPE at their positions
-             context rows: k = k_norm(k_proj(c)), v = v_proj(c) (no input norm), RoPE at their positions
-             every block row sees the context rows before the anchor and the whole block (no causal mask)
-             x = x + o_proj(attention);  x = x + mlp(post_attention_layernorm(x))
-    logits = lm_head(norm(x))                                 block row k (1..B-1) guesses token anchor+k
-
-The anchor is the last token the target has verified (its own feature is not known yet); the
-context rows are the target's features at every earlier position. Parameter names are the keys
-vLLM's `qwen3_dflash.py` loads (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`,
-`hidden_norm.weight`, `norm.weight`, `lm_head.weight`, `d2t`); the target's embedding is used
-frozen and not exported (vLLM shares the target's), and the MASK slots take a trained vector of
-their own, `mask_embedding` (exported as `mask_embedding.pt`, which vLLM substitutes for the
-embedding of `mask_token_id`).
-
-Training (`DFlashObjective`): per sample, a seeded set of anchors among the supervised positions,
-one block per anchor, all blocks of a sample in one pass under a block mask; block row k is scored
-against the target's distribution for token anchor+k (the teacher of `data.py`, position
-anchor+k-1), weighed by exp(-(k-1)/gamma) (`position_weights`). The sums come per block row, the
-shape of the training-time-test sums, so the loop, the held-out scores and the metrics are shared.
-"""
+`DFlashDrafter` is the model, its parameter names the keys vLLM's `qwen3_dflash.py` loads;
+`DFlashObjective` trains it with sums shaped like training-time test's, so the training loop, the
+held-out scores and the metrics are shared with EAGLE-3."""
 
 from __future__ import annotations
 
@@ -111,7 +92,22 @@ class BlockLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    """`embed`: the target's input embedding [V, H], used as is and frozen."""
+    """`embed`: the target's input embedding [V, H], used as is and frozen.
+
+        c      = hidden_norm(fc(concat(aux_1 .. aux_n)))     Linear(nH -> H): one row per target position
+        x      = embed([anchor, MASK, ..., MASK])            a block of B positions at anchor .. anchor+B-1
+        layer  : block rows: q, k, v from input_layernorm(x); q_norm, k_norm per head; RoPE at their positions
+                 context rows: k = k_norm(k_proj(c)), v = v_proj(c) (no input norm), RoPE at their positions
+                 every block row sees the context rows before the anchor and the whole block (no causal mask)
+                 x = x + o_proj(attention);  x = x + mlp(post_attention_layernorm(x))
+        logits = lm_head(norm(x))                            block row k (1..B-1) guesses token anchor+k
+
+    The anchor is the last token the target has verified (its own feature is not known yet); the
+    context rows are the target's features at every earlier position. Parameters:
+    `layers.{i}.self_attn.q_proj.weight`, ..., `fc.weight`, `hidden_norm.weight`, `norm.weight`,
+    `lm_head.weight`, `d2t`; the embedding is not exported (vLLM shares the target's). The MASK
+    slots take a trained vector of their own, `mask_embedding` (exported as `mask_embedding.pt`,
+    which vLLM substitutes for the embedding of `mask_token_id`)."""
 
     def __init__(self, cfg: DFlashConfig, embed: torch.Tensor | None = None, d2t: torch.Tensor | None = None,
                  t2d: torch.Tensor | None = None):
@@ -216,7 +212,10 @@ def block_counts(sup: torch.Tensor, anchors: torch.Tensor, block_size: int) -> t
 class DFlashObjective(nn.Module):
     """The drafter plus the frozen teacher head, as `TTTObjective`: forward(micro-batch) -> per block
     row sums over its scored rows, soft CE [B-1] (with grad), and [3, B-1] without: teacher-argmax
-    hits, rows, teacher entropy."""
+    hits, rows, teacher entropy. Per sample, a seeded set of anchors among the supervised positions
+    (`anchors_of`), one block per anchor, all blocks of a sample in one pass under a block mask;
+    block row k is scored against the target's distribution for token anchor+k (the teacher of
+    `data.py`, position anchor+k-1), weighed by exp(-(k-1)/gamma) (`position_weights`)."""
 
     def __init__(self, drafter: DFlashDrafter, teacher_head: torch.Tensor):
         super().__init__()

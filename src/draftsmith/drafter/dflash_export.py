@@ -1,21 +1,9 @@
 """Export the DFlash drafter the way vLLM's `dflash` method loads it, and load an export back.
 
-An export folder holds:
-  config.json           `DFlashDraftModel` (vLLM maps it to `qwen3_dflash.DFlashQwen3ForCausalLM`),
-                        `model_type` qwen3, the draft's own `num_hidden_layers`, the target's vocab
-                        size and `draft_vocab_size`, `target_hidden_size`, RoPE as `rope_parameters`,
-                        no `layer_types` (every layer non-causal, full attention), and
-                        `dflash_config` {block_size, mask_token_id, target_layer_ids}: the target
-                        layers in DFlash's convention, the OUTPUT of layer k, which is draftsmith's
-                        stored convention (vLLM adds 1 itself to reach its input-of-layer ids).
-  model.safetensors     `layers.{i}.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`,
-                        `lm_head.weight` over the draft vocabulary and `d2t` (vLLM maps draft ids
-                        to target ids with it); no embedding (vLLM shares the target's).
-  mask_embedding.pt     the trained MASK vector, {"mask_token_id", "embedding"}: vLLM puts it in
-                        place of the embedding of `mask_token_id` wherever that id is fed.
-A `draftsmith` block in the config records the layers, the kind and the training step. The engine
-serves it with `--speculative-config '{"method": "dflash", "model": DIR, "num_speculative_tokens": B-1}'`.
-"""
+`export` writes a folder vLLM serves as is (config.json, model.safetensors, mask_embedding.pt; the
+layout is on `export`), with a `draftsmith` block in the config recording the layers, the kind and
+the training step; `load_exported` reads it back, and `serving_command` names the engine command
+(`--speculative-config '{"method": "dflash", "model": DIR, "num_speculative_tokens": B-1}'`)."""
 
 from __future__ import annotations
 
@@ -84,7 +72,21 @@ def export_config(cfg: DFlashConfig, layer_ids: list[int], dtype: str, extra: di
 
 def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DFlashConfig, layer_ids: list[int],
            dtype: str, extra: dict | None = None) -> Path:
-    """Write a DFlash export folder (replacing any old one whole) from the drafter's state dict."""
+    """Write a DFlash export folder (replacing any old one whole) from the drafter's state dict:
+
+      config.json        `DFlashDraftModel` (vLLM maps it to `qwen3_dflash.DFlashQwen3ForCausalLM`),
+                         `model_type` qwen3, the draft's own `num_hidden_layers`, the target's vocab
+                         size and `draft_vocab_size`, `target_hidden_size`, RoPE as `rope_parameters`,
+                         no `layer_types` (every layer non-causal, full attention), and
+                         `dflash_config` {block_size, mask_token_id, target_layer_ids}: the target
+                         layers in DFlash's convention, the OUTPUT of layer k, which is draftsmith's
+                         stored convention (vLLM adds 1 itself to reach its input-of-layer ids).
+      model.safetensors  `layers.{i}.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`,
+                         `lm_head.weight` over the draft vocabulary and `d2t` (vLLM maps draft ids
+                         to target ids with it); no embedding (vLLM shares the target's).
+      mask_embedding.pt  the trained MASK vector, {"mask_token_id", "embedding"}: vLLM puts it in
+                         place of the embedding of `mask_token_id` wherever that id is fed.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     tensors = {}

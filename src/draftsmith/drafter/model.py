@@ -1,33 +1,9 @@
 """The EAGLE-3 drafter (`LlamaForCausalLMEagle3`): one Llama decoder layer over the target's features.
 
-    h0     = fc(concat(aux_low, aux_mid, aux_high))                     Linear(3H -> H), no bias
-    x      = concat(input_layernorm(embed(token)), hidden_norm(h))      2H, embedding first
-    h      = h + o_proj(attention(q, k, v = Linear(2H -> heads*head_dim)(x)))    RoPE on q, k
-    h      = h + mlp(post_attention_layernorm(h))                       SwiGLU
-    logits = lm_head(norm(h))                                           over the draft vocabulary
-
-Parameter names are exactly the exported keys of docs/eagle3.md (`fc.weight`,
-`midlayer.self_attn.q_proj.weight`, ..., `lm_head.weight`, buffers `d2t`, `t2d`), plus the frozen
-`embed_tokens.weight`, which is copied from the target and never exported.
-
-Two ways to run it:
-- Training-time test (`ttt`): k steps over whole sequences. Step i reads its own previous output
-  and the ground-truth token i+1 ahead, and attends to the prefix of step 0 plus, at its own
-  position, each earlier step's key (the k/v of each step are kept, a diagonal mask per step).
-- Chain drafting with a KV cache (`extend`), what an engine does and what stage 06 uses:
-
-      from draftsmith.drafter import load_exported
-      d = load_exported(export_dir, target_path)       # eval mode, float32
-      cache = d.new_cache()
-      # prefix: aux[0..t] from the target, tokens x[1..t+1] (each position gets the NEXT token)
-      h, logits = d.extend(d.project(aux), next_ids, cache)       # positions 0..t
-      tok = d.to_target(logits[:, -1].argmax(-1))                  # draft 1, a target id
-      h, logits = d.extend(h[:, -1:], tok[:, None], cache)         # position t+1 -> draft 2, ...
-      cache.truncate(n)   # drop rejected drafts, then extend with the target's new features
-
-  `extend` returns the pre-norm hidden output (fed to the next step, as SGLang and vLLM do) and
-  logits over the draft vocabulary; `to_target` maps draft ids to target ids with d2t.
-"""
+`Eagle3Drafter` runs it two ways: `ttt` (training-time test, k steps over whole sequences, for
+training) and `extend` (chain drafting with a KV cache, what an engine does and what stage 06
+uses). Its parameter names are exactly the exported keys of docs/eagle3.md, plus the frozen
+`embed_tokens.weight`, copied from the target and never exported."""
 
 from __future__ import annotations
 
@@ -224,7 +200,16 @@ class KVCache:
 
 
 class Eagle3Drafter(nn.Module):
-    """`embed`: the target's input embedding [V, H], used as is (its dtype kept) and frozen."""
+    """`embed`: the target's input embedding [V, H], used as is (its dtype kept) and frozen.
+
+        h0     = fc(concat(aux_low, aux_mid, aux_high))                     Linear(3H -> H), no bias
+        x      = concat(input_layernorm(embed(token)), hidden_norm(h))      2H, embedding first
+        h      = h + o_proj(attention(q, k, v = Linear(2H -> heads*head_dim)(x)))    RoPE on q, k
+        h      = h + mlp(post_attention_layernorm(h))                       SwiGLU
+        logits = lm_head(norm(h))                                           over the draft vocabulary
+
+    Parameters: `fc.weight`, `midlayer.self_attn.q_proj.weight`, ..., `lm_head.weight`, buffers
+    `d2t`, `t2d` (docs/eagle3.md), and `embed_tokens.weight` (not exported)."""
 
     def __init__(self, cfg: DrafterConfig, embed: torch.Tensor | None = None, d2t: torch.Tensor | None = None,
                  t2d: torch.Tensor | None = None):
@@ -260,8 +245,8 @@ class Eagle3Drafter(nn.Module):
     def ttt(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int):
         """Yield the pre-norm hidden output [B, L, H] of each of `steps` steps. At step i, position
         t holds the drafter's guess for token t+2+i, made from its step-(i-1) output at t (step 0:
-        fc(aux[t])) and the true token t+1+i. Positions whose inputs run past the end are garbage
-        and must be masked by the caller."""
+        fc(aux[t])) and the true token t+1+i; it attends as `TTTAttention` says. Positions whose
+        inputs run past the end are garbage and must be masked by the caller."""
         b, n = input_ids.shape
         hidden = self.project(aux)
         attend = TTTAttention()
@@ -279,7 +264,18 @@ class Eagle3Drafter(nn.Module):
     def extend(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache):
         """Run positions len(cache).. : `hidden` [B, T, H] (from `project` for target features, or a
         previous output) with `input_ids` [B, T] (target ids; each position's NEXT token). Returns
-        (pre-norm hidden output [B, T, H], draft-vocab logits [B, T, Vd]); the cache grows by T."""
+        (pre-norm hidden output [B, T, H], draft-vocab logits [B, T, Vd]); the cache grows by T.
+        The hidden output is fed to the next step, as SGLang and vLLM do:
+
+            from draftsmith.drafter import load_exported
+            d = load_exported(export_dir, target_path)       # eval mode, float32
+            cache = d.new_cache()
+            # prefix: aux[0..t] from the target, tokens x[1..t+1] (each position gets the NEXT token)
+            h, logits = d.extend(d.project(aux), next_ids, cache)       # positions 0..t
+            tok = d.to_target(logits[:, -1].argmax(-1))                  # draft 1, a target id
+            h, logits = d.extend(h[:, -1:], tok[:, None], cache)         # position t+1 -> draft 2, ...
+            cache.truncate(n)   # drop rejected drafts, then extend with the target's new features
+        """
         positions = torch.arange(len(cache), len(cache) + input_ids.shape[1], device=input_ids.device)
         out = self.midlayer(self.embed(input_ids), hidden.to(self.fc.weight.dtype), positions, cache)
         return out, self.logits(out)

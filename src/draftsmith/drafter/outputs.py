@@ -1,19 +1,9 @@
 """Stage 05's files: the one module that knows their names under `<run>/drafter/` (a DFlash drafter's
 under `<run>/drafter-dflash/`, the same files with `dflash` for `eagle3`), writes and reads them.
 
-    vocab.safetensors         the draft vocabulary (d2t, t2d, used ids, training counts)
-    supervision.safetensors   cached teacher masks (see `data.py`)
-    heldout.json              the (dataset, sample_id) pairs held out of training: stage 06 prompts with them
-    metrics.jsonl             a `train` row per step, a `heldout` row per evaluation
-    exports.json              the exports with their held-out scores; `eagle3-step-N/` and `eagle3/` folders
-    checkpoints/step-N.pt     the last two checkpoints (exact resume)
-    train_config.json         the settings handed to torchrun processes
-    summary.json              what the training run did
-
 Every file is written beside and renamed over (`draftsmith.files`), so a kill leaves the old file
 or the new one; metrics.jsonl is appended a whole line at a time, and a torn last line is left out.
-The two caches carry the key of the inputs they were made from and read as missing when it differs.
-"""
+The two caches carry the key of the inputs they were made from and read as missing when it differs."""
 
 from __future__ import annotations
 
@@ -32,6 +22,16 @@ from .vocab import DraftVocab
 
 
 KINDS = ("eagle3", "dflash")
+
+# The files of a drafter folder:
+#   vocab.safetensors         the draft vocabulary (d2t, t2d, used ids, training counts)
+#   supervision.safetensors   cached teacher masks (`data.supervision`)
+#   heldout.json              the (dataset, sample_id) pairs held out of training: stage 06 prompts with them
+#   metrics.jsonl             a `train` row per step, a `heldout` row per evaluation
+#   exports.json              the exports with their held-out scores; `eagle3-step-N/` and `eagle3/` folders
+#   checkpoints/step-N.pt     the last two checkpoints (exact resume)
+#   train_config.json         the settings handed to torchrun processes
+#   summary.json              what the training run did
 
 
 def drafter_dir(run_or_dir: Run | str | os.PathLike, kind: str = "eagle3", create: bool = True) -> Path:

@@ -1,19 +1,10 @@
 """Stage 05: train the EAGLE-3 drafter with training-time test (TTT) on stage 04's hidden states.
 
-`train(TrainConfig(...))` prepares (`prepare.py`: split, draft vocabulary, teacher masks), then
-minimises the TTT objective (`objective.py`) with AdamW, a cosine schedule with linear warmup,
-gradient clipping, bf16 autocast on GPU and gradient accumulation over micro-batches; it scores the
-held-out split (`scoring.py`), checkpoints (`checkpoints.py`) and exports at `export_fractions` of
-training (`export.py`). What it writes, and where, is `outputs.py`'s.
-
-One process: `train(cfg)`. Several (GPUs, or CPU processes with gloo, on one node or several):
-`torchrun --nproc_per_node N -m draftsmith.drafter.train CONFIG.json` runs the same function with
-DDP (or FSDP2 when `train_fsdp`); every loss denominator is fixed per global batch before it starts, so
-N processes give the result of one process on the same global batch. `launch` picks between the two;
-`stage.run` is notebook 05's call into it.
-Each rank reads only its micro-batches from the shared hidden-state folder; rank 0 alone writes
-checkpoints, exports and metrics, so a lost node costs the steps since the last checkpoint.
-"""
+`train(cfg)` prepares, trains, scores the held-out split, checkpoints and exports, in one process
+or as torchrun ranks (`launch` picks; `stage.run` is notebook 05's call into it). Every loss
+denominator is fixed per global batch before it starts, so N processes give the result of one on
+the same global batch; rank 0 alone writes checkpoints, exports and metrics, so a lost node costs
+the steps since the last checkpoint. What it writes, and where, is `outputs.py`'s."""
 
 from __future__ import annotations
 
@@ -113,7 +104,12 @@ def _drafter(cfg: TrainConfig, mcfg: DrafterConfig, prep: Prepared, tensors: dic
 
 
 def train(cfg: TrainConfig, log=print) -> dict:
-    """Prepare, train (resuming from the latest checkpoint when asked), export; returns the summary."""
+    """Prepare, train (resuming from the latest checkpoint when asked), export; returns the summary.
+    Prepares with `prepare.py` (split, draft vocabulary, teacher masks), then minimises the TTT
+    objective (`objective.py`) with AdamW, a cosine schedule with linear warmup, gradient clipping,
+    bf16 autocast on GPU and gradient accumulation over micro-batches; scores the held-out split
+    (`scoring.py`), checkpoints (`checkpoints.py`) and exports at `export_fractions` of training
+    (`export.py`). Each rank reads only its micro-batches from the shared hidden-state folder."""
     cfg.check()
     d = init_dist()
     log = log if d.main else (lambda *a, **k: None)
@@ -276,6 +272,8 @@ def launch(cfg: TrainConfig, train_nproc: int = 1, nnodes: int = 1, rdzv_endpoin
 
 
 def main(argv=None) -> int:
+    """`torchrun --nproc_per_node N -m draftsmith.drafter.train CONFIG.json`: `train` as one rank,
+    with DDP (or FSDP2 when `train_fsdp`); on CPU the processes use gloo."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: torchrun --nproc_per_node N -m draftsmith.drafter.train CONFIG.json", file=sys.stderr)

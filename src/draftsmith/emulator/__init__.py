@@ -1,19 +1,10 @@
 """The local OpenRouter emulator: the embedded default of the demo and the ground truth of tests.
 
-In-process (tests):
-
-    with running(config, state_dir=tmp) as emu:       # config: EmulatorConfig, dict, file or None
-        emu.base_url, emu.key, emu.admin_key, emu.state_dir, emu.ledger_lines()
-
-starts the aiohttp server on a free port in a background thread with its own event loop.
-As a process (tests that SIGKILL the client, and `api_base: local`):
-
-    DRAFTSMITH_EMULATOR_KEY=... python -m draftsmith.emulator --port 0 --config FILE \
-        --state-dir DIR --ready-file F
-
-The key comes from the environment, never argv. State (account and ledger) lives in the state
-dir and survives restarts; `top_up(state_dir, usd)` adds credits with the server up or down.
-"""
+In a test, `running(config, state_dir=...)` serves it from a background thread for the duration of
+a block; as a process (`python -m draftsmith.emulator`, see its `__main__`) it serves tests that
+SIGKILL the client and `api_base: local`. The key comes from the environment, never argv. State
+(account and ledger) lives in the state dir and survives restarts; `top_up(state_dir, usd)` adds
+credits with the server up or down."""
 
 from __future__ import annotations
 
@@ -70,7 +61,12 @@ async def serve(emulator, host: str, port: int):
 @contextmanager
 def running(config: EmulatorConfig | dict | str | None = None, *, state_dir: str | Path, key: str | None = None,
             admin_key: str | None = None, host: str = "127.0.0.1", port: int = 0) -> Iterator[Handle]:
-    """An emulator serving in a background thread for the duration of the block."""
+    """An emulator serving in a background thread (its own event loop, a free port) for the
+    duration of the block:
+
+        with running(config, state_dir=tmp) as emu:       # config: EmulatorConfig, dict, file or None
+            emu.base_url, emu.key, emu.admin_key, emu.state_dir, emu.ledger_lines()
+    """
     from .server import Emulator
 
     cfg = config if isinstance(config, EmulatorConfig) else load_config(config)

@@ -1,23 +1,11 @@
 """The model backend: serves a local Llama-architecture checkpoint (the tiny target) with real
 sampling, all concurrent requests decoded together.
 
-One worker thread runs a step loop. Each step admits waiting requests (a prefill each, straight
-into a slot of a preallocated KV cache), then decodes one token for every active sequence in a
-single batched forward over all the slots, and hands each sampled id to its request's asyncio
-queue. The decode always has the same shapes (every slot, the whole cache, idle slots computed
-along), so a row's arithmetic never depends on what else is in flight: a seeded request samples
-the same ids under any load. A step therefore costs the same for 1 or `max_batch` sequences.
-The forward is the checkpoint's own modules (embedding, rotary, attention projections, MLPs, norm,
-head) applied to our slot cache; `test_emulator_model` checks its logits against the plain
-transformers forward.
-
-Sampling honours temperature (0 = greedy), top_p and seed (a generator per request). Tokens a real
-model never emits in a response are masked: every added special token except `</think>` (once, in
-the reasoning) and the end-of-turn token (after the reasoning). Candidates that would make the text re-tokenize differently are rejected
-and redrawn (`canonical=True`): re-encode the decoded tail of the current part (reasoning or content)
-from the last safe boundary, compare with the ids. A provider with the `noncanonical_rate` quirk
-then splits some accepted tokens in two on purpose, and the model consumes both halves.
-"""
+One worker thread runs a step loop (`Engine.step`): it admits waiting requests (a prefill each,
+into a slot of a preallocated KV cache), then decodes one token for every slot in one batched
+forward of fixed shapes, so a seeded request samples the same ids under any load. Sampling honours
+temperature (0 = greedy), top_p and seed; tokens a real model never emits are masked, and a
+candidate that would re-tokenize differently is redrawn (`canonical`)."""
 
 from __future__ import annotations
 
@@ -56,7 +44,11 @@ class _Seq:
 
 
 class Engine:
-    """One set of weights and its slot KV cache; `step` advances every active sequence by one id."""
+    """One set of weights and its slot KV cache; `step` advances every active sequence by one id.
+    The forward is the checkpoint's own modules (embedding, rotary, attention projections, MLPs,
+    norm, head) applied to our slot cache (`test_emulator_model` checks its logits against the
+    plain transformers forward). Idle slots are computed along, so a step costs the same for 1 or
+    `max_batch` sequences."""
 
     def __init__(self, model, vocab: Vocab, max_batch: int, canonical: bool):
         m = model.model
@@ -195,7 +187,9 @@ class Engine:
     def _sample_all(self, seqs: list[_Seq], logits: torch.Tensor, rows: list[int]) -> None:
         """Sample the next id of each of `seqs` from its row of `logits` [B, V] (batched softmax and
         inverse-CDF draws; per-row work only for redraws). Only the rows of `seqs` are taken: every
-        step below works row by row, so a row's numbers do not depend on which others are there."""
+        step below works row by row, so a row's numbers do not depend on which others are there.
+        Masked: every added special token except `</think>` (once, in the reasoning) and the
+        end-of-turn token (after the reasoning)."""
         v = self.vocab
         if list(rows) != list(range(logits.shape[0])):
             logits = logits[rows]
@@ -259,6 +253,8 @@ class Engine:
         return self.vocab.end_think if s.in_reasoning else self.vocab.eos
 
     def _accept(self, s: _Seq, t: int) -> None:
+        """Emit `t`; a provider with the `noncanonical_rate` quirk splits some accepted tokens in two
+        on purpose, and the model consumes both halves."""
         v, job = self.vocab, s.job
         pieces = [t]
         if job.noncanonical_rate > 0 and t not in (v.end_think, v.eos) and \
@@ -300,6 +296,9 @@ class Engine:
                 return
 
     def _ok(self, s: _Seq, t: int) -> bool:
+        """Whether `t` may be emitted: with `canonical`, the decoded tail of the current part
+        (reasoning or content) from the last safe boundary (`_advance_anchor`), re-encoded, must
+        give back the ids."""
         if t in (self.vocab.end_think, self.vocab.eos):
             return True
         ids = s.out[s.anchor:] + [t]

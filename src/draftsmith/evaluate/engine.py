@@ -2,21 +2,10 @@
 
 What a user buys the drafter for is what their engine achieves with it, with the engine's own
 kernels, draft-vocab mapping and layer-id handling; our decoder over transformers (`decode`) is the
-cross-check. Here every method is a vLLM engine serving the target: `none` (no speculation),
-`ngram` (vLLM's prompt lookup) and each export of the drafter (`eagle3`, chain of k). Every held-out
-prompt is decoded at every temperature, as token ids, with the same `draft_tokens` (k) and
-`eval_max_new_tokens` as our decoder, up to `eval_engine_concurrency` requests in flight: acceptance
-is counted per request, and does not depend on what else is in the batch (greedy; in distribution
-when sampling), while tok/s is per request at that load (1: each prompt alone, the latency setting
-speculative decoding is for).
-
-Engines run in a child process (`python -m draftsmith.evaluate.engine_child`, started like stage
-04's engine: `target.vllm.vllm_env`), one after the other in that process; what it counts and
-checks is described there. The stage starts it first (`engine_process`), so it imports vLLM while
-the stage reads its prompts and drafters, and hands it its job file when `measure` is reached. Each decoded prompt is one line of the engine's rounds file (`outputs`),
-keyed by the settings, so a re-run starts no engine whose lines are all there. On GPUs with the real
-target: docs/gpu.md, "Stage 06 on GPUs".
-"""
+cross-check. `measure` decodes every held-out prompt with each method (`none`, `ngram`, each export)
+in a vLLM engine in a child process (`engine_child`), one row per prompt in the engine's rounds
+file, keyed by the settings, so a re-run starts no engine whose rows are all there. On GPUs with
+the real target: docs/gpu.md, "Stage 06 on GPUs"."""
 
 from __future__ import annotations
 
@@ -72,7 +61,8 @@ def settings_key(target_fingerprint: str, draft_tokens: int, new_tokens: int | d
 
 @contextmanager
 def engine_process(eval_tensor_parallel: int, start: bool = True) -> Iterator[subprocess.Popen | None]:
-    """The engine process, started now (None unless `start`): it imports vLLM and applies the fixes,
+    """The engine process (`engine_child`, in the environment stage 04's engine gets:
+    `target.vllm.vllm_env`), started now (None unless `start`): it imports vLLM and applies the fixes,
     tens of seconds on a small CPU, while the stage reads its prompts and loads the drafters, then
     waits for `measure` to hand it its job. On leaving, a process still running (it got no job, or
     the stage failed) is killed."""
@@ -118,7 +108,11 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
     does not decode}) at every temperature in vLLM, appending to the run's engine rounds; returns the
     rows of these settings, measured now or before (a method vLLM's CPU build cannot start has one
     row with its `gpu_only` line instead), each engine with up to `eval_engine_concurrency` requests
-    in flight. `proc`: the engine process `engine_process` started (default: one started here)."""
+    in flight. `proc`: the engine process `engine_process` started (default: one started here).
+    Prompts go as token ids, with the same `draft_tokens` and `eval_max_new_tokens` as our decoder.
+    Acceptance is counted per request and does not depend on what else is in the batch (greedy; in
+    distribution when sampling); tok/s is per request at that load (1: each prompt alone, the
+    latency setting speculative decoding is for)."""
     out = outputs.engine_rounds_file(run)
     done = outputs.read_engine_rows(out, settings)
     gpu_only = {r["method_fingerprint"] for r in done.values() if r.get("gpu_only")}

@@ -1,19 +1,10 @@
 """One live vLLM engine decoding many prompts at once, and each prompt's own counts (in `engine_child`).
 
-`decode_all` keeps up to `eval_engine_concurrency` requests in flight: a new one is added as soon as
-one finishes, and a prompt's follow-up turn (MT-bench) goes in first when its answer is back, so the
-engine stays full and rows are written as prompts finish. At 1 it decodes each prompt alone, one
-after the other, as a latency benchmark does.
-
-Acceptance is counted per request, so batching leaves it whole: vLLM's scheduler records every
-verify step of a request (`per_request_spec_decode_metrics="detailed"`: drafted and accepted per
-step), and a request's counters are summed from those steps the way vLLM sums its global ones
-(`vllm:spec_decode_num_drafts` and the rest: one draft per step that drafted, accepted at position
-j when more than j were accepted). `check_counters` holds the sum over an engine's requests to the
-global counters' increase over the same decodes, so a request that lost a step would stop the stage.
-Greedy, each request's tokens and steps do not depend on what else is in the batch (up to the float
-rounding of other batch shapes); sampled, they agree in distribution.
-"""
+`decode_all` keeps up to `eval_engine_concurrency` requests in flight and writes rows as prompts
+finish. Acceptance is counted per request from vLLM's own verify steps, so batching leaves it whole,
+and `check_counters` holds the requests' sums to vLLM's global counters. Greedy, each request's
+tokens and steps do not depend on what else is in the batch (up to the float rounding of other
+batch shapes); sampled, they agree in distribution."""
 
 from __future__ import annotations
 
@@ -41,13 +32,17 @@ def global_counters(llm) -> dict:
 
 def step_counters(drafted: list[int], accepted: list[int], draft_tokens: int) -> dict:
     """A request's counters from its verify steps (one per step that drafted), as vLLM counts its
-    global ones; `draft_tokens`: the method's k (positions counted)."""
+    global ones (`vllm:spec_decode_num_drafts` and the rest: one draft per step that drafted,
+    accepted at position j when more than j were accepted); `draft_tokens`: the method's k
+    (positions counted). vLLM's scheduler records the steps with
+    `per_request_spec_decode_metrics="detailed"`."""
     return {"drafts": len(drafted), "draft_tokens": sum(drafted), "accepted": sum(accepted),
             "per_pos": [sum(a > j for a in accepted) for j in range(draft_tokens)]}
 
 
 def check_counters(name: str, before: dict, after: dict, rows: list[dict], draft_tokens: int) -> None:
-    """The global counters' increase must equal the sum of the requests' own counters (`rows`)."""
+    """The global counters' increase must equal the sum of the requests' own counters (`rows`), so a
+    request that lost a step stops the stage."""
     pos_a, pos_b = after["per_pos"] or [0] * draft_tokens, before["per_pos"] or [0] * draft_tokens
     engine = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
     engine["per_pos"] = [a - b for a, b in zip(pos_a, pos_b)]
@@ -108,7 +103,10 @@ class Conversation:
 def decode_all(llm, conversations: list[Conversation], concurrency: int, done: Callable[[Conversation], None],
                follow: Callable | None = None) -> None:
     """Decode every conversation on `llm`'s engine, up to `concurrency` requests in flight; `done`
-    gets each as its last turn ends; `follow` renders a follow-up turn (needed when one has any)."""
+    gets each as its last turn ends; `follow` renders a follow-up turn (needed when one has any).
+    A new request is added as soon as one finishes, and a prompt's follow-up turn (MT-bench) goes in
+    first when its answer is back, so the engine stays full. At 1 each prompt is decoded alone, one
+    after the other, as a latency benchmark does."""
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine

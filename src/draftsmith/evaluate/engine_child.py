@@ -1,26 +1,10 @@
 """The vLLM engine process of stage 06: serves the target with each method in turn and decodes the prompts.
 
-Started by `engine.engine_process` (`python -m draftsmith.evaluate.engine_child --job-on-stdin`): it
-imports vLLM, then reads the path of its job file from stdin (`engine.measure` writes it). By hand:
-`... engine_child JOB` with a job file; `... engine_child -` with a job on stdin reports the aux
-layer ids vLLM parses from exports.
-
-Decoding: each engine takes its prompts with up to `eval_engine_concurrency` requests in flight
-(`engine_batch.decode_all`), after a timed probe (`engine_batch.probe`) from which it says how long
-its decodes will take (`estimate`; at the first engine, every engine of the job) before it starts
-them. Counting is vLLM's own, per request: its verify steps one by one
-(`per_request_spec_decode_metrics="detailed"`), summed the way vLLM sums its spec-decode counters,
-and held to those counters' increase over the engine's decodes (they need `disable_log_stats=False`).
-
-Layer ids: with each eagle3 engine the child records the auxiliary layers the live engine captures,
-and the ids vLLM's GPU model runner (Model Runner V2) reads from the same parsed config, which,
-unlike the CPU build's V1 runner, ignores `eagle_config.eagle_aux_hidden_state_layer_ids`.
-Both must be the ids the drafter was trained on, or the stage stops.
-
-Before the first engine the child applies `target.vllm_fixes`. An engine that vLLM's CPU build
-cannot start (`target.vllm_limits`: EAGLE-3 beside an MLA target) gets one row with its `gpu_only`
-line and no decodes; the other methods of its kind get the same line without another start.
-"""
+Started by `engine.engine_process` (`python -m draftsmith.evaluate.engine_child --job-on-stdin`;
+`main` lists the other ways). It appends one row per prompt and method to the job's output, counted
+by vLLM itself per request and held to vLLM's spec-decode counters. A method whose engine vLLM's
+CPU build cannot start gets one `gpu_only` row instead; a drafter engine that does not capture
+the layers the drafter was trained on stops the stage."""
 
 from __future__ import annotations
 
@@ -101,7 +85,11 @@ def _passes(job: dict, todo: list[tuple[float, dict]]) -> tuple[tuple[tuple[int,
 
 def _decode(llm, job: dict, m: dict, todo: list[tuple[float, dict]], follow, fields: dict) -> None:
     """Decode method `m`'s `todo` on its live engine, one temperature after the other, appending a
-    row per prompt as it ends (`fields` added to each), then hold the rows' counts to vLLM's counters."""
+    row per prompt as it ends (`fields` added to each), then hold the rows' counts to vLLM's counters.
+    Up to `eval_engine_concurrency` requests are in flight (`engine_batch.decode_all`). Counting is
+    vLLM's own, per request: its verify steps one by one (`per_request_spec_decode_metrics=
+    "detailed"`), summed the way vLLM sums its spec-decode counters, and held to those counters'
+    increase over the decodes (they need `disable_log_stats=False`)."""
     from vllm import SamplingParams
 
     k, out, rows = m.get("draft_tokens", job["draft_tokens"]), Path(job["out"]), []
@@ -128,7 +116,9 @@ def _decode(llm, job: dict, m: dict, todo: list[tuple[float, dict]], follow, fie
 
 
 def run_job(job: dict, fixed: bool) -> None:
-    """Every method of `job` in turn, one engine each (`prepare` has run)."""
+    """Every method of `job` in turn, one engine each (`prepare` has run). Before an engine's decodes
+    a timed probe (`engine_batch.probe`) tells how long they will take (`estimate`; at the first
+    engine, every engine of the job)."""
     import gc
 
     from vllm import LLM, SamplingParams
@@ -154,6 +144,9 @@ def run_job(job: dict, fixed: bool) -> None:
         from .benchmarks import load_turns
 
         follow = load_turns(job["target"], job["trust_remote_code"]).follow
+    # an engine vLLM's CPU build cannot start (`target.vllm_limits`: EAGLE-3 beside an MLA target)
+    # gets one row with its `gpu_only` line and no decodes; the other methods of its kind get the
+    # same line without another start
     gpu_only: dict[str, str] = {}   # method kind -> vLLM's line: one failed start stands for its kind
     for m in job["methods"]:
         t0 = time.perf_counter()
@@ -180,6 +173,9 @@ def run_job(job: dict, fixed: bool) -> None:
         startup = time.perf_counter() - t0
         live = gpu = None
         if m["kind"] in ("eagle3", "dflash"):
+            # the layers the live engine captures, and the ids vLLM's GPU model runner (Model Runner
+            # V2) reads from the same parsed config (unlike the CPU build's V1 runner, it ignores
+            # `eagle_config.eagle_aux_hidden_state_layer_ids`): both must be the drafter's
             live = llm.collective_rpc(_engine_aux_layers)[0]
             gpu = gpu_runner_layer_ids(llm.llm_engine.vllm_config.speculative_config)
             for runner, ids in (("the live engine", live), ("vLLM's GPU model runner", gpu)):
@@ -227,8 +223,9 @@ def layer_ids_vllm_reads(job: dict) -> dict:
 
 
 def main() -> int:
-    """`JOB` (a job file), `--job-on-stdin` (vLLM imported first, then the job file's path read from
-    stdin; nothing read: exit) or `-` (a layer-ids job on stdin)."""
+    """`JOB` (a job file), `--job-on-stdin` (vLLM imported first, then the path of the job file
+    `engine.measure` wrote read from stdin; nothing read: exit) or `-` (a job on stdin: report the
+    aux layer ids vLLM parses from the exports, `layer_ids_vllm_reads`)."""
     if sys.argv[1] == "-":
         job = json.loads(sys.stdin.read())
         apply_fixes(log=_say)

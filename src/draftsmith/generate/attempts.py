@@ -1,24 +1,11 @@
 """One sample's attempts, and what its failures cost.
 
-An attempt is POSTed (openrouter/client.py); a reply is saved at once (outputs.py) and its reservation settled
-at the billed cost. A failure is waited out (throttling: no attempt spent, the concurrency is
-lowered), retried after a back-off (a real failure, up to `max_attempts`), recorded (permanent, or
-out of attempts) or turned into a stop (the balance, the key, the model or the routing). A
-retryable availability error (the router cannot serve the model just now) is waited out like a
-throttle; the session's `outage` clock (outage.py) stops the run when nothing but such errors came
-back for longer than `outage_limit_s`, and a sample that alone meets them for that long starts
-spending attempts (a prompt no provider can serve is not an outage). An answer lost
-after a provider took the request may still be billed: its reservation is held until
-`GET /generation` says what it cost (pricing.generation_cost); without a generation id it is
-counted at its worst case. That includes a request given up because it made no progress (a
-stream without data for `request_timeout_s`, any request past its deadline, keep-alive or not:
-openrouter/deadline.py) and a 200 whose body cannot be read; each spends one attempt. A reply
-from OpenRouter's response cache is no new sample: not saved, it spends an attempt.
-
-The session gives its `Sampler` what the attempts use (the wire, the money, the counts,
-the controllers, the stop to wait on) and makes the stop a sample returns (`Stop`, `NotSaved`):
-nothing here reads or writes the session.
-"""
+`Sampler.sample` takes one sample to its end: a reply is saved at once (outputs.py) and its
+reservation settled at the billed cost; a failure is waited out, retried, recorded or turned into
+a stop as its `Action` says (openrouter/client.py). An answer that may have been billed keeps its
+reservation until `GET /generation` tells its cost. The session gives its `Sampler` what the
+attempts use and makes the stop a sample returns (`Stop`, `NotSaved`): nothing here reads or
+writes the session."""
 
 from __future__ import annotations
 
@@ -115,8 +102,13 @@ class Sampler:
 
     async def sample(self, d: DatasetQueue, p: Prompt, reserved: float, ticket: int) -> Stop | NotSaved | None:
         """One sample to the end: saved, failed for good, out of attempts, or left for a re-run by a
-        stop (returned, with what stops the session). Only real failures spend attempts; throttling
-        is waited out."""
+        stop (returned, with what stops the session). Only real failures spend attempts (up to
+        `max_attempts`, each after a back-off), a reply from the response cache and a request given
+        up for lack of progress included; throttling is waited out and lowers the concurrency.
+        A retryable availability error is waited out like a throttle; the `outage` clock stops the
+        run when nothing but such errors came back for longer than `outage_limit_s`, and a sample
+        that alone meets them for that long starts spending attempts (a prompt no provider can
+        serve is not an outage)."""
         w, counts = self.wire, self.counts
         msgs_json = client.messages_json(p.messages)
         body = w.bodies.body(msgs_json)
@@ -268,7 +260,8 @@ _LINE = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=("
 
 def _response_line(w: Wire, d: DatasetQueue, p: Prompt, msgs_json: str, res: client.Reply, attempt: int,
                    latency: float, started: float) -> str:
-    """The raw_responses.jsonl line; the prompt and the settings are already JSON."""
+    """The raw_responses.jsonl line; the prompt and the settings are already JSON. `source` is
+    "openrouter" or a bare server's engine; vLLM's sampled `output_ids` and `prompt_ids` come along."""
     rec = _LINE.encode({
         "sample_id": p.sample_id, "prompt_hash": p.prompt_hash, "dataset": d.name, "content": res.content,
         "reasoning": res.reasoning,

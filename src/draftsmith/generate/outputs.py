@@ -1,28 +1,11 @@
 """What stage 02 writes, so that a crash or a kill never loses paid work and never repeats it.
 
-`<run>/generate/<dataset>/raw_responses.jsonl` holds one whole line per completed sample, appended
-and flushed as it is written (a kill -9 keeps every line handed to the OS), fsynced at intervals
-and on close (a power cut loses at most the last interval). On open, a torn last line is cut off
-(or, if it is whole JSON that only lacks its newline, completed) and the ids already there are
-loaded: those samples are never requested again. `errors.jsonl` next to it records samples that
-failed for good in a session (permanent failures are skipped on resume, exhausted retries are
-tried again). `superseded.jsonl` next to it keeps the answers set aside because their prompt was
-reworded or removed from the prompt file (prompt_edits.py moves them): paid for, so never deleted,
-and counted in the run's spend, but not passed on. `<run>/generate/manifest.json` is rewritten
-atomically: the run's config without secrets, totals, and one entry per session (start, resume,
-how it ended). `<run>/generate/timeline.jsonl` gets a line every second of every session (money,
-slots, tokens).
-
-One process writes a run's stage 02 at a time: `writer_lock` holds an exclusive OS lock on
-`<run>/generate/writer.lock` (it dies with its process, so there is never a stale lock to clear),
-and a second writer is refused at once, naming the holder's pid and host. A line the disk cannot
-take whole (full, or any write error) is cut off again at once and the error raised, so the files
-never hold a torn line; `room_problem` checks the free space against what a run expects to write.
-
-This module is the only one that knows these files' names: other stages, the report and the
-benches read them through `read_responses`, `read_superseded`, `read_errors`, `read_manifest` and
-`read_timeline` (a torn last line is left out, any other damage is an error naming file:line).
-"""
+Per dataset: `raw_responses.jsonl`, one whole line per completed sample, never requested again;
+`errors.jsonl`, the samples that failed for good; `superseded.jsonl`, answers set aside for a
+reworded or removed prompt (prompt_edits.py; paid for, so kept and counted in the spend, but not
+passed on). Per run: `manifest.json` and `timeline.jsonl`. One writer at a time (`writer_lock`).
+Only this module knows these names; the `read_*` functions read them back (a torn last line left
+out, any other damage named by file:line)."""
 
 from __future__ import annotations
 
@@ -116,9 +99,10 @@ _held: set[str] = set()    # the lock files this process holds
 @contextmanager
 def writer_lock(run: Run):
     """Hold the run's writer lock for the block: an exclusive `flock` on `generate/writer.lock`,
-    released when the block ends or the process dies. Raises RunBusy at once, naming the holder,
-    if another process holds it; this process may take it again inside the block (the notebook
-    takes it before starting the local emulator, stage.run_at takes it again)."""
+    released when the block ends or the process dies (never a stale lock to clear). Raises RunBusy
+    at once, naming the holder's pid and host, if another process holds it; this process may take
+    it again inside the block (the notebook takes it before starting the local emulator,
+    stage.run_at takes it again)."""
     path = run.dir("generate") / LOCK
     key = str(path)
     if key in _held:
@@ -238,7 +222,10 @@ class Totals:
 
 class DatasetStore:
     """The response and error files of one dataset. `totals` count the answers passed on,
-    `set_aside` those kept in superseded.jsonl (their cost is part of the run's spend)."""
+    `set_aside` those kept in superseded.jsonl (their cost is part of the run's spend). Lines are
+    fsynced every `fsync_s` and on close (a power cut loses at most the last interval). On open a
+    torn last line is cut off (or, whole JSON lacking only its newline, completed) and the ids
+    already there are loaded; permanent failures are skipped on resume, exhausted retries tried again."""
 
     def __init__(self, folder: Path, fsync_s: float = 5.0):
         self.folder = Path(folder)
@@ -327,7 +314,8 @@ class DatasetStore:
 
 @dataclass
 class Manifest:
-    """`manifest.json`: config, totals, and the list of sessions (a session = one start or resume)."""
+    """`manifest.json`, rewritten atomically: the run's config without secrets, totals, and the list
+    of sessions (a session = one start or resume, and how it ended)."""
 
     path: Path
     sessions: list[dict] = field(default_factory=list)
@@ -369,8 +357,9 @@ class Manifest:
 
 
 class Timeline:
-    """`timeline.jsonl`, appended a line at a time; opened at the first line (a session that never
-    started writes none), a killed session's torn last line cut off first."""
+    """`timeline.jsonl`, a line every second of every session (money, slots, tokens), appended a
+    line at a time; opened at the first line (a session that never started writes none), a killed
+    session's torn last line cut off first."""
 
     def __init__(self, path: Path):
         self.path = Path(path)

@@ -1,27 +1,10 @@
 """The prompt files as they are now, against the answers a run already holds.
 
-A sample is known by its id and the hash of its prompt messages (`datasets.prompt_hash`); its
-raw_responses.jsonl line records both (a line written before the hash was recorded is hashed from
-its `messages`). `compare` sorts a dataset's saved answers against its prompt file:
-
-  unchanged  same id, same messages: passed on, never asked again
-  reworded   same id, other messages: the answer is set aside and the prompt asked in its new words
-  removed    the id is no longer in the file: the answer is set aside, or still passed on with
-             `keep_removed_prompts`
-  added      a prompt of the file without an answer (new, or not reached by an earlier session)
-
-`apply` (stage 02, under the run's writer lock, before a session opens the files) then makes
-raw_responses.jsonl hold exactly the answers passed on to stage 03, one line per sample id. An
-answer set aside goes to superseded.jsonl next to it, with `set_aside` {reason, time} added: it was
-paid for, so it is never deleted and its cost stays in the run's spend. One set aside earlier goes
-back when the file holds its prompt again in the same words (a removed one: also when
-keep_removed_prompts is set), so it is never paid twice.
-
-A kill at any moment loses nothing: lines are first appended to superseded.jsonl and fsynced,
-then raw_responses.jsonl is replaced whole (a temporary file, fsynced, renamed), then
-superseded.jsonl is replaced without the lines that went back. Between two steps a line is in both
-files, never in neither, and the next `apply` finishes the move.
-"""
+A sample is known by its id and the hash of its prompt messages (`datasets.prompt_hash`).
+`compare` sorts a dataset's saved answers against its prompt file; `apply` then makes
+raw_responses.jsonl hold exactly the answers passed on to stage 03 and moves the others to
+superseded.jsonl. An answer paid for is never deleted and never paid twice, and a kill at any
+moment loses nothing."""
 
 from __future__ import annotations
 
@@ -101,7 +84,16 @@ def identity(row: dict, where: str) -> Key:
 
 def compare(folder: Path, spec: DatasetSpec, keep_removed_prompts: bool) -> tuple[PromptEdits, _Plan]:
     """Sort the answers saved in `folder` (a dataset's stage-02 folder) against `spec`'s prompt
-    file; reads only. Memory grows with the answers, not with the prompt file."""
+    file; reads only. Memory grows with the answers, not with the prompt file.
+
+      unchanged  same id, same messages: passed on, never asked again
+      reworded   same id, other messages: the answer is set aside and the prompt asked in its new words
+      removed    the id is no longer in the file: the answer is set aside, or still passed on with
+                 `keep_removed_prompts`
+      added      a prompt of the file without an answer (new, or not reached by an earlier session)
+
+    One set aside earlier goes back when the file holds its prompt again in the same words (a
+    removed one: also when keep_removed_prompts is set), so it is never paid twice."""
     edits, plan = PromptEdits(spec.name), _Plan()
     saved: dict[str, list[tuple[int, str]]] = {}
     for lineno, row in read_jsonl(folder / RESPONSES):
@@ -175,8 +167,10 @@ def check(run: Run, specs: list[DatasetSpec], keep_removed_prompts: bool) -> lis
 
 
 def apply(run: Run, specs: list[DatasetSpec], keep_removed_prompts: bool) -> list[PromptEdits]:
-    """Compare each dataset that holds answers with its prompt file and move what must move (see
-    the module's docstring); the caller holds the run's writer lock. Returns what was found."""
+    """Compare each dataset that holds answers with its prompt file and move what must move
+    (`compare`, `_move`), before a session opens the files; the caller holds the run's writer lock.
+    An answer set aside goes to superseded.jsonl with `set_aside` {reason, time} added: it was paid
+    for, so it is never deleted and its cost stays in the run's spend. Returns what was found."""
     out = []
     for spec in specs:
         folder = run.root / "generate" / spec.name
@@ -193,6 +187,10 @@ def apply(run: Run, specs: list[DatasetSpec], keep_removed_prompts: bool) -> lis
 
 
 def _move(raw: Path, sup: Path, plan: _Plan) -> None:
+    """Lines are first appended to superseded.jsonl and fsynced, then raw_responses.jsonl is
+    replaced whole (a temporary file, fsynced, renamed), then superseded.jsonl is replaced without
+    the lines that went back. Between two steps a line is in both files, never in neither, and the
+    next `apply` finishes the move."""
     now = round(time.time(), 3)
     if plan.aside:
         written = set(plan.appended)

@@ -1,25 +1,11 @@
 """A session of stage 02 (one start or resume of a run): one aiohttp client carries up to
-`concurrency` requests at once, shared by all datasets. A slot freed by one dataset goes to whichever dataset still has budget and
-prompts (round robin), so the run stays full until the last budget is reached; each start
-reserves its worst-case dollars first (openrouter/budget.py). A worker runs one sample's attempts
-(attempts.py) and takes the next job itself.
+`concurrency` requests at once, shared by all datasets.
 
-Every request has a deadline (openrouter/deadline.py: `request_deadline_s`, by default from
-`max_tokens` and the slowest credible rate), and a stream one more rule (no data chunk for
-`request_timeout_s`): keep-alive never holds a slot past them, so neither the end of a run nor a
-stop waits on a stalled request for longer. Requests carry `X-OpenRouter-Cache: false`.
-
-A stop (balance gone, spend limit, a refusal, SIGINT/SIGTERM) starts nothing new, gives the
-requests in flight `stop_grace_s` (at most the deadline) to finish and be saved, asks the cost
-of what it gave up on, and closes the files, so a re-run resumes exactly where this one ended. After an interrupt or a
-write error that asking is cut to `STOPPED_PATIENCE_S` (what it does not learn is counted at its
-worst case), so a stop button frees the cell in seconds.
-
-A write error at the store (a full disk) stops the session too: nothing new starts, the requests
-in flight get `WRITE_ERROR_GRACE_S` to come back and be saved, and at the next save that fails
-the rest are given up on; every answer that came back and could not be saved is counted as paid
-for and not saved. Before anything is asked, the disk must hold what the plan expects to write.
-"""
+A slot freed by one dataset goes to whichever dataset still has budget and prompts (round robin),
+so the run stays full until the last budget is reached; each start reserves its worst-case dollars
+first (openrouter/budget.py). A stop (money, a refusal, SIGINT/SIGTERM, a write error) starts
+nothing new, lets the requests in flight finish for a grace period and closes the files, so a
+re-run resumes exactly where this one ended."""
 
 from __future__ import annotations
 
@@ -70,6 +56,9 @@ class Session:
         self.folder = run.dir("generate")
         self.model, self.provider, self.max_tokens = settings["model"], settings.get("provider") or {}, settings["max_tokens"]
         self.stop_grace_s = opts.stop_grace_s
+        # every request has a deadline (by default from `max_tokens` and the slowest credible rate), and
+        # a stream one more rule (no data chunk for `request_timeout_s`): keep-alive never holds a
+        # slot past them, so neither the end of a run nor a stop waits longer on a stalled request
         self.deadline_s = request_deadline(self.max_tokens, opts.request_timeout_s, opts.request_deadline_s)
         self.watch = KeepaliveWatch()       # the requests waiting on keep-alive alone (the progress line)
         self.settings, self.policy = settings, policy
@@ -255,6 +244,10 @@ class Session:
         self.log(f"winding down: {message}; starting nothing new, letting the {self.in_flight} requests in flight finish")
 
     def request_stop(self, reason: str, message: str = "") -> None:
+        """Start nothing new; the requests in flight get `stop_grace_s` (at most the deadline) to
+        finish and be saved, then the session asks the cost of what it gave up on. After an
+        interrupt or a write error that asking is cut to `STOPPED_PATIENCE_S` (what it does not
+        learn is counted at its worst case), so a stop button frees the cell in seconds."""
         self.money_freed.set()
         if self.reason is None:
             self.reason, self.message = reason, message
@@ -365,7 +358,8 @@ class Session:
 
     def _expected_bytes(self) -> int:
         """What this session expects to save: per dataset, the prompts left (lines of its file not
-        yet answered) at the mean length so far (half of max_tokens before any), up to its budget."""
+        yet answered) at the mean length so far (half of max_tokens before any), up to its budget.
+        The disk must hold it before anything is asked."""
         need = 0
         for d in self.datasets:
             with open(d.spec.path, "rb") as f:

@@ -64,6 +64,8 @@ def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, m
             raise FileNotFoundError(f"datasets: file of dataset {spec.name!r} not found: {spec.path}")
     parameters.check_bounds({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p})
     opts = Options(concurrency, spend_limit_usd, **options)
+    # stage 01's routing with the `provider` setting laid over it; without it, the session applies
+    # the same precision policy over the live endpoint list (`Session._apply_policy`)
     base_routing = stage_01.read_routing(run)
     policy = None
     if base_routing is None:

@@ -1,36 +1,10 @@
 """Stage 04's own check: its stored features proven against the engine that captured them.
 
-No second model is needed, so it runs at any scale (a 1T target on tensor parallel 8 included):
-- Early check, before any shard is written. The first `check_samples` samples (each cut to its
-  prompt and first `CHECK_TOKENS` response tokens) pass through the capture once more, and the
-  same engine also gives its own prompt logprobs of the same ids (vLLM `prompt_logprobs`; `hf`: the
-  model's own logits). On an engine that prefills in steps of `max_num_batched_tokens` (vLLM with
-  chunked prefill), the longest sample, cut to `CROSSING_WINDOW` + `CHECK_TOKENS` tokens, goes
-  after a filler (a prefix of it, without logprobs) that leaves it `CROSSING_WINDOW` tokens of its
-  first step: chunked prefill splits it there, and every chunk is held to the bounds on its own
-  (`step_crossing`).
-  The features go through the shard writer and are read back as stage 05 reads them. Then
-  log_softmax(lm_head(stored last)) must give the engine's logprob of every next token and its
-  top-1. The lm_head comes from the checkpoint's safetensors, without building the model.
-  Because the final state is captured through the same layer numbering as the aux layers, a wrong
-  numbering shows up here too.
-- The answers: all of the above compares the engine with itself, so a kernel that computes wrongly
-  (and agrees with itself) passes it. The responses are the target's own sampled answers (stage
-  02), so a correct forward pass finds them likely: the engine's mean NLL of the checked response
-  tokens and how often its argmax is the sampled token (`answer_figures`) are held to `ANSWERS`
-  when `check_answers` is on (answers from another model: recorded, not held).
-- What ran: the record carries the engine's own (`capture.engine`: vLLM's version, model runner,
-  attention backend, MoE kernel, step size; `hf`: transformers' and torch's versions).
-- Health of every shard (`health`, `judge_shards`): NaN/inf counts, each stored layer's RMS, how
-  far apart the layers are (a duplicated layer, or a dropped one whose neighbour slid into its
-  column, is as close as a copy), and the RMS drift from the first shard. A shard that fails is
-  not listed in the index, so stage 05 never reads it.
-
-A failed early check stops stage 04 with one line (`CheckFailed`): the figures, the tolerance, the
-likely cause and the setting to look at. The index then lists no shard and records the failed
-check, and every reader refuses it (`outputs.HiddenShards`). Tolerances are all in `TOLERANCE`,
-`ROUNDTRIP`, `MIN_LAYER_DISTANCE`, `RMS_DRIFT` and `ANSWERS`.
-"""
+It needs no second model, so it runs at any scale. `run_check`, before any shard is written, holds
+the logprobs of a few samples' stored final state to the engine's own (`TOLERANCE`); `health` and
+`judge_shards` keep a damaged shard out of the index, so stage 05 never reads it. A failed early
+check raises `CheckFailed` with one line (figures, tolerance, likely cause, the setting to look
+at); the index then lists no shard and every reader refuses it (`outputs.HiddenShards`)."""
 
 from __future__ import annotations
 
@@ -63,11 +37,11 @@ class Tolerance:
 # engine handed it over ("captured": proves the capture, at any storage dtype), and as stored and
 # read back ("bf16", "fp8": proves what stage 05 reads). Our logits are rounded to the engine's
 # dtype as it rounds its own, so a clean bf16 capture matches to a rounding step. fp8 storage
-# rounds the state itself to 3 significant bits (measured: 0.04-0.10 nat mean error in the
-# teacher's logprobs from an fp8 `last`): its stored figures are looser, and the captured ones
-# prove the capture. Measured on the built-in targets (docs/gpu.md, "Stage 04's own check"):
-# clean captures sit at a third or less of each bound, the planted faults above it, as does the
-# subtlest fault the field has shipped (vLLM's Kimi capture bug: mean 0.11, top-1 0.96).
+# rounds the state itself to 3 significant bits (0.04-0.10 nat mean error in the teacher's logprobs
+# from an fp8 `last`): its stored figures are looser, and the captured ones prove the capture. On
+# the built-in targets a clean capture sits at a third or less of each bound; the planted faults,
+# and a known subtle capture fault (mean 0.11, top-1 0.96), fall outside it (docs/gpu.md, "Stage
+# 04's own check").
 TOLERANCE = {
     ("captured", "float32"): Tolerance(0.01, 0.1, 0.99),
     ("captured", "bfloat16"): Tolerance(0.03, 0.5, 0.97),
@@ -78,8 +52,7 @@ TOLERANCE = {
 }
 ROUNDTRIP = {"bf16": 0.005, "fp8": 0.05}  # largest relative error, stored vs captured, of one tensor
 # two captured layers (RMS-normalised) closer than this are one layer twice: a copy reads 0 (a
-# layer against the final norm of itself ~1e-6), the closest real pair measured (tiny-test's
-# adjacent layers 4 and 5) 0.011
+# layer against the final norm of itself ~1e-6), the closest real pair in the built-in targets 0.011
 MIN_LAYER_DISTANCE = 0.005
 RMS_DRIFT = (0.5, 2.0)     # a shard's layer RMS over the first shard's, each layer
 
@@ -95,11 +68,11 @@ class AnswerBounds:
 
 
 # Set from the built-in targets on their own answers, sampled at temperature 1 (bench/gate_figures.py;
-# docs/gpu.md, "Stage 04's own check"). The toy targets barely use their context: on their own
-# answers they read 5.1 (tiny) to 5.6 nat (kimi-mini), 1.4 nat or more under the NLL bound, with
-# argmax agreement 0.04-0.28, 4x or more over its bound. A copy with one attention or MLP projection
-# perturbed (noise of 30x its RMS) reads 8-13 nat (one routed expert of kimi-mini-bf16: no change). A real target on its own answers reads far inside both bounds;
-# the argmax bound catches a forward pass whose argmax has nothing to do with the answers.
+# docs/gpu.md, "Stage 04's own check"). The toy targets barely use their context, yet read 1.4 nat
+# or more under the NLL bound and 4x or more over the argmax bound; a copy with one attention or MLP
+# projection perturbed (noise of 30x its RMS) reads 8-13 nat. A real target on its own answers reads
+# far inside both bounds; the argmax bound catches a forward pass whose argmax has nothing to do
+# with the answers.
 ANSWERS = AnswerBounds(max_nll=7.0, min_agreement=0.01, min_tokens=32)
 
 
@@ -164,7 +137,8 @@ def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
 def health(aux: torch.Tensor, last: torch.Tensor, layer_ids: list[int], norm_weight: torch.Tensor) -> dict:
     """NaN/inf counts, RMS of each stored layer and of `last`, and the smallest distance between two
     of them: aux layers pairwise after RMS normalisation, and each aux layer after the target's
-    final norm against `last` (an aux column that holds the final state reads 0 there)."""
+    final norm against `last` (an aux column that holds the final state reads 0 there). A duplicated
+    layer, or a dropped one whose neighbour slid into its column, is as close as a copy."""
     h = last.shape[1]
     names = [f"aux {k}" for k in layer_ids] + ["last"]
     parts = [aux[:, j * h:(j + 1) * h] for j in range(len(layer_ids))] + [last]
@@ -256,12 +230,19 @@ def engine_of(capture) -> dict:
 
 def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str, work_dir: Path,
               check_answers: bool = False, log=print) -> dict:
-    """Capture `batch` with the engine's reference logprobs, store and read it back as a shard, and
-    compare (module docstring). When the engine runs in steps (`capture.step_tokens`) and batch[0]
-    is longer than one, each of its chunks is judged too (`step_crossing`). The engine's figures on
-    the response tokens (`answers`) are held to `ANSWERS` when `check_answers`. Returns the record
-    (`passed`, figures, tolerance, what ran, `problems`, and `cause` when it failed); raises nothing
-    itself."""
+    """Capture `batch` (`check_samples_of`) with the engine's own prompt logprobs of the same ids
+    (vLLM `prompt_logprobs`; `hf`: the model's logits), store it through the shard writer and read
+    it back as stage 05 does; then log_softmax(lm_head(stored last)) must give the engine's logprob
+    of every next token and its top-1. The lm_head comes from the checkpoint's safetensors, without
+    building the model; the final state is captured through the aux layers' numbering, so a wrong
+    numbering shows here too. When the engine runs in steps (`capture.step_tokens`) and batch[0]
+    is longer than one, it goes after a filler that leaves it `crossing_window` tokens of its first
+    step, and each of its chunks is judged on its own (`step_crossing`).
+    All that compares the engine with itself, so a kernel that computes wrongly passes it; the
+    responses are the target's own answers, so the engine's figures on them (`answer_figures`) are
+    held to `ANSWERS` when `check_answers` (answers from another model: recorded, not held).
+    Returns the record (`passed`, figures, tolerance, what ran (`engine_of`), `problems`, and
+    `cause` when it failed); raises nothing itself."""
     from ..targets.checkpoint import final_norm, lm_head_weight
     from ..targets.vllm import rms_norm
 

@@ -1,24 +1,11 @@
 """Hidden-state shards: the on-disk contract between stage 04 (writes) and stages 05/06 (read).
 
-A shard is one safetensors file holding the tokens of many samples concatenated:
-  aux        [T, nH]  the n auxiliary layers side by side, ascending (bf16, or float8_e4m3fn):
-                      EAGLE-3's three, DFlash's five, or both (`layers.capture_layer_ids`)
-  last       [T, H]   final hidden state, after the final norm (bf16, or float8_e4m3fn)
-  aux_scale  [T, n]   float32, fp8 only: per token and per layer, value = fp8 * scale
-  last_scale [T, 1]   float32, fp8 only
-  input_ids  [T]      int64
-  loss_mask  [T]      uint8, 1 on response tokens (incl. end-of-turn)
-  offsets    [n+1]    int64, sample i is rows offsets[i]:offsets[i+1]
-It is written to a temporary name and renamed when whole, so a shard on disk is never torn.
-`index.json` beside the shards lists them with their samples and records the layer ids, their
-convention, the dtype and the target's identity (see `draftsmith.hidden`); `summary.json` holds
-the last extraction's figures, `check.json` stage 04's own check (`draftsmith.hidden.check`: an
-index whose check failed lists no shard, and `HiddenShards` refuses it). This module is the one that knows these names: stage 04 writes
-through it, and every reader (stages 05, 06, benches) opens the folder with `HiddenShards` or asks
-for the summary here.
-
-Readers open shards memory-mapped; `HiddenShards.sample(i)` returns float32 tensors.
-"""
+A shard is one safetensors file of many samples' tokens concatenated (`write_shard` lists its
+tensors), never torn on disk. `index.json` lists the shards with their samples and records the
+layer ids, their convention, the dtype and the target's identity; `summary.json` holds the last
+extraction's figures, `check.json` stage 04's own check. Only this module knows these names: every
+reader opens the folder with `HiddenShards` (memory-mapped, float32 samples), which refuses an
+index whose check failed."""
 
 from __future__ import annotations
 
@@ -100,7 +87,17 @@ def write_shard(path: str | os.PathLike, aux: torch.Tensor, last: torch.Tensor, 
                 loss_mask: torch.Tensor, offsets: torch.Tensor, dtype: str = "bf16",
                 metadata: dict[str, str] | None = None) -> int:
     """Write one shard whole or not at all (`files.replacing`). Returns its size in bytes.
-    `metadata` (str -> str) is stored in the safetensors header beside the format and dtype."""
+    `metadata` (str -> str) is stored in the safetensors header beside the format and dtype.
+
+      aux        [T, nH]  the n auxiliary layers side by side, ascending (bf16, or float8_e4m3fn):
+                          EAGLE-3's three, DFlash's five, or both (`layers.capture_layer_ids`)
+      last       [T, H]   final hidden state, after the final norm (bf16, or float8_e4m3fn)
+      aux_scale  [T, n]   float32, fp8 only: per token and per layer, value = fp8 * scale
+      last_scale [T, 1]   float32, fp8 only
+      input_ids  [T]      int64
+      loss_mask  [T]      uint8, 1 on response tokens (incl. end-of-turn)
+      offsets    [n+1]    int64, sample i is rows offsets[i]:offsets[i+1]
+    """
     path = Path(path)
     aux_q, aux_s = quantize(aux, aux.shape[1] // last.shape[1], dtype)   # one scale per stored layer
     last_q, last_s = quantize(last, 1, dtype)

@@ -1,26 +1,9 @@
 """The two budgets that decide whether one more request may start: output tokens per dataset, dollars per run.
 
-Tokens. A dataset's `output_token_budget` B may be overshot by at most T = max(1% of B, one
-`max_tokens`). A request may start when
-  - (until MIN_SAMPLES lengths are known) it is safe outright: completed + (in flight + 1) x the
-    longest possible response <= B + T;
-  - (then) it is expected to fit: completed + the expected tokens of the requests in flight + one
-    mean <= B, and the same plus three standard deviations of that sum (its spread, and the error
-    of estimating each expectation from a finite sample) <= B + T.
-A request in flight is not an average one: the longer it has run, the longer its response is
-likely to be. So each is expected to end at E[L | a response still running at its age], read off
-past (duration, length) pairs; one older than any seen is assumed to come back at max_tokens.
-And the past pairs are not an unbiased draw either (short responses come back first), so only a
-complete cohort counts: requests all of whose predecessors have ended.
-
-Dollars. Each request is reserved at its worst case (prompt bytes bound its tokens with a byte-level
-BPE; max_tokens bounds the rest; the highest prices among the endpoints routing may pick, plus a
-per-request price) before it starts, and settled with what it cost when it ends - or, when its
-answer was lost, once `/generation` has told what it cost (until then the reservation stays). A request may start only if the run's spend plus
-all reservations stays within `spend_limit_usd`, and the account's balance (last polled, minus what
-was spent since that poll was sent) stays above the floor. So the limit holds even if every request in flight comes
-back at its longest, on the most expensive provider.
-"""
+`TokenBudget` lets a dataset overshoot its `output_token_budget` by at most max(1% of it, one
+`max_tokens`). `SpendBudget` reserves each request at its worst case before it starts and settles
+it with what it cost, so the spend limit holds even if every request in flight comes back at its
+longest on the most expensive provider, and the balance stays above its floor."""
 
 from __future__ import annotations
 
@@ -36,6 +19,19 @@ MIN_SAMPLES = 30
 
 
 class TokenBudget:
+    """A dataset's output tokens. With budget B and tolerance T = max(1% of B, one `max_tokens`), a
+    request may start when
+      - (until MIN_SAMPLES lengths are known) it is safe outright: completed + (in flight + 1) x the
+        longest possible response <= B + T;
+      - (then) it is expected to fit: completed + the expected tokens of the requests in flight + one
+        mean <= B, and the same plus three standard deviations of that sum (its spread, and the error
+        of estimating each expectation from a finite sample) <= B + T.
+    A request in flight is not an average one: the longer it has run, the longer its response is
+    likely to be. So each is expected to end at E[L | a response still running at its age], read off
+    past (duration, length) pairs; one older than any seen is assumed to come back at max_tokens.
+    The past pairs are not an unbiased draw either (short responses come back first), so only a
+    complete cohort counts: requests all of whose predecessors have ended."""
+
     def __init__(self, budget: int | None, max_tokens: int, history: int = 20000, refresh_s: float = 0.25):
         self.budget = budget
         self.max_tokens = max_tokens
@@ -179,7 +175,13 @@ def prompt_tokens_bound(messages: list[dict]) -> int:
 
 class SpendBudget:
     """The run's dollars: the spend limit, the balance above its floor, what is reserved; which of
-    the two limits binds, and what to add to finish."""
+    the two limits binds, and what to add to finish. Each request is reserved at its worst case
+    (`prompt_tokens_bound`, max_tokens, the highest prices among the endpoints routing may pick,
+    plus a per-request price) before it starts, and settled with what it cost when it ends; when
+    its answer was lost, once `/generation` has told what it cost (until then the reservation
+    stays). A request may start only if the run's spend plus all reservations stays within the
+    limit, and the balance (last polled, minus what was spent since that poll was sent) stays
+    above the floor."""
 
     def __init__(self, limit_usd: float, floor_usd: float = 0.0, spent: float = 0.0):
         if limit_usd is None:

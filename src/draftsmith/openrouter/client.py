@@ -1,55 +1,10 @@
 """One OpenRouter chat completion: build the body, POST it, read the answer, classify the outcome.
 
-Every way a request can end is sorted into what the engine should do next, a Failure's `Action`
-(docs/openrouter.md):
-
-  Reply                       a usable completion (`finish_reason` stop, length, ...) - keep it
-  Failure(RETRY)              408, 5xx from a provider, an error inside a 200 body or a stream, an
-                              empty 200, a cut stream, a hung or dropped connection, a request past
-                              its deadline or a stream without data (deadline.py), a 200 whose body
-                              cannot be read, a reply from the response cache - a real failure:
-                              spends one of the sample's attempts
-  Failure(THROTTLE)           429, 402 in-flight spending budget - wait it out (backoff, lower
-                              concurrency); never spends an attempt
-  Failure(UNAVAILABLE)        `error.availability.retryable: true` (the router cannot serve the
-                              model just now: capacity, transient upstream failures, no endpoint for
-                              the moment) - waited out like a throttle; a router answering only these
-                              for longer than the engine's outage limit stops the run
-  Failure(PERMANENT)          400 (e.g. context too long) - record the sample, do not retry
-  Failure(FATAL)              401 bad key, 403 a key/workspace/guardrail budget or permission, 404 or
-                              a routing 503 (no endpoint meets the routing), 402
-                              `weight_exceeds_budget` (this request alone is over the budget) - stop
-  Failure(BALANCE)            402 "can only afford": the balance is gone - stop dispatching
-
-Since August 2026 OpenRouter's errors carry `error.availability` {code, retryable, retry_after, ...};
-it is read first, wherever the error comes (a status, inside a 200, a stream chunk): retryable is
-waited out; not retryable keeps the action of its code (`model_not_found`, `wrong_endpoint`,
-`constraint_filtered`, `no_endpoints` stop the run), or of the status for other codes. A 402 is
-told apart by `metadata.limit_source` first (`openrouter_in_flight_budget` throttles,
-`openrouter_credits` is the balance); without these fields the older rules (status, reason, words
-of the message) decide.
-
-A non-streamed request is billed in full even when its answer is lost on the way (read timeout,
-cut connection), and so is a cut stream on a provider that cannot cancel: such failures carry
-`maybe_billed` and the generation id (the `X-Generation-Id` header, else the body's id), so the
-engine can ask `GET /generation` what they cost. With the user's own provider keys (BYOK),
-`usage.cost` is OpenRouter's fee and the provider's bill is `cost_details.upstream_inference_cost`;
-the cost kept here is their sum.
-
-A 200 whose body cannot be read (bytes that are not UTF-8, cut JSON, the wrong shape, no body) may
-have been billed too: `maybe_billed`. Abandoned by a rule of deadline.py (a stream with no data
-chunk for `progress_s`, a request past `deadline_s`, however much keep-alive came), likewise.
-
-A reply from OpenRouter's response cache (`X-OpenRouter-Cache-Status: HIT`, or `usage` zeroed
-with text) is a copy of an earlier answer, billed nothing: `Failure(kind="cached")`, never a new
-sample. Callers send `X-OpenRouter-Cache: false` (`NO_CACHE`) so that none should come.
-
-Bodies may start with whitespace padding (json.loads skips it); streams carry `:` comment lines
-and the usage in a final chunk with no choices. A bare vLLM or SGLang server (generate/bare_server.py) is
-read the same way; its reasoning may come as `reasoning_content`, and vLLM's sampled ids
-(`choices[i].token_ids`, `prompt_token_ids`) are kept on the Reply. Nothing here ever formats the
-API key: it lives only in the prepared headers.
-"""
+`complete` never raises for a bad answer or network trouble: it returns a `Reply`, or a `Failure`
+whose `Action` says what the caller does next (docs/openrouter.md). A failure whose answer may have
+been billed carries `maybe_billed` and the generation id, so the caller can ask `GET /generation`.
+A bare vLLM or SGLang server (generate/bare_server.py) is read the same way. Nothing here formats
+the API key: it lives only in the prepared headers."""
 
 from __future__ import annotations
 
@@ -85,7 +40,20 @@ class Reply:
 
 
 class Action(StrEnum):
-    """What the caller does with a failed attempt."""
+    """What the caller does with a failed attempt. What gives each:
+
+      RETRY        408, 5xx from a provider, an error inside a 200 body or a stream, an empty 200, a
+                   cut stream, a hung or dropped connection, a request past its deadline or a stream
+                   without data (deadline.py), a 200 whose body cannot be read, a reply from the
+                   response cache: a real failure, it spends one of the sample's attempts
+      THROTTLE     429, 402 in-flight spending budget: wait it out; never spends an attempt
+      UNAVAILABLE  `error.availability.retryable: true` (no capacity or endpoint just now): waited out
+                   like a throttle; only these for longer than the engine's outage limit stop the run
+      PERMANENT    400 (e.g. context too long): record the sample, do not retry
+      FATAL        401 bad key, 403 a key/workspace/guardrail budget or permission, 404 or a routing
+                   503 (no endpoint meets the routing), 402 `weight_exceeds_budget`: stop
+      BALANCE      402 "can only afford": the balance is gone, stop dispatching
+    """
 
     RETRY = "retry"              # try again, spending one of the sample's attempts
     THROTTLE = "throttle"        # slow down and try again, no attempt spent
@@ -178,7 +146,11 @@ def _seconds(v) -> float | None:
 
 
 def classify_error(status: int, error: dict | None, retry_after: float | None = None, in_200: bool = False) -> Failure:
-    """A failure from an HTTP status and the `error` object of the envelope (or of a 200 body / chunk)."""
+    """A failure from an HTTP status and the `error` object of the envelope (or of a 200 body / chunk).
+    `error.availability` {code, retryable, retry_after} is read first: retryable is waited out; not
+    retryable keeps the action of its code (those in STOP_CODES stop the run), else of the status.
+    A 402 is told apart by `metadata.limit_source` first; without these fields the status, the
+    reason and the words of the message decide (table on `Action`)."""
     error = error if isinstance(error, dict) else {}
     meta = error.get("metadata") if isinstance(error.get("metadata"), dict) else {}
     message = str(error.get("message") or f"HTTP {status}")
@@ -262,7 +234,8 @@ def _usage(u: dict | None) -> dict:
 
 
 def _cost(u) -> float:
-    """USD billed: `usage.cost`, plus the provider's own bill when it was the user's key (BYOK)."""
+    """USD billed: `usage.cost`, plus the provider's own bill when it was the user's key (BYOK:
+    `usage.cost` is then OpenRouter's fee, `cost_details.upstream_inference_cost` the provider's)."""
     if not isinstance(u, dict):
         return 0.0
     c = u.get("cost")
@@ -343,7 +316,9 @@ def _reply(head: dict, content, reasoning, finish, native, usage, choice_error=N
 async def _read_stream(resp: aiohttp.ClientResponse, progress_s: float | None = None,
                        watch: KeepaliveWatch | None = None, token: int | None = None) -> Reply | Failure:
     """The SSE stream of a 200. No data chunk (a token, reasoning, the usage, a finish, an error)
-    for `progress_s` (None: no such rule) gives it up as stalled, however many comments came."""
+    for `progress_s` (None: no such rule) gives it up as stalled, however many comments came.
+    Streams carry `:` comment lines and the usage in a final chunk with no choices; a bare server's
+    reasoning may come as `reasoning_content` and vLLM's sampled ids as `token_ids`."""
     head: dict = {}
     content: list[str] = []
     reasoning: list[str] = []
@@ -431,7 +406,8 @@ async def _read_body(resp: aiohttp.ClientResponse, watch: KeepaliveWatch | None,
 
 def _cached(res: Reply, headers) -> bool:
     """A reply served from OpenRouter's response cache: the header says HIT, or text came with
-    usage zeroed (no prompt and no completion tokens)."""
+    usage zeroed (no prompt and no completion tokens). Such a copy of an earlier answer is billed
+    nothing and is never a new sample; callers send `NO_CACHE` so that none should come."""
     if str(headers.get(CACHE_STATUS, "")).strip().upper() == "HIT":
         return True
     u = res.usage

@@ -1,31 +1,27 @@
 """When a request that makes no progress is given up, whatever keeps its connection alive.
 
-While no provider has answered, OpenRouter keeps the connection busy: a JSON body is padded with
-whitespace, a stream carries `: OPENROUTER PROCESSING` comments. A socket read timeout never fires
-on such a connection, so two rules of our own decide (client.complete applies them):
-
-- a stream that sends no data chunk (a token, reasoning, the usage, a finish) for `progress_s`
-  (stage 02's `request_timeout_s`) is hung: comments and blank lines are not progress;
-- a JSON body is padding until its first other byte, and padding is normal while the provider
-  generates, so a request has a total deadline (`request_deadline`): by default the read timeout
-  (a first byte) plus `max_tokens` at `SLOWEST_TOKENS_PER_S`, the slowest rate a working provider
-  keeps over a whole answer (Kimi-K2.5's endpoints list 25-110 tokens/s). It holds for streams too.
-
-A request given up by either rule is a lost answer that may have been billed (the engine asks
-`GET /generation`). `KeepaliveWatch` tells how many requests are waiting on padding alone.
-"""
+While no provider has answered, OpenRouter keeps the connection busy (a JSON body padded with
+whitespace, a stream with `: OPENROUTER PROCESSING` comments), so a socket read timeout never
+fires. Two rules of our own decide instead (client.complete applies them): a stream with no data
+chunk for `progress_s` is hung, and every request has a total deadline (`request_deadline`). A
+request given up by either is a lost answer that may have been billed. `KeepaliveWatch` tells how
+many requests are waiting on padding alone."""
 
 from __future__ import annotations
 
 import itertools
 import time
 
+# the slowest rate a working provider keeps over a whole answer (Kimi-K2.5's endpoints list 25-110
+# tokens/s)
 SLOWEST_TOKENS_PER_S = 10.0
 
 
 def request_deadline(max_tokens: int, request_timeout_s: float, override: float | None = None) -> float:
     """Seconds a request may take in all: `override` if given, else
-    `request_timeout_s + max_tokens / SLOWEST_TOKENS_PER_S`."""
+    `request_timeout_s + max_tokens / SLOWEST_TOKENS_PER_S` (a first byte, then the whole answer at
+    the slowest credible rate). A JSON body is padding until its first other byte, and padding is
+    normal while the provider generates, so only a total deadline bounds it; it holds for streams too."""
     if override is not None:
         return float(override)
     return float(request_timeout_s) + max_tokens / SLOWEST_TOKENS_PER_S

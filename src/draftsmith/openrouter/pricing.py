@@ -1,28 +1,10 @@
 """Money questions, answered once for stages 01 and 02: what a request may cost, what a lost
 request did cost, and how much money is left.
 
-Prices come from `GET /models/{model}/endpoints`, over the endpoints the `provider` routing object
-lets serve (only, ignore, order without fallbacks, quantizations, max_price, and with
-`require_parameters` only those listing every parameter we send). An endpoint's worst price per
-token is the highest of its default price, each of its `overrides` (long-context and time-based
-prices may start to apply mid-run) and, for completion tokens, `internal_reasoning`; `request` is
-added once per request. `discount` is left out of the worst case: a discount can end while
-requests are in flight, and a bill above the reservation would break the spend limit. A request
-routed among several endpoints may cost the highest of their prices (`highest`), and `Prices.cost`
-is the one worst-case rule: stage 02's reservations and stage 01's paid pilot and probe use it.
-
-`generation_cost` asks `GET /generation?id=` the bill of a request whose answer was lost (it is
-404 for a moment after the request ends, so it is asked again with backoff).
-
-`BalanceReader` is the one reading of the money left (stage 01 reads it through `api.Api.balance`):
-the lowest of the account's credits (`/credits`, when the key may read it), the key's own
-limit (`/key` `limit_remaining`) and every budget layer the key is held to (`/key` `budgets`, of
-which `effective_budget` blocks first). When it cannot tell, it says why in `source`.
-
-Quantization formats (`BITS`, `FAMILIES`): how many bits each keeps and which formats a routing
-name stands for, so that "fp4" means the same endpoints to stage 01's precision policy and to the
-pricing of the endpoints a routing may pick.
-"""
+`catalogue` prices the endpoints the `provider` routing lets serve at their worst (`Prices.cost`
+is the one worst-case rule: stage 02's reservations, stage 01's pilot and probe);
+`generation_cost` asks the bill of a lost request; `BalanceReader` is the one reading of the money
+left. `BITS` and `FAMILIES` make a quantization name mean the same endpoints everywhere."""
 
 from __future__ import annotations
 
@@ -35,6 +17,9 @@ import aiohttp
 
 from .retry import backoff_delay
 
+# Quantization formats: how many bits each keeps, and which formats a routing name stands for, so
+# that "fp4" means the same endpoints to stage 01's precision policy and to the pricing of the
+# endpoints a routing may pick.
 BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "mxfp8": 8, "int8": 8, "fp6": 6,
         "int4": 4, "fp4": 4, "mxfp4": 4, "nvfp4": 4}
 
@@ -81,6 +66,11 @@ def _usd(x) -> float:
 
 
 class Prices(NamedTuple):
+    """Prices of an endpoint or a routing (`worst_prices`, `default_prices`). `cost` over worst
+    prices is the one worst-case rule: stage 02's reservations and stage 01's paid pilot and probe
+    use it. A request routed among several endpoints may cost the highest of their prices
+    (`highest`)."""
+
     prompt: float        # USD per prompt token
     completion: float    # USD per completion token
     request: float       # USD per request
@@ -98,7 +88,10 @@ def highest(prices: Iterable[Prices]) -> Prices:
 
 
 def worst_prices(ep: dict) -> Prices:
-    """The most this endpoint can charge per token / per request."""
+    """The most this endpoint can charge per token / per request: the highest of its default price,
+    each of its `overrides` (long-context and time-based prices may start to apply mid-run) and, for
+    completion tokens, `internal_reasoning`; `request` once per request. `discount` is left out: it
+    can end while requests are in flight, and a bill above the reservation would break the spend limit."""
     pricing = ep.get("pricing") or {}
     prompt, completion = _usd(pricing.get("prompt")), _usd(pricing.get("completion"))
     completion = max(completion, _usd(pricing.get("internal_reasoning")))
@@ -170,7 +163,9 @@ async def fetch_endpoints(session: aiohttp.ClientSession, base: str, model: str)
 
 
 def catalogue(eps: list[dict], model: str, provider: dict, sent: set[str] = frozenset()) -> Catalogue:
-    """The worst prices and the context over the endpoints `provider` lets serve; CatalogueError
+    """The worst prices and the context over the endpoints `provider` lets serve (only, ignore,
+    order without fallbacks, quantizations, max_price, and with `require_parameters` only those
+    listing every parameter in `sent`) among `eps` (`GET /models/{model}/endpoints`); CatalogueError
     (before anything is sent) if routing lets none serve."""
     allowed = [e for e in eps if endpoint_allowed(e, provider, sent)]
     if not allowed:
@@ -186,8 +181,10 @@ def catalogue(eps: list[dict], model: str, provider: dict, sent: set[str] = froz
 
 
 def balance_from(key: dict | None, credits: dict | None) -> tuple[float | None, str]:
-    """USD left and where that figure comes from: the lowest of the account's credits, the key's
-    own limit and every budget layer; None when none of them caps spending."""
+    """USD left and where that figure comes from: the lowest of the account's credits (`/credits`,
+    when the key may read it), the key's own limit (`/key` `limit_remaining`) and every budget layer
+    the key is held to (`/key` `budgets`, of which `effective_budget` blocks first); None when none
+    of them caps spending."""
     found: list[tuple[float, str]] = []
     key = key or {}
     if key.get("limit_remaining") is not None:
@@ -209,7 +206,8 @@ def balance_from(key: dict | None, credits: dict | None) -> tuple[float | None, 
 async def generation_cost(session: aiohttp.ClientSession, base: str, generation_id: str, patience_s: float,
                           stop: asyncio.Future | None = None) -> float | None:
     """What `GET /generation?id=` says a request cost (OpenRouter's charge plus the provider's for
-    BYOK); None if it is not known within `patience_s` (asked again with backoff meanwhile)."""
+    BYOK); None if it is not known within `patience_s`. It is 404 for a moment after the request
+    ends, so it is asked again with backoff meanwhile."""
     loop = asyncio.get_running_loop()
     deadline, attempt = loop.time() + patience_s, 0
     while True:
@@ -231,8 +229,9 @@ async def generation_cost(session: aiohttp.ClientSession, base: str, generation_
 
 
 class BalanceReader:
-    """`balance_from` over the live API (stage 02 polls it); remembers that a plain key may not read
-    /credits. `source` says where the last figure came from, or why there was none."""
+    """`balance_from` over the live API (stage 02 polls it; stage 01 reads it through
+    `api.Api.balance`); remembers that a plain key may not read /credits. `source` says where the
+    last figure came from, or why there was none."""
 
     def __init__(self, session: aiohttp.ClientSession, base: str):
         self.session, self.base = session, base

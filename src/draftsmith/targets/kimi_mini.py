@@ -1,31 +1,11 @@
 """The built-in Kimi-shaped target: a miniature of the Kimi-K2.5 checkpoint, built locally.
 
-The real target is a multimodal wrapper (`KimiK25ForConditionalGeneration`, model_type `kimi_k25`)
-around a DeepSeek-V3-style text model (MLA attention, a mixture of experts after a dense first
-layer) whose routed experts ship as INT4 compressed-tensors, with a remote-code tiktoken tokenizer.
-Every stage after 02 has to meet exactly that, so this module writes a checkpoint with the same
-config structure, weight names and dtypes at tiny widths:
-
-  config.json            top level `kimi_k25`, `text_config` (DeepSeek-V3 keys, `kimi_k2`),
-                         `vision_config` (legacy `vt_*` keys beside the ones transformers and vLLM
-                         read), `quantization_config` (INT4 variant only)
-  model.safetensors      `language_model.model.layers.N.*`, `language_model.lm_head.weight`
-                         (untied), `vision_tower.*`, `mm_projector.*`; routed experts as
-                         pack-quantized INT4 (`weight_packed` int32 [out, in/8], `weight_scale` bf16
-                         [out, in/32], `weight_shape` int64 [2]) or bf16; `mlp.gate.
-                         e_score_correction_bias` float32; everything else bf16
-  preprocessor_config.json  the image processor settings vLLM reads to build the model
-  tokenizer files        `draftsmith.targets.kimi_tokenizer` (loads with `trust_remote_code`)
-
-Widths are tiny, but kv_lora_rank 512 and qk_rope_head_dim 64 are Kimi's (vLLM's CPU MLA runs only
-512 + 64), as are the head dims 128. Two variants share one trained set of weights: `kimi-mini`
-(routed experts INT4, as shipped) and `kimi-mini-bf16` (those INT4 experts dequantized to bf16, for
-engines without an INT4 MoE kernel, e.g. vLLM on CPU). The text model is trained like the tiny
-target (`draftsmith.targets.tiny`, whose cheap exact softmax it reuses) on the same corpus, for 40
-steps: enough to learn the chat template's markers and the common words (loss ~7 nats), so stage
-05/06 figures are not those of noise. The vision tower and projector are random (no stage sends an
-image).
-"""
+Every stage after 02 has to meet the real target's structure (a `kimi_k25` multimodal wrapper
+around a DeepSeek-V3-style text model with MLA and a mixture of experts, routed experts in INT4
+compressed-tensors, a remote-code tiktoken tokenizer), so `build_kimi_mini` writes a checkpoint with
+the same config structure, weight names and dtypes at tiny widths. Two variants share one trained
+set of weights: `kimi-mini` (INT4 experts, as shipped) and `kimi-mini-bf16` (those experts in bf16,
+for engines without an INT4 MoE kernel, e.g. vLLM on CPU)."""
 
 from __future__ import annotations
 
@@ -49,7 +29,9 @@ MEDIA_PAD_ID = 163605
 
 @dataclass(frozen=True)
 class Shape:
-    """Widths and training budget of the miniature (the field names `tiny._train` reads)."""
+    """Widths and training budget of the miniature (the field names `tiny._train` reads). Widths are
+    tiny, but kv_lora_rank 512 and qk_rope_head_dim 64 are Kimi's (vLLM's CPU MLA runs only
+    512 + 64), as are the head dims 128."""
 
     hidden_size: int = 128
     num_hidden_layers: int = 8        # the fewest the default EAGLE-3 layer choice accepts
@@ -304,10 +286,12 @@ def training_stream(tok, n_tokens: int, seed: int) -> list[int]:
 
 
 def _trained_text_model(s: Shape, tok, log, t0: float, checkpoint: Path, every: int):
-    """The DeepSeek-V3 text model, trained like the tiny target: its output layer is tied to the
-    embedding while training (`tiny._train`'s cheap exact softmax needs that) and saved untied, as
-    Kimi's is. The gate's score-correction bias is set to small random values first, so an engine
-    that ignored it would route to other experts than transformers does."""
+    """The DeepSeek-V3 text model, trained like the tiny target on the same corpus: its output layer
+    is tied to the embedding while training (`tiny._train`'s cheap exact softmax needs that) and
+    saved untied, as Kimi's is. The gate's score-correction bias is set to small random values
+    first, so an engine that ignored it would route to other experts than transformers does. Its
+    `Shape.steps` are enough to learn the chat template's markers and the common words (loss ~7
+    nats), so stage 05/06 figures are not those of noise."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -328,7 +312,20 @@ def _trained_text_model(s: Shape, tok, log, t0: float, checkpoint: Path, every: 
 
 def _build(work: Path, log, checkpoint_every: int) -> None:
     """Train once in `work`, then write each variant's folder `work/<name>` (file names are
-    transformers' own: the folder is a Hugging Face checkpoint)."""
+    transformers' own: the folder is a Hugging Face checkpoint):
+
+      config.json            top level `kimi_k25`, `text_config` (DeepSeek-V3 keys, `kimi_k2`),
+                             `vision_config` (legacy `vt_*` keys beside the ones transformers and
+                             vLLM read), `quantization_config` (INT4 variant only)
+      model.safetensors      `language_model.model.layers.N.*`, `language_model.lm_head.weight`
+                             (untied), `vision_tower.*`, `mm_projector.*`; routed experts as
+                             pack-quantized INT4 (`weight_packed` int32 [out, in/8], `weight_scale`
+                             bf16 [out, in/32], `weight_shape` int64 [2]) or bf16;
+                             `mlp.gate.e_score_correction_bias` float32; everything else bf16
+      preprocessor_config.json  the image processor settings vLLM reads to build the model
+      tokenizer files        `draftsmith.targets.kimi_tokenizer` (loads with `trust_remote_code`)
+
+    The vision tower and projector are random: no stage sends an image."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
     from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME, IMAGE_PROCESSOR_NAME, SAFE_WEIGHTS_NAME

