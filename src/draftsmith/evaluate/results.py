@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..paths import Run
+from .outputs import read_report
+
 PUBLISHED = "published (model card)"
 GREEDY_AGREEMENT = 0.005          # at T = 0 the two figures are equal as shown (three decimals)
 README_BEGIN = "<!-- stage 06 results: python -m draftsmith.evaluate.results -->"
@@ -229,11 +232,11 @@ def readme_block(text: str, path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m draftsmith.evaluate.results", description=__doc__.split("\n\n")[0])
-    ap.add_argument("run", type=Path, help="a run folder (holding eval/report.json)")
+    ap.add_argument("run", type=Path, help="a run folder that stage 06 measured")
     ap.add_argument("--readme", type=Path, help="write the table between this file's markers")
     ap.add_argument("--save", type=Path, help="save the rows as JSON (what the README's table is checked against)")
     a = ap.parse_args(argv)
-    report = json.loads((a.run / "eval" / "report.json").read_text(encoding="utf-8"))
+    report = read_report(Run(a.run.parent, a.run.name))
     rows = results(report)
     table = readme_table(rows)
     if a.save:
