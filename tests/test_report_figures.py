@@ -53,7 +53,7 @@ def test_the_ttt_curves_differ_in_colour_and_line_style_and_none_is_pale():
 
 
 def method(kind: str, al: float, fraction: float | None = None) -> dict:
-    return {"kind": kind, "fraction": fraction, "acceptance_length": al,
+    return {"kind": kind, "fraction": fraction, "acceptance_length": al, "tokens_per_round": al,
             "per_dataset": {"code": {"acceptance_length": al}}, "drafts": 10, "position_acceptance": [0.5, 0.3, 0.1],
             "draft_forwards_per_round": 3 if kind == "eagle3" else 0}
 

@@ -27,6 +27,14 @@ def test_a_table_has_no_index_three_significant_figures_and_units_in_its_headers
                            "B", "3.12", "n/a", "12", "1,235", "no"]
 
 
+def test_row_labels_become_the_first_column_and_row_numbers_are_dropped():
+    named = pd.DataFrame({"samples": [3, 4]}, index=pd.Index(["code", "chat"], name="dataset"))
+    assert re.findall(r'class="col_heading[^"]*" >([^<]*)<', tables.show(named).to_html()) == ["dataset", "samples"]
+    assert cells(tables.show(named).to_html()) == ["code", "3", "chat", "4"]
+    labels = pd.DataFrame({"id": [3, 22]}, index=["low", "high"])
+    assert cells(tables.show(labels).to_html()) == ["low", "3", "high", "22"]
+
+
 def test_a_long_cell_is_shown_whole_wrapping_in_a_bounded_column_and_escaped():
     full = 'temperature,top_p,"seed",<tools>,' + "x" * 80
     html = tables.show(pd.DataFrame({"supported_parameters": [full, "short"]})).to_html()

@@ -62,9 +62,9 @@ def show(df: pd.DataFrame | None, units: dict | None = None) -> Styler:
     """`df` styled for people (see the module); None or no rows shows one cell, "none"."""
     if df is None or not len(df):
         return pd.DataFrame({"": ["none"]}).style.hide(axis="index")
-    # row labels (a named or non-default index) become the first column; a plain row count is dropped
-    frame = df.reset_index(drop=True) if isinstance(df.index, pd.RangeIndex) and df.index.name is None else \
-        df.rename_axis(df.index.name or "").reset_index()
+    # row labels (a named index, or one of labels) become the first column; row numbers are dropped
+    numbers = df.index.name is None and pd.api.types.is_integer_dtype(df.index)
+    frame = df.reset_index(drop=True) if numbers else df.rename_axis(df.index.name or "").reset_index()
     text = frame.map(cell_text)
     return (text.rename(columns=lambda c: header(c, units)).style.hide(axis="index").format(escape="html")
             .set_table_styles(CELL_STYLE))
