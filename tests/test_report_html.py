@@ -1,6 +1,7 @@
 """report.html is meant for sharing: `write_report` (what `draftsmith run` calls after its stages)
-leaves the built-in target's build log out, keeps every other line, and writes this machine's
-folders as relative or `~` paths. (tests/test_report_browser.py opens a real report in Chromium.)"""
+shows each stage's results and errors, leaves out what the stage printed while working (its log,
+in logs/) and the built-in target's build log, and writes this machine's folders as relative or
+`~` paths. (tests/test_report_browser.py opens a real report in Chromium.)"""
 
 from pathlib import Path
 
@@ -40,3 +41,25 @@ def test_the_report_leaves_out_the_target_build_log_and_names_no_folder_of_this_
     assert "prompts from data/demo/code.jsonl" in html
     assert str(tmp_path) not in html and str(REPO_ROOT) + "/" not in html and str(Path.home()) + "/" not in html
     assert html.count('class="jp-RenderedText') == 1  # the output that held only the build log is gone
+
+
+def test_the_stages_own_call_shows_its_results_and_errors_and_leaves_what_it_printed_to_the_log(tmp_path):
+    run = Run(tmp_path / "outputs", "demo")
+    nb = nbformat.v4.new_notebook()
+    work = nbformat.v4.new_code_cell("summary = stage.run(run, **parameters.given('01', globals()))\nsummary")
+    work.outputs = [nbformat.v4.new_output("stream", name="stdout", text="[pilot] 6/8 req (75%) in 15s\n"),
+                    nbformat.v4.new_output("execute_result", data={"text/plain": "the plan fits 100%"},
+                                           execution_count=1)]
+    shown = nbformat.v4.new_code_cell("print(tokens.summary(report))")
+    shown.outputs = [nbformat.v4.new_output("stream", name="stdout", text="262 of 350 samples kept\n")]
+    failed = nbformat.v4.new_code_cell("report = stage.run(run, **parameters.given('02', globals()))")
+    failed.outputs = [nbformat.v4.new_output("stream", name="stdout", text="[generate] 1,322/28,000 tok\n"),
+                      nbformat.v4.new_output("error", ename="ValueError", evalue="datasets: file not found",
+                                             traceback=["ValueError: datasets: file not found"])]
+    nb.cells += [work, shown, failed]
+    (run.root / "notebooks").mkdir(parents=True)
+    nbformat.write(nb, run.root / "notebooks" / "01_providers.ipynb")
+    html = write_report(run).read_text(encoding="utf-8")
+    assert "[pilot]" not in html and "[generate]" not in html        # the stage's log: logs/01_providers.log
+    assert "the plan fits 100%" in html and "262 of 350 samples kept" in html
+    assert "datasets: file not found" in html

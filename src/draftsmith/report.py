@@ -75,7 +75,7 @@ def write_report(run: Run, summary: Summary | None = None) -> Path | None:
             tags = c.get("metadata", {}).get("tags", [])
             if "parameters" in tags or "injected-parameters" in tags:
                 continue
-            merged.cells.append(_without_build_log(copy.deepcopy(c)))
+            merged.cells.append(_results_only(copy.deepcopy(c)))
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(merged)
     body = _relative_paths(body.replace("</head>", FIT_THE_PAGE + "</head>", 1), run)
@@ -101,13 +101,16 @@ def summary_html(summary: Summary) -> str:
             f"</thead><tbody>{''.join(rows)}</tbody></table>\n" + (f"<ul>{notes}</ul>\n" if notes else "") + "</div>")
 
 
-def _without_build_log(cell):
-    """The cell without the lines a built-in target's build printed (its training steps are of no
-    use to a reader of the run); an output left empty goes."""
+def _results_only(cell):
+    """The cell as the report shows it: the stage's own call (`stage.run(`) without what it printed
+    while working (that is its log, in logs/), its results and errors kept; any other cell without
+    the lines a built-in target's build printed. An output left empty goes."""
     if "outputs" in cell:
+        work = cell.get("cell_type") == "code" and "stage.run(" in cell.source
         for out in cell.outputs:
             if out.get("output_type") == "stream":
-                out["text"] = "".join(x for x in out["text"].splitlines(keepends=True) if not x.startswith(BUILD_LOG))
+                out["text"] = "" if work else "".join(
+                    x for x in out["text"].splitlines(keepends=True) if not x.startswith(BUILD_LOG))
         cell.outputs = [o for o in cell.outputs if o.get("output_type") != "stream" or o["text"]]
     return cell
 
