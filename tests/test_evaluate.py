@@ -520,7 +520,7 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
 
 def test_our_decoder_agrees_with_the_engine_exactly_when_greedy_and_within_sampling_noise_when_not():
     from draftsmith.evaluate.results import agrees
-    engine, ours = {"acceptance_length": 2.0, "drafts": 400}, {"acceptance_length": 2.004, "drafting_rounds": 400}
+    engine, ours = {"acceptance_length": 2.0, "drafts": 400}, {"acceptance_length": 2.004, "drafts": 400}
     assert agrees(engine, ours, 0.0, 3) and not agrees(engine, {**ours, "acceptance_length": 2.01}, 0.0, 3)
     # two standard errors of the difference: 2 * hypot(3 / (2 * 20), 3 / (2 * 20)) = 0.212
     assert agrees(engine, {**ours, "acceptance_length": 2.2}, 1.0, 3)

@@ -1,7 +1,7 @@
 """Tables for people, as the notebooks show them: no index column, numbers to three significant
 figures (whole numbers whole, with thousands separators), row labels as the first column, units
-in the headers, yes/no for
-booleans, every cell whole (a long one wraps inside a bounded column); a dict as a small two-column table."""
+in the headers, yes/no for booleans, every cell whole (a long one wraps inside a bounded column); a
+dict as a small two-column table."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from .metrics import LOOP_NGRAM, speedup
+from .results import mode
 
 
 def stage_figures(report: dict) -> dict[str, Figure]:
@@ -45,7 +46,7 @@ def _panels(report: dict, width: float, height: float = 3.6):
 
 
 def _label(t: dict) -> str:
-    return "greedy (T = 0)" if t["temperature"] <= 0 else f"sampling (T = {t['temperature']:g})"
+    return mode(t["temperature"])
 
 
 # vLLM's ngram and our prompt lookup are two implementations measured apart, so two colours.

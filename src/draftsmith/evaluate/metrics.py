@@ -55,7 +55,7 @@ def acceptance(rounds: list[dict], k: int) -> dict:
 
     return {
         "rounds": n_rounds, "tokens": produced, "draft_tokens": drafted_tokens, "accepted_tokens": acc,
-        "drafting_rounds": drafting,
+        "drafts": drafting,
         "acceptance_length": 1 + ratio(acc, drafting) if drafting else 1.0,
         "tokens_per_round": ratio(produced, n_rounds),
         "draft_acceptance_rate": ratio(acc, drafted_tokens),

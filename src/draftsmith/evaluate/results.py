@@ -63,7 +63,7 @@ def agrees(engine: dict, ours: dict, temperature: float, k: int) -> bool:
     diff = abs(engine["acceptance_length"] - ours["acceptance_length"])
     if temperature <= 0:
         return diff < GREEDY_AGREEMENT
-    se = math.hypot(noise(engine.get("drafts"), k), noise(ours.get("drafting_rounds"), k))
+    se = math.hypot(noise(engine.get("drafts"), k), noise(ours.get("drafts"), k))
     return diff <= 2 * se
 
 
@@ -78,6 +78,7 @@ def _part(temps: dict, ours_temps: dict, source: str, held_out: bool, draft_toke
         ours_methods = (ours_temps or {}).get(key, {}).get("methods", {})
         final = next((n for n, s in t["methods"].items() if s["kind"] == "eagle3" and s.get("final")),
                      "eagle3" if "eagle3" in t["methods"] else None)
+        none = next((s for s in t["methods"].values() if s["kind"] == "none"), {})
         sets = sorted({ds for s in t["methods"].values() for ds in s.get("per_dataset", {})})
         for ds in sets:
             for name, s in t["methods"].items():
@@ -91,19 +92,19 @@ def _part(temps: dict, ours_temps: dict, source: str, held_out: bool, draft_toke
                     mine = twin.get("per_dataset", {}).get(ds)
                 out.append(Result(
                     temperature, _set_name(ds, held_out), name, s["kind"], name == final, source,
-                    p.get("acceptance_length"), p.get("drafts", p.get("drafting_rounds")),
+                    p.get("acceptance_length"), p.get("drafts"),
                     p.get("draft_acceptance_rate"), tuple(p.get("position_acceptance") or ()),
                     s.get("lossless") if temperature <= 0 else None,
-                    p.get("tokens_per_s"), _ratio(p, s, t, ds),
+                    p.get("tokens_per_s"), _ratio(p.get("tokens_per_s"), none.get("per_dataset", {}).get(ds, {})),
                     mine["acceptance_length"] if mine else None,
                     agrees(p, mine, temperature, k) if mine else None))
     return out
 
 
-def _ratio(p: dict, s: dict, t: dict, ds: str) -> float | None:
-    none = next((m for m in t["methods"].values() if m["kind"] == "none"), None)
-    base = (none or {}).get("per_dataset", {}).get(ds, {}).get("tokens_per_s")
-    return p["tokens_per_s"] / base if p.get("tokens_per_s") and base else None
+def _ratio(tokens_per_s: float | None, none: dict) -> float | None:
+    """tok/s against no drafter's on the same prompts (`none`: its figures there)."""
+    base = none.get("tokens_per_s")
+    return tokens_per_s / base if tokens_per_s and base else None
 
 
 def _published(report: dict, sets: list[str], temperatures: list[float]) -> list[Result]:
@@ -142,7 +143,7 @@ def results(report: dict) -> list[Result]:
                   key=lambda r: r.temperature)
 
 
-def _mode(temperature: float) -> str:
+def mode(temperature: float) -> str:
     return "greedy (T = 0)" if temperature <= 0 else f"sampling (T = {temperature:g})"
 
 
@@ -156,18 +157,20 @@ def tables(report: dict) -> dict[str, pd.DataFrame]:
     """Title -> one table per temperature and prompt set, methods as rows; where one source measured
     every row, the title names it ("greedy (T = 0) · held-out chat · vLLM 0.32.0")."""
     rows = results(report)
-    out: dict[str, pd.DataFrame] = {}
+    measured_speed, cross_checked = (any(x.tokens_per_s is not None for x in rows),
+                                     any(x.ours is not None for x in rows))
+    out: dict[str, list] = {}
     for r in rows:
-        key = f"{_mode(r.temperature)} · {r.prompt_set}"
+        key = f"{mode(r.temperature)} · {r.prompt_set}"
         row = {"method": r.method + (" (final)" if r.final else ""), "measured in": r.measured_in,
                "acceptance length": r.acceptance_length, "draft acceptance rate": r.draft_acceptance_rate}
         row |= {f"P(draft {j + 1})": p for j, p in enumerate(r.position_acceptance)}
         if r.temperature <= 0:
             row["lossless"] = r.lossless
-        if any(x.tokens_per_s is not None for x in rows):
+        if measured_speed:
             row |= {"output tok/s per request (measured)": r.tokens_per_s,
                     "tok/s ÷ no drafter's (measured)": r.tokens_per_s_vs_none}
-        if any(x.ours is not None for x in rows):
+        if cross_checked:
             row["our decoder agrees (by how much)"] = "n/a" if r.kind == "published" else _cross_check(r)
         out.setdefault(key, []).append(row)
     frames = {}
