@@ -163,15 +163,17 @@ async def run_openai(base, n, conc, path, aio: bool):
 
 
 def run_draftsmith(base, n, conc, path, out, budget=None, max_tokens=1024):
-    from draftsmith.openrouter.apikey import ApiKey
+    from draftsmith.config import GenerateConfig
     from draftsmith.generate.stage import run_at
+    from draftsmith.openrouter.apikey import ApiKey
 
     ds = {"name": "bench", "path": path}
     if budget:
         ds["output_token_budget"] = budget
     c0, t0 = cpu(), time.time()
-    r = run_at(base, ApiKey(KEY, "bench"), Run(out, "bench"), [ds], model=MODEL, max_tokens=max_tokens,
-                       concurrency=conc, spend_limit_usd=1e5, native_precision="int4", log=lambda *a: None)
+    cfg = GenerateConfig(datasets=[ds], model=MODEL, max_tokens=max_tokens, concurrency=conc, spend_limit_usd=1e5,
+                         native_precision="int4", target_model_path=None)
+    r = run_at(base, ApiKey(KEY, "bench"), Run(out, "bench"), cfg, log=lambda *a: None)
     assert r.complete, r.message
     print(json.dumps({"peak_in_flight": r.session["peak_in_flight"]}), file=sys.stderr)
     return cpu() - c0, time.time() - t0, r.session["samples"], r.session["completion_tokens"]

@@ -42,7 +42,7 @@ MODEL = "moonshotai/kimi-k2.5"
 
 # One run of stage 02 in a child process on the source tree given by PYTHONPATH: prints the result.
 CHILD = r"""
-import json, sys, time
+import inspect, json, sys, time
 from pathlib import Path
 import draftsmith
 from draftsmith.generate.stage import run_at
@@ -50,8 +50,18 @@ from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
 t0 = time.monotonic()
-r = run_at(a["base"], ApiKey(a["key"], "bench"), Run(Path(a["root"]), a["name"]), a["datasets"], log=lambda *x: None,
-           **a["params"])
+args = [ApiKey(a["key"], "bench"), Run(Path(a["root"]), a["name"])]
+if "cfg" in inspect.signature(run_at).parameters:      # a revision with stage configs
+    from dataclasses import fields
+    from draftsmith.config import GenerateConfig
+    names = {f.name for f in fields(GenerateConfig)}
+    args.append(GenerateConfig(datasets=a["datasets"], target_model_path=None,
+                               **{k: v for k, v in a["params"].items() if k in names}))
+    knobs = {k: v for k, v in a["params"].items() if k not in names}
+else:
+    args.append(a["datasets"])
+    knobs = a["params"]
+r = run_at(a["base"], *args, log=lambda *x: None, **knobs)
 print(json.dumps({"wall_s": time.monotonic() - t0, "spent": r.spent_usd, "status": r.status,
                   "kinds": r.session.get("errors_by_kind", {}), "src": draftsmith.__file__}))
 """

@@ -19,16 +19,33 @@ os.environ.setdefault("DRAFTSMITH_PROGRESS", "log")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def notebook_params(number: str, **params) -> dict:
-    """What notebook `number` passes to its stage's `run`: its parameters at their declared
-    defaults, but for `params` (a name the notebook does not declare is an error)."""
-    from draftsmith import parameters
+def stage_config(number: str, **settings):
+    """Stage `number`'s config as its notebook passes it to `stage.run`: every setting at its declared
+    default but for `settings` (a name the stage does not declare is an error)."""
+    import dataclasses
 
-    declared = next(s for s in parameters.discover() if s.number == number).params
-    unknown = set(params) - set(declared)
+    from draftsmith import config
+
+    cls = config.STAGES[number][1]
+    unknown = set(settings) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
-        raise KeyError(f"notebook {number} declares no {sorted(unknown)}")
-    return parameters.given(number, {**{n: p.default for n, p in declared.items()}, **params})
+        raise KeyError(f"stage {number} declares no {sorted(unknown)}")
+    return cls(**settings)
+
+
+def stage_02_at(base_url: str, api_key, run, datasets: list, **args):
+    """`generate.stage.run_at` as tests call it, against a server they started: `args` are stage 02's
+    settings (its config) and the rest, `log` and the `Options` knobs no stage declares. The target's
+    tokenizer is not loaded unless `target_model_path` is given."""
+    import dataclasses
+
+    from draftsmith.config import GenerateConfig
+    from draftsmith.generate.stage import run_at
+
+    names = {f.name for f in dataclasses.fields(GenerateConfig)}
+    args = {"target_model_path": None, **args}
+    cfg = GenerateConfig(datasets=datasets, **{k: v for k, v in args.items() if k in names})
+    return run_at(base_url, api_key, run, cfg, **{k: v for k, v in args.items() if k not in names})
 
 
 # ---- tiers -------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from draftsmith.hidden import outputs as shards
 from draftsmith.hidden.extract import extract
 from draftsmith.paths import Run
 from draftsmith.targets.checkpoint import load_target, target_config
-from conftest import notebook_params
+from conftest import stage_config
 from test_drafter import quiet, resumes_identically, small_config, write_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -166,18 +166,18 @@ def test_stage_05_trains_both_kinds_on_one_capture_into_their_own_folders(both_d
 
     run = Run(tmp_path, "r")
     shutil.copytree(both_dir, run.dir("hidden"), dirs_exist_ok=True)
-    params = notebook_params("05", target_model_path=str(tiny_target), drafter_kinds=["eagle3", "dflash"],
-                             draft_vocab_size=512, ttt_steps=2, dflash_layers=1, dflash_block_size=4,
-                             dflash_anchors=4, train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2,
-                             train_max_len=128, train_eval_every=0, export_fractions=[1.0], export_dtype="float32")
-    got = stage.run(run, **params, log=quiet)
+    cfg = stage_config("05", target_model_path=str(tiny_target), drafter_kinds=["eagle3", "dflash"],
+                       draft_vocab_size=512, ttt_steps=2, dflash_layers=1, dflash_block_size=4,
+                       dflash_anchors=4, train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2,
+                       train_max_len=128, train_eval_every=0, export_fractions=[1.0], export_dtype="float32")
+    got = stage.run(run, cfg, log=quiet)
     assert list(got) == ["eagle3", "dflash"]
     assert Path(got["eagle3"]["exports"][-1]["dir"]) == outputs.drafter_dir(run) / "eagle3"
     assert Path(got["dflash"]["exports"][-1]["dir"]) == outputs.drafter_dir(run, "dflash") / "dflash"
     assert got["eagle3"]["layer_ids"] != got["dflash"]["layer_ids"]
     assert outputs.read_summary(outputs.drafter_dir(run, "dflash"))["kind"] == "dflash"
     with pytest.raises(ValueError, match="drafter_kinds"):
-        stage.run(run, **{**params, "drafter_kinds": ["medusa"]}, log=quiet)
+        stage.run(run, replace(cfg, drafter_kinds=["medusa"]), log=quiet)
 
 
 def test_the_kimi_table_of_docs_dflash_md_is_what_stage_04_would_plan():

@@ -19,7 +19,7 @@ from draftsmith.drafter.model import DrafterConfig, Eagle3Drafter
 from draftsmith.drafter.objective import TTTObjective
 from draftsmith.drafter.vocab import DraftVocab, token_counts, used_ids
 
-from conftest import notebook_params, write_token_rows
+from conftest import stage_config, write_token_rows
 
 
 WORDS = ("the function returns a list of values from the given file path and raises an error when the "
@@ -146,7 +146,7 @@ def test_a_direct_call_is_held_to_the_bounds_notebook_05_declares(tmp_path):
     with pytest.raises(ValueError, match="draft_vocab_size 9 must be at most 8"):
         DraftVocab.build(torch.ones(8, dtype=torch.int64), 9)
     with pytest.raises(ValueError, match="train_nproc must be at least 1"):
-        stage.run(Run(tmp_path, "r"), **notebook_params("05", train_nproc=0))
+        stage.run(Run(tmp_path, "r"), stage_config("05", train_nproc=0))
 
 
 # -- supervision and TTT alignment ---------------------------------------------------------------
@@ -358,14 +358,14 @@ def test_stage_run_trains_the_runs_drafter_from_notebook_05s_parameters(hidden_d
 
     run = Run(tmp_path, "r")
     shutil.copytree(hidden_dir, run.dir("hidden"), dirs_exist_ok=True)
-    params = notebook_params("05", target_model_path=str(tiny_target), draft_vocab_size=512, ttt_steps=2,
-                             train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2, train_max_len=128,
-                             train_eval_every=0, export_fractions=[1.0], export_dtype="float32")
-    summary = stage.run(run, **params, log=quiet)["eagle3"]
+    cfg = stage_config("05", target_model_path=str(tiny_target), draft_vocab_size=512, ttt_steps=2,
+                       train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2, train_max_len=128,
+                       train_eval_every=0, export_fractions=[1.0], export_dtype="float32")
+    summary = stage.run(run, cfg, log=quiet)["eagle3"]
     assert json.loads(json.dumps(summary)) == outputs.read_summary(run)
     assert summary["finished"] and summary["vocab"]["draft_vocab_size"] == 512
     assert [e["dir"] for e in summary["exports"]] == [str(outputs.drafter_dir(run) / "eagle3")]
-    again = stage.run(run, **params, log=quiet)["eagle3"]    # train_resume: its last checkpoint is the end
+    again = stage.run(run, cfg, log=quiet)["eagle3"]    # train_resume: its last checkpoint is the end
     assert again["finished"] and again["steps"] == summary["steps"]
 
 

@@ -19,7 +19,6 @@ import yaml
 
 from draftsmith import cli, generate, tokens
 
-from draftsmith.generate import stage as generate_stage
 from draftsmith.hidden.extract import extract
 from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.drafter import train
@@ -29,7 +28,7 @@ from draftsmith.paths import Run
 from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.targets.vllm import vllm_env
 
-from conftest import free_port, get_json
+from conftest import free_port, get_json, stage_02_at
 
 pytest.importorskip("vllm")
 
@@ -87,12 +86,18 @@ def prompts(path: Path, n: int, tag: str) -> Path:
 CHILD = """
 import json, sys
 from draftsmith.openrouter.apikey import ApiKey
+from dataclasses import fields
+from draftsmith.config import GenerateConfig
 from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
-r = run_at(a["base"], ApiKey("EMPTY", "none: a local server"), Run(a["root"], "mixed"), a["datasets"],
-                   model=a["model"], concurrency=2, spend_limit_usd=1.0, native_precision="int4", **a["settings"],
-                   **a["fast"])
+given = {**a["settings"], **a["fast"]}
+declared = {f.name for f in fields(GenerateConfig)}
+cfg = GenerateConfig(datasets=a["datasets"], model=a["model"], concurrency=2, spend_limit_usd=1.0,
+                     native_precision="int4", target_model_path=None,
+                     **{k: v for k, v in given.items() if k in declared})
+r = run_at(a["base"], ApiKey("EMPTY", "none: a local server"), Run(a["root"], "mixed"), cfg,
+           **{k: v for k, v in given.items() if k not in declared})
 print("RESULT", r.reason, flush=True)
 """
 
@@ -121,7 +126,7 @@ def engine_run(engine, tmp_path_factory):
     proc.wait()
     at_kill = raw.read_bytes().count(b"\n")
     logs = []
-    result = generate_stage.run_at(engine, ApiKey("EMPTY", "none: a local server"), Run(root, "mixed"), datasets,
+    result = stage_02_at(engine, ApiKey("EMPTY", "none: a local server"), Run(root, "mixed"), datasets,
                                      model=SERVED, concurrency=4, spend_limit_usd=1.0, native_precision="int4",
                                      log=logs.append, **SETTINGS, **FAST)
     return root, datasets, result, at_kill, logs
@@ -168,7 +173,7 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
     cfg = {"fault_scale": 0, "credits": 50.0, "backend": "synthetic", "target_model_path": "tiny-test",
            "synthetic_tokens": 20, "time_scale": 0.0}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        res = generate_stage.run_at(emu.base_url, emu.key, run, code, model="moonshotai/kimi-k2.5",
+        res = stage_02_at(emu.base_url, emu.key, run, code, model="moonshotai/kimi-k2.5",
                                       max_tokens=40, concurrency=8, spend_limit_usd=5.0, native_precision="int4",
                                       log=lambda *a: None)
         assert res.complete, res.message

@@ -22,7 +22,7 @@ from draftsmith.targets.corpus import chat_examples
 from draftsmith.targets.hf import Capture
 from draftsmith.tokens import Sample
 
-from conftest import notebook_params, stage_05_run
+from conftest import stage_config, stage_05_run
 
 LAYER_IDS = [1, 3, 4]   # the default for 8 layers, output convention
 
@@ -280,7 +280,7 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
                 "seed")   # the settings report.json records, under notebook 06's names
     assert {name: report[name] for name in recorded} == {name: smoke[name] for name in recorded}
     assert report["eval_max_new_tokens"] == 16    # smoke.yaml's, not the notebook's default
-    stage.run(Run(trained_run.parent, trained_run.name), **parameters.given("06", smoke), log=quiet)
+    stage.run(Run(trained_run.parent, trained_run.name), parameters.stage_config("06", smoke), log=quiet)
     assert (trained_run / "eval" / "rounds.jsonl").read_text() == rounds
     again = json.loads((trained_run / "eval" / "report.json").read_text())
     assert again["temperatures"] == report["temperatures"]
@@ -333,7 +333,7 @@ def test_rounds_file_cuts_a_torn_last_line_and_names_a_damaged_one(tmp_path):
 
 def test_engine_numbers_only_needs_the_engine(tmp_path):
     with pytest.raises(ValueError, match="eval_hf_crosscheck is false and eval_backend is hf"):
-        stage.run(Run(tmp_path, "r"), **notebook_params("06", eval_backend="hf", eval_hf_crosscheck=False),
+        stage.run(Run(tmp_path, "r"), stage_config("06", eval_backend="hf", eval_hf_crosscheck=False),
                   log=quiet)
 
 
@@ -376,15 +376,11 @@ def test_the_engines_report_compares_with_our_decoder_only_at_the_temperatures_i
     assert sampled["vs_ours"] is None and sampled["methods"]["eagle3"]["acceptance_length"] == 2.5
 
 
-def test_stage_06_takes_notebook_06s_parameters_by_their_names_and_holds_a_direct_call_to_their_bounds(tmp_path):
-    import inspect
-
-    taken = {name for name, p in inspect.signature(stage.run).parameters.items() if p.kind is p.KEYWORD_ONLY}
-    assert taken - {"log"} == set(notebook_params("06"))
+def test_stage_06_holds_a_direct_call_to_its_configs_bounds(tmp_path):
     for name, value in (("draft_tokens", 0), ("eval_max_new_tokens", 0), ("eval_prompts_per_dataset", 0),
                         ("eval_engine_concurrency", 0)):
         with pytest.raises(ValueError, match=f"{name} must be at least 1 .*got 0"):
-            stage.run(Run(tmp_path, "r"), **notebook_params("06", **{name: value}), log=quiet)
+            stage.run(Run(tmp_path, "r"), stage_config("06", **{name: value}), log=quiet)
     assert not (tmp_path / "r" / "eval").exists()   # refused before anything was measured or written
 
 

@@ -20,10 +20,11 @@ from aiohttp import web
 from draftsmith.openrouter import pricing
 from draftsmith.openrouter.api import Api
 from draftsmith.openrouter.apikey import ApiKey
-from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 from draftsmith.openrouter import endpoints
 from draftsmith.providers import outputs
+
+from conftest import stage_02_at
 
 MODEL = "moonshotai/kimi-k2.5"
 PRICE_IN, PRICE_OUT = 0.5e-6, 2.0e-6
@@ -158,7 +159,7 @@ def generate(stub: Stub, tmp_path: Path, ds, **kw):
                 native_precision="int4", log=lambda *a: None, balance_poll_s=0.2, backoff_base_s=0.01,
                 backoff_cap_s=0.05, request_timeout_s=2.0, stop_grace_s=2.0, recovery_patience_s=10.0)
     args.update(kw)
-    return run_at(stub.base_url, ApiKey("sk-or-v1-test", "test"), Run(tmp_path, "r"), ds, **args)
+    return stage_02_at(stub.base_url, ApiKey("sk-or-v1-test", "test"), Run(tmp_path, "r"), ds, **args)
 
 
 def saved(tmp_path: Path) -> list[dict]:

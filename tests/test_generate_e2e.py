@@ -27,10 +27,9 @@ from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.datasets import DatasetReader, DatasetSpec, stable_id
 from draftsmith.emulator import running
 from draftsmith.generate.options import GenerationStopped
-from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 
-from conftest import wait_until
+from conftest import stage_02_at, wait_until
 
 MODEL = "moonshotai/kimi-k2.5"
 CONTRACT = {"sample_id", "dataset", "messages", "content", "reasoning", "finish_reason", "native_finish_reason",
@@ -57,7 +56,7 @@ def generate(emu, root: Path, datasets: list[dict], key=None, **kw):
     args = dict(model=MODEL, max_tokens=32, concurrency=8, spend_limit_usd=5.0, log=logs.append,
                 native_precision="int4", **FAST)
     args.update(kw)
-    r = run_at(emu.base_url, key or emu.key, Run(root, "r"), datasets, **args)
+    r = stage_02_at(emu.base_url, key or emu.key, Run(root, "r"), datasets, **args)
     r.logs = logs
     return r
 
@@ -309,13 +308,18 @@ def test_too_long_prompts_skipped_and_malformed_rows_reported(tiny_target, tmp_p
 CHILD = """
 import asyncio, json, sys
 from draftsmith.openrouter.apikey import ApiKey
+from dataclasses import fields
+from draftsmith.config import GenerateConfig
 from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
 def go():
-    r = run_at(a["base"], ApiKey(a["key"], "test"), Run(a["root"], "r"), a["datasets"], model=a["model"],
-                       max_tokens=32, concurrency=a["concurrency"], spend_limit_usd=5.0, native_precision="int4",
-                       **a["fast"])
+    declared = {f.name for f in fields(GenerateConfig)}
+    cfg = GenerateConfig(datasets=a["datasets"], model=a["model"], max_tokens=32, concurrency=a["concurrency"],
+                         spend_limit_usd=5.0, native_precision="int4", target_model_path=None,
+                         **{k: v for k, v in a["fast"].items() if k in declared})
+    r = run_at(a["base"], ApiKey(a["key"], "test"), Run(a["root"], "r"), cfg,
+               **{k: v for k, v in a["fast"].items() if k not in declared})
     print("RESULT", r.reason, flush=True)
 async def like_jupyter():      # a cell runs inside the kernel's event loop
     go()

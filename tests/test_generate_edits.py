@@ -18,9 +18,10 @@ from draftsmith import cli
 from draftsmith.datasets import DatasetReader, DatasetSpec, prompt_hash
 from draftsmith.emulator import running
 from draftsmith.generate import outputs, prompt_edits
-from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 from draftsmith.tokens.responses import read_responses as stage_03_reads
+
+from conftest import stage_02_at
 
 MODEL = "moonshotai/kimi-k2.5"
 FAST = dict(balance_poll_s=0.2, backoff_base_s=0.02, backoff_cap_s=0.3, request_timeout_s=5.0, stop_grace_s=5.0)
@@ -49,7 +50,7 @@ def generate(emu, root: Path, path: Path, **kw):
     args = dict(model=MODEL, max_tokens=24, concurrency=8, spend_limit_usd=5.0, log=logs.append,
                 native_precision="int4", **FAST)
     args.update(kw)
-    r = run_at(emu.base_url, emu.key, Run(root, "r"), [{"name": "e", "path": str(path)}], **args)
+    r = stage_02_at(emu.base_url, emu.key, Run(root, "r"), [{"name": "e", "path": str(path)}], **args)
     assert r.complete, r.message
     r.logs = logs
     return r

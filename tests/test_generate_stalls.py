@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import notebook_params
+from conftest import stage_config
 from draftsmith.emulator import read_ledger, running
 from draftsmith.generate import stage
 from draftsmith.paths import Run
@@ -39,12 +39,9 @@ def run_02(root: Path, name: str, path: Path, emulator: dict, logs: list | None 
     emu = {"backend": "synthetic", "synthetic_tokens": 16, "time_scale": 0.0, "generation_delay_s": 0.1,
            "padding_interval_s": 0.05, "stall_s": STALL_S, **emulator}
     params = {"max_tokens": 24, "concurrency": 8, "spend_limit_usd": 5.0, "target_model_path": TARGET, **params}
-    given = notebook_params("02", api_base="local", emulator=emu, datasets=[{"name": "p", "path": str(path)}],
-                            **params)
-    given.update(FAST)
-    given["log"] = (logs if logs is not None else []).append
+    cfg = stage_config("02", api_base="local", emulator=emu, datasets=[{"name": "p", "path": str(path)}], **params)
     run = Run(root, name)
-    return stage.run(run, **given), run
+    return stage.run(run, cfg, log=(logs if logs is not None else []).append, **FAST), run
 
 
 def rows(run: Run) -> list[dict]:
@@ -149,14 +146,11 @@ def test_a_cached_reply_is_not_saved_as_a_new_sample(tmp_path):
         with running(emu_cfg, state_dir=tmp_path / mode / "emu") as emu:
             runs = []
             for name in ("first", "second"):
-                given = notebook_params("02", datasets=[{"name": "p", "path": str(path)}], max_tokens=24,
-                                        concurrency=4, spend_limit_usd=5.0, max_attempts=2,
-                                        target_model_path=TARGET)
-                for k in ("api_base", "api_key_file", "emulator"):
-                    given.pop(k)
+                cfg = stage_config("02", datasets=[{"name": "p", "path": str(path)}], max_tokens=24,
+                                   concurrency=4, spend_limit_usd=5.0, max_attempts=2, target_model_path=TARGET)
                 logs: list[str] = []
                 run = Run(tmp_path / mode, name)
-                r = stage.run_at(emu.base_url, emu.key, run, **given, **FAST, log=logs.append)
+                r = stage.run_at(emu.base_url, emu.key, run, cfg, **FAST, log=logs.append)
                 runs.append((r, run, logs))
             lines = emu.ledger_lines()
         (first, run1, _), (second, run2, logs) = runs

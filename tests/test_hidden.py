@@ -24,7 +24,7 @@ from draftsmith.paths import Run
 from draftsmith.hidden.outputs import INDEX, HiddenShards
 from draftsmith.targets.checkpoint import load_target
 
-from conftest import notebook_params, wait_until
+from conftest import stage_config, wait_until
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -132,8 +132,8 @@ def test_two_rank_torchrun_gives_the_same_samples_as_one_process(tiny_target, to
     run = Run(tmp_path, "r")
     for f in files:
         (run.dir("tokens") / f.name).write_bytes(f.read_bytes())
-    two = stage.run(run, **notebook_params("04", target_model_path=str(tiny_target), datasets=[], nproc_per_node=2,
-                                           target_backend="hf", max_tokens_per_batch=1024, shard_mb=0.05),
+    two = stage.run(run, stage_config("04", target_model_path=str(tiny_target), datasets=[], nproc_per_node=2,
+                                      target_backend="hf", max_tokens_per_batch=1024, shard_mb=0.05),
                     log=lambda m: None)
     config = json.loads((run.dir("hidden") / stage.CONFIG).read_text())
     assert config["settings"]["max_tokens_per_batch"] == 1024 and config["settings"]["shard_mb"] == 0.05
@@ -334,15 +334,11 @@ def test_notebook_04_extracts_checks_and_plots(tiny_target, tokens, tmp_path):
     assert "top1_agreement" in (run_dir / "notebooks" / "04_hidden_states.ipynb").read_text()
 
 
-def test_stage_04_takes_notebook_04s_parameters_under_its_names():
-    import inspect
-
+def test_extracts_own_settings_default_to_stage_04s_config():
     from draftsmith import parameters
     from draftsmith.hidden.extract import Settings
 
     declared = next(s for s in parameters.discover() if s.number == "04").params
-    taken = {n for n, p in inspect.signature(stage.run).parameters.items() if p.kind is p.KEYWORD_ONLY} - {"log"}
-    assert taken == set(declared) - {"run_name", "outputs_dir"}
     s = Settings()  # a direct call's defaults are the notebook's, not the library's own
     assert s.target_backend == declared["target_backend"].default == "vllm"
     assert (s.hidden_dtype, s.layer_convention, s.shard_mb) == tuple(
@@ -352,7 +348,7 @@ def test_stage_04_takes_notebook_04s_parameters_under_its_names():
 def test_a_setting_outside_its_declared_bound_is_refused_by_stage_run_and_by_extract(tiny_target, tokens, tmp_path):
     files, _ = tokens
     with pytest.raises(ValueError, match=r"nproc_per_node must be at least 1 \("):
-        stage.run(Run(tmp_path, "r"), **notebook_params("04", target_model_path=str(tiny_target), nproc_per_node=0),
+        stage.run(Run(tmp_path, "r"), stage_config("04", target_model_path=str(tiny_target), nproc_per_node=0),
                   log=lambda m: None)
     with pytest.raises(ValueError, match=r"shard_mb must be more than 0 \(shard size on disk"):
         extract(tiny_target, files, tmp_path / "x", shard_mb=0.0)

@@ -373,6 +373,7 @@ def test_without_a_count_reasoning_that_meets_a_tool_call_is_taken_as_closed_and
 
 def test_emulator_bills_with_a_tiktoken_tokenizer_and_stage_03_rebuilds_its_ids(tmp_path, kimi_dir):
     from draftsmith import generate
+    from draftsmith.config import GenerateConfig
     from draftsmith.generate import stage as generate_stage
     from draftsmith.emulator import running
     from draftsmith.emulator.catalogue import Quirks, default_catalogue
@@ -384,11 +385,10 @@ def test_emulator_bills_with_a_tiktoken_tokenizer_and_stage_03_rebuilds_its_ids(
     cfg = {"fault_scale": 0, "credits": 50.0, "backend": "synthetic", "target_model_path": str(kimi_dir),
            "synthetic_tokens": 60}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        result = generate_stage.run_at(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
-                                         max_tokens=120, concurrency=16, spend_limit_usd=40.0,
-                                         provider={"quantizations": ["int4", "unknown"]},
-                                         target_model_path=str(kimi_dir), trust_remote_code=True,
-                                         native_precision="int4", log=lambda *a: None)
+        cfg = GenerateConfig(datasets=datasets, model="moonshotai/kimi-k2.5", max_tokens=120, concurrency=16,
+                             spend_limit_usd=40.0, provider={"quantizations": ["int4", "unknown"]},
+                             target_model_path=str(kimi_dir), trust_remote_code=True, native_precision="int4")
+        result = generate_stage.run_at(emu.base_url, emu.key, run, cfg, log=lambda *a: None)
         assert result.complete, result.message
         ledger = {line["generation_id"]: line for line in emu.ledger_lines() if line["billed"]}
     eos = [led["output_ids"][-1] for led in ledger.values() if led["finish_reason"] == "stop"]

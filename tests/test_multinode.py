@@ -25,7 +25,7 @@ from draftsmith.paths import Run
 from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.targets.corpus import chat_examples
 
-from conftest import free_port, notebook_params, write_token_rows
+from conftest import free_port, stage_config, write_token_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,12 +34,13 @@ NODE = """
 import json, sys
 from draftsmith.drafter import train
 from draftsmith.drafter.config import TrainConfig
+from draftsmith.config import HiddenConfig
 from draftsmith.hidden import stage
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
 log = lambda *m: print(*m, flush=True)
 if a["stage"] == "04":
-    s = stage.run(Run(a["outputs"], "r"), **a["params"], log=log)
+    s = stage.run(Run(a["outputs"], "r"), HiddenConfig(**a["params"]), log=log)
 else:
     s = train.launch(TrainConfig(**a["config"]), train_nproc=1, nnodes=2, rdzv_endpoint=a["endpoint"], log=log)
 print("SUMMARY " + json.dumps(s), flush=True)
@@ -48,9 +49,9 @@ HIDDEN = {"target_backend": "hf", "max_tokens_per_batch": 256, "shard_mb": 0.01}
 
 
 def node_04(target: Path, endpoint: str, nnodes: int = 2, **settings) -> dict:
-    """What notebook 04 passes on one of `nnodes` nodes: its defaults, but for these."""
-    return notebook_params("04", target_model_path=str(target), datasets=[], nnodes=nnodes, rdzv_endpoint=endpoint,
-                           verify_with_hf=False, **{**HIDDEN, **settings})
+    """What notebook 04 passes on one of `nnodes` nodes (its config, as JSON): its defaults, but for these."""
+    return asdict(stage_config("04", target_model_path=str(target), datasets=[], nnodes=nnodes,
+                                           rdzv_endpoint=endpoint, verify_with_hf=False, **{**HIDDEN, **settings}))
 RESTARTED = "starting it again (2/2)"   # a node's launcher, once its torchrun failed
 
 

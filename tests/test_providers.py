@@ -9,8 +9,8 @@ import pytest
 
 from draftsmith.openrouter.client import BodyMaker, messages_json, request_settings
 from draftsmith.emulator import running
+from draftsmith.config import ProvidersConfig
 from draftsmith.paths import Run
-from draftsmith import parameters
 from draftsmith.providers import cost_plan, outputs, probe, stage
 from draftsmith.openrouter import endpoints
 from draftsmith.openrouter.api import Api, ApiError
@@ -215,15 +215,13 @@ def test_an_answer_with_nothing_to_compare_is_no_evidence_of_another_model():
 
 
 def test_stage_01_run_holds_a_direct_call_to_the_declared_bounds_before_anything_starts(tmp_path):
-    """`stage.run` takes notebook 01's names; a value outside its declared bound is refused, naming
-    the setting, before the emulator starts or anything is paid or written."""
-    notebook = next(s for s in parameters.discover() if s.number == "01")
-    params = parameters.given("01", {name: p.default for name, p in notebook.params.items()})
+    """A value outside its declared bound is refused, naming the setting, before the emulator starts
+    or anything is paid or written; a name stage 01 does not declare is no setting of its config."""
     with pytest.raises(ValueError, match="probe_max_tokens must be at least 1"):
-        stage.run(Run(tmp_path, "r"), **{**params, "probe_max_tokens": 0})
+        stage.run(Run(tmp_path, "r"), ProvidersConfig(probe_max_tokens=0))
     assert not (tmp_path / "r").exists()
-    with pytest.raises(TypeError):                      # the notebook's name, not a relayed one
-        stage.run(Run(tmp_path, "r"), **{**params, "lr": 1})
+    with pytest.raises(TypeError):
+        ProvidersConfig(lr=1)
 
 
 def test_stage_01_calls_work_under_a_running_event_loop_and_name_an_unlisted_model(tmp_path):

@@ -46,13 +46,13 @@ def test_the_report_leaves_out_the_target_build_log_and_names_no_folder_of_this_
 def test_the_stages_own_call_shows_its_results_and_errors_and_leaves_what_it_printed_to_the_log(tmp_path):
     run = Run(tmp_path / "outputs", "demo")
     nb = nbformat.v4.new_notebook()
-    work = nbformat.v4.new_code_cell("summary = stage.run(run, **parameters.given('01', globals()))\nsummary")
+    work = nbformat.v4.new_code_cell("summary = stage.run(run, parameters.stage_config('01', globals()))\nsummary")
     work.outputs = [nbformat.v4.new_output("stream", name="stdout", text="[pilot] 6/8 req (75%) in 15s\n"),
                     nbformat.v4.new_output("execute_result", data={"text/plain": "the plan fits 100%"},
                                            execution_count=1)]
     shown = nbformat.v4.new_code_cell("print(tokens.summary(report))")
     shown.outputs = [nbformat.v4.new_output("stream", name="stdout", text="262 of 350 samples kept\n")]
-    failed = nbformat.v4.new_code_cell("report = stage.run(run, **parameters.given('02', globals()))")
+    failed = nbformat.v4.new_code_cell("report = stage.run(run, parameters.stage_config('02', globals()))")
     failed.outputs = [nbformat.v4.new_output("stream", name="stdout", text="[generate] 1,322/28,000 tok\n"),
                       nbformat.v4.new_output("error", ename="ValueError", evalue="datasets: file not found",
                                              traceback=["ValueError: datasets: file not found"])]

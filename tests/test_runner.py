@@ -113,6 +113,31 @@ def test_each_notebooks_parameters_cell_and_the_docs_table_are_written_from_its_
     assert "concurrency = 7  # [1, inf) requests in flight" in parameters.cell_source(stage)
 
 
+def test_each_stage_is_one_call_taking_the_run_and_its_typed_config():
+    """Notebook NN calls `stage.run(run, parameters.stage_config("NN", globals()))`: the config its cell
+    holds, built and checked from the cell's names, and nothing else."""
+    import importlib
+    import inspect
+
+    from draftsmith import config
+
+    packages = {"01": "providers", "02": "generate", "03": "tokens", "04": "hidden", "05": "drafter", "06": "evaluate"}
+    for number, (_, cls) in config.STAGES.items():
+        run = importlib.import_module(f"draftsmith.{packages[number]}.stage").run
+        required = [n for n, p in inspect.signature(run).parameters.items()
+                    if p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD]
+        assert required == ["run", "cfg"] and inspect.signature(run).parameters["cfg"].annotation == cls.__name__
+        nb = parameters.read_notebook(REPO_ROOT / "notebooks" / f"{number}_{config.STAGES[number][0]}.ipynb")
+        assert f'stage.run(run, parameters.stage_config("{number}", globals()))' in "".join(
+            c["source"] for c in nb["cells"])
+        cells = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                 for f in dataclasses.fields(cls)}
+        assert parameters.stage_config(number, {**cells, "unrelated": 1}) == cls()
+    with pytest.raises(ValueError, match="concurrency must be at least 1"):
+        parameters.stage_config("02", {**{f.name: getattr(config.GenerateConfig(), f.name)
+                                          for f in dataclasses.fields(config.GenerateConfig)}, "concurrency": 0})
+
+
 def test_the_library_takes_its_defaults_and_bounds_without_the_notebooks_folder(tmp_path):
     """As installed from a wheel: the package alone, no notebooks/ beside it."""
     import shutil

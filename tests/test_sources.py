@@ -20,6 +20,8 @@ from draftsmith.hidden.outputs import HiddenShards
 
 from test_tokens_stage import stage_03
 
+from conftest import stage_02_at
+
 SPECS = [{"name": "code", "path": "unused"}, {"name": "chat", "path": "unused"}, {"name": "legacy", "path": "unused"}]
 
 
@@ -241,7 +243,6 @@ def test_stage_02_does_not_ask_for_prompts_an_import_answers(tmp_path, target_to
     """The import file doubles as `legacy`'s prompt file: nothing of it is requested. `chat` has its
     own prompt file, two of whose prompts an import answers (matched by prompt, no shared ids)."""
     from draftsmith import generate
-    from draftsmith.generate import stage as generate_stage
     from draftsmith.emulator import running
 
     legacy = write_jsonl(tmp_path / "legacy.jsonl", [import_line(target_tokenizer, i, False) for i in range(4)])
@@ -254,7 +255,7 @@ def test_stage_02_does_not_ask_for_prompts_an_import_answers(tmp_path, target_to
     logs = []
     cfg = {"fault_scale": 0, "credits": 10.0, "backend": "synthetic", "synthetic_tokens": 8, "time_scale": 0.0}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        res = generate_stage.run_at(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5", max_tokens=16,
+        res = stage_02_at(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5", max_tokens=16,
                                       concurrency=4, spend_limit_usd=1.0, native_precision="int4", imports=imports,
                                       log=logs.append)
         billed = [x for x in emu.ledger_lines() if x["billed"]]

@@ -9,10 +9,10 @@ from draftsmith.targets.corpus import chat_examples
 from draftsmith.templates import KIMI_K25_CHAT_TEMPLATE, load_chat_template, response_layout
 from draftsmith.tokens import Reconstructor, Response, Thresholds
 
-from conftest import notebook_params
+from conftest import stage_config
 
-DECLARED = Thresholds(**{k: v for k, v in notebook_params("03").items()
-                             if k in ("sample_tolerance", "min_clean_rate", "max_relative_error")})
+_03 = stage_config("03")
+DECLARED = Thresholds(_03.sample_tolerance, _03.min_clean_rate, _03.max_relative_error)
 
 THINK, END_THINK, EOS = 128821, 128822, 1
 

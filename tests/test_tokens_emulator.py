@@ -14,12 +14,13 @@ import yaml
 
 from draftsmith import cli, generate, parameters, tokens
 
-from draftsmith.generate import stage as generate_stage
 from draftsmith.emulator import running
 from draftsmith.emulator.catalogue import Quirks, default_catalogue
 from draftsmith.paths import REPO_ROOT, Run
 
 from test_tokens_stage import stage_03
+
+from conftest import stage_02_at
 
 FULL = os.environ.get("DRAFTSMITH_TOKENS_FULL") == "1"
 INT4 = {"quantizations": ["int4", "unknown"]}
@@ -47,7 +48,7 @@ def generate_and_validate(tmp_path, backend: str, budget: int, max_tokens: int, 
     cfg = {"fault_scale": 0, "credits": 50.0, "backend": backend, "target_model_path": "tiny-test",
            "synthetic_tokens": max_tokens // 2}
     with running(cfg, state_dir=tmp_path / "emulator") as emu:
-        result = generate_stage.run_at(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
+        result = stage_02_at(emu.base_url, emu.key, run, datasets, model="moonshotai/kimi-k2.5",
                                          max_tokens=max_tokens, concurrency=32, spend_limit_usd=40.0,
                                          provider=provider, target_model_path="tiny-test", native_precision="int4",
                                          log=lambda *a: None)

@@ -14,7 +14,7 @@ from draftsmith.tokens import stage
 from draftsmith.targets.corpus import chat_examples
 from draftsmith.paths import Run
 
-from conftest import notebook_params
+from conftest import stage_config
 
 PROVIDERS = ("Clean", "Strip", "OtherTok", "Split", "Trunc", "Drop")
 EXPECTED_CAUSE = {"Strip": "stripped_whitespace", "OtherTok": "other_tokenizer", "Split": "non_canonical_split",
@@ -84,7 +84,7 @@ SPECS = [{"name": "code", "path": "unused"}, {"name": "chat", "path": "unused"}]
 
 def stage_03(run, datasets, target, **params) -> dict:
     """What notebook 03 calls (`stage.run`), its parameters at their defaults but for `params`."""
-    return stage.run(run, **notebook_params("03", datasets=datasets, target_model_path=str(target), **params),
+    return stage.run(run, stage_config("03", datasets=datasets, target_model_path=str(target), **params),
                      log=lambda *a: None)
 
 
@@ -198,14 +198,3 @@ def test_a_damaged_stage_02_line_stops_the_stage_naming_file_and_line(tmp_path, 
 def test_a_missing_stage_02_output_names_the_file(tmp_path, tiny_target):
     with pytest.raises(FileNotFoundError, match="run stage 02"):
         stage_03(Run(tmp_path, "r"), SPECS, tiny_target)
-
-
-def test_stage_03_takes_notebook_03s_parameters_under_its_names():
-    import inspect
-
-    from draftsmith import parameters
-
-    declared = next(s for s in parameters.discover() if s.number == "03").params
-    taken = {n for n, p in inspect.signature(stage.run).parameters.items()
-             if p.kind is p.KEYWORD_ONLY and p.default is inspect.Parameter.empty}
-    assert taken == set(declared) - {"run_name", "outputs_dir"}

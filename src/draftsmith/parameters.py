@@ -11,7 +11,6 @@ or a value of the wrong type is rejected (naming the file and key), relative pat
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import difflib
@@ -160,11 +159,19 @@ def check_bounds(values: dict) -> None:
             raise ValueError(problem)
 
 
-def given(number: str, namespace: dict) -> dict:
-    """Notebook `number`'s parameters (their current values in `namespace`, the notebook's
-    globals), without the two that name the run folder: what its stage's `run(run, **params)` takes."""
-    stage = next(s for s in _shipped()[0] if s.number == number)
-    return {name: namespace[name] for name in stage.params if name not in ("run_name", "outputs_dir")}
+def check(cfg) -> None:
+    """Raise ValueError naming the first setting of `cfg` (a stage's config) outside its bound: each
+    stage's `run` calls this first, so a direct call is held to the same bounds as `draftsmith run`."""
+    check_bounds({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+
+
+def stage_config(number: str, namespace: dict):
+    """Stage `number`'s config (`config.STAGES`) from `namespace`, a notebook's globals: what its
+    stage's `run(run, cfg)` takes, checked."""
+    cls = config.STAGES[number][1]
+    cfg = cls(**{f.name: namespace[f.name] for f in dataclasses.fields(cls)})
+    check(cfg)
+    return cfg
 
 
 def discover(notebooks_dir: Path = NOTEBOOKS_DIR, configs: dict | None = None) -> list[Stage]:

@@ -3,7 +3,7 @@
 scores (`scoring`), checkpoints (`checkpoints`), the training loop (`train`), the SGLang/vLLM export
 (`export`), the DFlash block drafter and its objective (`dflash`) and vLLM export (`dflash_export`),
 tables and figures (`figures`), and `outputs`, the one owner of the files under `<run>/drafter/`
-(and `<run>/drafter-dflash/`); `stage.run(run, **params)` is notebook 05's one call. Stage 06 loads
+(and `<run>/drafter-dflash/`); `stage.run(run, cfg)` is notebook 05's one call. Stage 06 loads
 a drafter with `load_exported(export_dir, target_path)` (`dflash_export.load_exported`) and reads
 the held-out samples with `outputs.read_heldout`."""
 

@@ -1,6 +1,7 @@
 """Stage 05 as notebook 05 runs it (`run`): train the run's drafters on its stage-04 hidden states.
 
-The training settings are notebook 05's parameters under its names, the fields of `TrainConfig`;
+`run(run, cfg)` takes notebook 05's settings (`DrafterConfig`); those that shape training become a
+`TrainConfig` per kind;
 `drafter_kinds` lists the drafters trained in turn on the same features (eagle3, dflash), each into
 its own folder (`outputs.drafter_dir`); `train_nproc`, `nnodes` and `rdzv_endpoint` choose where it
 runs (`train.launch`: this process, or torchrun processes on one node or several).
@@ -8,27 +9,29 @@ runs (`train.launch`: this process, or torchrun processes on one node or several
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from .. import parameters
 from ..hidden.outputs import hidden_dir
+from ..config import DrafterConfig
 from ..paths import Run
 from ..targets.checkpoint import resolve_target
 from . import outputs, train
 from .config import TrainConfig
 
 
-def run(run: Run, *, target_model_path: str, drafter_kinds: list[str], train_nproc: int, nnodes: int,
-        rdzv_endpoint: str, log=print, **settings) -> dict[str, dict]:
-    """Train each kind (resuming from its latest checkpoint when `train_resume`), export, and return
-    the summaries by kind (`outputs.write_summary`). `settings` are the `TrainConfig` fields notebook
-    05 declares."""
-    parameters.check_bounds({"train_nproc": train_nproc, "nnodes": nnodes})
-    if not drafter_kinds or len(set(drafter_kinds)) != len(drafter_kinds) \
-            or not set(drafter_kinds) <= set(outputs.KINDS):
-        raise ValueError(f"drafter_kinds must list distinct kinds of {outputs.KINDS}, got {drafter_kinds!r}")
-    cfgs = [TrainConfig(hidden_dir=str(hidden_dir(run)), target_path=str(resolve_target(target_model_path)),
-                        out_dir=str(outputs.drafter_dir(run, kind)), drafter_kind=kind, **settings)
-            for kind in drafter_kinds]
-    for cfg in cfgs:   # every kind's settings before the first trains
-        cfg.check()
-    return {cfg.drafter_kind: train.launch(cfg, train_nproc=train_nproc, nnodes=nnodes,
-                                           rdzv_endpoint=rdzv_endpoint, log=log) for cfg in cfgs}
+def run(run: Run, cfg: DrafterConfig, *, log=print) -> dict[str, dict]:
+    """Train each kind of `cfg.drafter_kinds` (resuming from its latest checkpoint when `train_resume`),
+    export, and return the summaries by kind (`outputs.write_summary`)."""
+    parameters.check(cfg)
+    kinds = cfg.drafter_kinds
+    if not kinds or len(set(kinds)) != len(kinds) or not set(kinds) <= set(outputs.KINDS):
+        raise ValueError(f"drafter_kinds must list distinct kinds of {outputs.KINDS}, got {kinds!r}")
+    shared = {f.name: getattr(cfg, f.name) for f in fields(TrainConfig) if hasattr(cfg, f.name)}
+    trains = [TrainConfig(**shared, hidden_dir=str(hidden_dir(run)), out_dir=str(outputs.drafter_dir(run, kind)),
+                          target_path=str(resolve_target(cfg.target_model_path)), drafter_kind=kind)
+              for kind in kinds]
+    for train_cfg in trains:   # every kind's settings before the first trains
+        train_cfg.check()
+    return {t.drafter_kind: train.launch(t, train_nproc=cfg.train_nproc, nnodes=cfg.nnodes,
+                                         rdzv_endpoint=cfg.rdzv_endpoint, log=log) for t in trains}

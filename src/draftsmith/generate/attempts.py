@@ -14,7 +14,8 @@ import functools
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
@@ -26,10 +27,66 @@ from ..openrouter.deadline import KeepaliveWatch
 from ..openrouter.pricing import generation_cost
 from ..openrouter.retry import Aimd, backoff_delay
 from ..progress import Progress
-from .counts import Counts
 from .options import Options
-from .outage import Outage
 from .prompt_queue import DatasetQueue
+
+
+@dataclass
+class Counts:
+    """What one session counted, each field named as its line in the manifest's `sessions` names it
+    (outputs.Manifest): the session and its attempts add to it, the session writes it."""
+
+    samples: int = 0                    # answers saved
+    completion_tokens: int = 0          # their output tokens
+    cost: float = 0.0                   # what they cost
+    attempts: int = 0                   # requests sent
+    errors_by_kind: dict[str, int] = field(default_factory=dict)    # failed attempts, by kind
+    failed_attempts_cost: float = 0.0   # what billed failures cost
+    peak_in_flight: int = 0
+    exhausted_samples: int = 0          # out of attempts this session (a re-run tries them again)
+    permanent_samples: int = 0          # failed for good (errors.jsonl)
+    lost_answers: int = 0               # answers lost after billing could start
+    lost_answers_costed: int = 0        # ... of which GET /generation told the cost
+    unknown_bills: int = 0              # ... of which the cost stayed unknown (counted at the worst case)
+    abandoned_reserved_usd: float = 0.0  # that worst case, summed
+    unsaved_answers: int = 0            # answers paid for that the store could not write
+    unsaved_cost: float = 0.0
+
+    def entry(self) -> dict:
+        """The manifest's fields: dollars rounded to 1e-8, the dict copied."""
+        d = asdict(self)
+        for k in ("cost", "failed_attempts_cost", "abandoned_reserved_usd", "unsaved_cost"):
+            d[k] = round(d[k], 8)
+        return d
+
+
+class Outage:
+    """When OpenRouter itself is down. Each retryable `error.availability` answer is waited out; one
+    that comes while no response has arrived for longer than `limit_s` since the first of them stops
+    the run cleanly (a re-run resumes). Any response resets the clock."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self.since: float | None = None   # first retryable availability error since the last response
+        self.kinds: Counter[str] = Counter()
+
+    def answered(self) -> None:
+        self.since = None
+        self.kinds.clear()
+
+    def unavailable(self, now: float, kind: str) -> bool:
+        """Count one retryable availability error; True once they have lasted longer than the limit."""
+        if self.since is None:
+            self.since = now
+        self.kinds[kind] += 1
+        return now - self.since > self.limit_s
+
+    def message(self, now: float) -> str:
+        seen = ", ".join(f"{n} {k}" for k, n in self.kinds.most_common())
+        return (f"OpenRouter answered only retryable availability errors for {now - self.since:.0f}s "
+                f"(more than outage_limit_s = {self.limit_s:g}s; {seen}): it looks down, so the run stopped "
+                f"cleanly with nothing written off; re-run stage 02 later and it resumes")
+
 
 HINTS = {
     "unauthorized": "check api_key_file / OPENROUTER_API_KEY",

@@ -5,13 +5,16 @@ A slot freed by one dataset goes to whichever dataset still has budget and promp
 so the run stays full until the last budget is reached; each start reserves its worst-case dollars
 first (openrouter/budget.py). A stop (money, a refusal, SIGINT/SIGTERM, a write error) starts
 nothing new, lets the requests in flight finish for a grace period and closes the files, so a
-re-run resumes exactly where this one ended."""
+re-run resumes exactly where this one ended. The session also keeps its own books: the progress
+line, a timeline point every second, the manifest every two seconds, and the closing `result()`."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import json
+import time
+import math
 import os
 from contextlib import contextmanager
 
@@ -28,10 +31,8 @@ from ..progress import Progress
 from ..providers import outputs as stage_01
 from ..openrouter.endpoints import policy_routing
 from ..openrouter.retry import Aimd
-from . import attempts, bare_server, bookkeeping, money
-from .counts import Counts
-from .options import Options
-from .outage import Outage
+from . import attempts, bare_server
+from .options import GenerationResult, Options
 from .prompt_queue import ContextCheck, DatasetQueue
 
 GC_GEN0_THRESHOLD = 20_000  # objects allocated between young collections while a session runs (Python: 700)
@@ -41,9 +42,9 @@ WRITE_ERROR_GRACE_S = 5.0    # after a write error: how long the requests in fli
 
 class Session:
     """One session (a start or a resume): the slots, the money (`spend`) and the counts (`counts`,
-    counts.py). Only the session sets its own attributes: a sample's attempts (attempts.Sampler)
+    `attempts.Counts`). Only the session sets its own attributes: a sample's attempts (attempts.Sampler)
     are given what they use, add to `counts`, settle `spend` and return a stop for the session to
-    make; money.py and bookkeeping.py read."""
+    make."""
 
     def __init__(self, base_url: str, api_key, run: Run, specs: list[DatasetSpec], settings: dict,
                  opts: Options, config: dict, log=print, policy: tuple[str, bool] | None = None):
@@ -82,7 +83,7 @@ class Session:
             self.datasets.append(DatasetQueue(spec, saved, budget))
         self.spend = SpendBudget(opts.spend_limit_usd, opts.balance_floor_usd, spent)
         self.aimd = Aimd(opts.concurrency)
-        self.outage = Outage(opts.outage_limit_s)
+        self.outage = attempts.Outage(opts.outage_limit_s)
         self.check: ContextCheck | None = None
         self.server: bare_server.BareServer | None = None   # set when api_base is not OpenRouter
         self.sampler: attempts.Sampler | None = None         # once the session is open
@@ -90,7 +91,7 @@ class Session:
         self.http: aiohttp.ClientSession | None = None
 
         self.in_flight = 0
-        self.counts = Counts()
+        self.counts = attempts.Counts()
         self.tasks: set[asyncio.Task] = set()
         self.reason: str | None = None       # why the session ended (None while running)
         self.message = ""
@@ -98,14 +99,17 @@ class Session:
         self.blocked: tuple[str, float] | None = None   # (spend_limit | balance, worst cost) if dollars stopped a start
         self.winding_down: tuple[str, str] | None = None  # (reason, message): stopping for a top-up once in flight ends
         self.write_error: str | None = None                    # what the store could not write
-        self.was_full = False        # every slot was busy at some moment (money.wind_down)
+        self.was_full = False        # every slot was busy at some moment (`_wind_down`)
         self.recoveries: set[asyncio.Task] = set()             # asking /generation what one cost
+        self.wake = asyncio.Event()             # a slot, a reservation or the limit may have freed up
+        self.money_freed = asyncio.Event()      # a reservation was freed
+        self.stopped: asyncio.Future | None = None    # done once the session stops (made by `main`'s loop)
         self._rr = 0
-        self.entry = {"started": bookkeeping.now(), "status": "running",      # this session's line in the manifest
+        self.entry = {"started": now(), "status": "running",      # this session's line in the manifest
                       "samples_at_start": sum(len(d.store.done) for d in self.datasets),
                       "request_deadline_s": round(self.deadline_s, 3)}
         self.manifest.sessions.append(self.entry)
-        self.timeline = outputs.open_timeline(run)    # a point every second (bookkeeping.point)
+        self.timeline = outputs.open_timeline(run)    # a point every second (`_point`)
 
     # -- dispatch ---------------------------------------------------------------------------
     def _take(self) -> tuple | None:
@@ -226,16 +230,16 @@ class Session:
     # -- stopping ---------------------------------------------------------------------------
     def _stop_blocked(self) -> None:
         """Money refused a start and nothing can free any: stop, saying about what to add."""
-        message, top_up = money.blocked_message(self, *self.blocked)
+        message, top_up = self._blocked_message(*self.blocked)
         if top_up:
             self.entry["top_up_usd"] = top_up     # what to add, for whoever re-runs it (bench/rehearsal.py)
         self.request_stop(self.blocked[0], message)
 
     def _maybe_wind_down(self) -> None:
-        """In the money-bound tail (money.wind_down): start nothing new, stop once in flight ends."""
+        """In the money-bound tail (`_wind_down`): start nothing new, stop once in flight ends."""
         if self.winding_down:
             return
-        stop = money.wind_down(self, *self.blocked)
+        stop = self._wind_down(*self.blocked)
         if stop is None:
             return
         message, top_up = stop
@@ -291,8 +295,6 @@ class Session:
     async def _main(self) -> None:
         loop = asyncio.get_running_loop()
         self.stopped = loop.create_future()
-        self.wake = asyncio.Event()
-        self.money_freed = asyncio.Event()      # a reservation was freed
         if not any(d.budget.can_start() and d.peek() for d in self.datasets):
             self.reason = "nothing_to_do"
             self.message = "every dataset is done (budget reached or no prompts left); nothing was requested"
@@ -334,8 +336,8 @@ class Session:
                 reader = self.balance_reader = BalanceReader(http, self.base)
                 await self._read_balance(reader)
                 self.sampler = self._sampler(http, "openrouter")
-                background = [loop.create_task(self._poll_balance(reader)), loop.create_task(bookkeeping.tick(self))]
-                bookkeeping.save_manifest(self)
+                background = [loop.create_task(self._poll_balance(reader)), loop.create_task(self._tick())]
+                self._save_manifest()
                 await self._dispatch()
                 await self._drain()
                 if self.recoveries:
@@ -391,9 +393,9 @@ class Session:
         self.config.update(request=self.settings, server=self.server.engine, routing_source=None)
         self.check = ContextCheck(self.server.max_model_len, self.max_tokens, self.opts.target_model_path,
                                   self.opts.trust_remote_code)
-        background = loop.create_task(bookkeeping.tick(self))
+        background = loop.create_task(self._tick())
         try:
-            bookkeeping.save_manifest(self)
+            self._save_manifest()
             await self._dispatch()
             await self._drain()
         finally:
@@ -430,11 +432,11 @@ class Session:
         for d in self.datasets:
             self._closing(d.store.close, d.store.raw_path)
         if self.progress is not None:
-            self.progress.set(**bookkeeping.progress_fields(self, 0.0))
+            self.progress.set(**self._progress_fields(0.0))
             self.progress.close(ended=self.reason in ("finished", "nothing_to_do"))
-        self._closing(lambda: bookkeeping.save_manifest(self, final=True), self.manifest.path)
+        self._closing(lambda: self._save_manifest(final=True), self.manifest.path)
         if self.progress is not None:       # the session ran: its last point
-            self._closing(lambda: bookkeeping.point(self), self.timeline.path)
+            self._closing(lambda: self._point(), self.timeline.path)
             self.timeline.close()
         for d in self.datasets:
             if d.reader.problems:
@@ -451,6 +453,191 @@ class Session:
                 self.message = f"writing {path} failed: {e.strerror or e}"
             self.write_error = self.write_error or self.message
 
+
+    # -- money: what a stop says, and the stop for a top-up ------------------------------------
+    # Each request is reserved at its worst case (about 3x an average one), so once the money left is
+    # less than `concurrency` worst cases, fewer requests fit in flight, and the last of the balance
+    # is spent at a trickle. When the money cannot finish the job anyway, that trickle only delays
+    # the top-up the job needs: below `money_bound_stop_fraction` of the slots, stop starting
+    # requests, let those in flight finish (they are paid for), and stop with what to top up.
+    # That tail is the end of a session that had every slot busy. A session whose money never filled
+    # the slots (it started with a small balance) has no such tail: it is all trickle, and stopping it
+    # would buy nothing at all, so it spends down to the floor at the concurrency its money allows and
+    # ends with the balance stop.
+
+    def _blocked_message(self, why: str, worst: float) -> tuple[str, float]:
+        """(the stop's message, the top-up to finish rounded to cents, 0.0 if unknown) for a start of
+        worst case `worst` that the `why` limit (balance | spend_limit) refused."""
+        spend = self.spend
+        top_up = round(self._top_up_usd(worst), 2)
+        if why == "balance":
+            floor = f" (balance_floor_usd ${spend.floor:.2f})" if spend.floor else ""
+            return (f"the balance ran out: ${spend.balance_left:.4f} left{floor}, less than the next "
+                    f"request could cost (${worst:.4f} at max_tokens on the dearest allowed provider)"
+                    + (f"; top up about ${top_up:,.2f} to finish" if top_up else "")), top_up
+        return (f"spend_limit_usd ${spend.limit:.2f} reached: spent ${spend.spent:.4f}, and the next "
+                f"request could cost ${worst:.4f}, more than the ${spend.limit_left:.4f} left"
+                + (f"; raise it by about ${top_up:,.2f} to finish" if top_up else "")), top_up
+
+    def _left_to_finish(self) -> tuple[float, int] | None:
+        """(expected dollars, requests) to finish every dataset's budget, in flight included, at the
+        run's cost and length per response so far; None if unknown (nothing paid yet, or a dataset
+        without a budget that still has prompts)."""
+        done = sum(d.budget.done for d in self.datasets)
+        samples = sum(d.store.totals.samples for d in self.datasets)
+        if done <= 0 or samples <= 0 or self.spend.spent <= 0:
+            return None
+        left = 0
+        for d in self.datasets:
+            if d.spec.output_token_budget is None:
+                if d.exhausted:
+                    continue
+                return None
+            left += max(0, d.spec.output_token_budget - d.budget.done)
+        return left * self.spend.spent / done, math.ceil(left * samples / done)
+
+    def _top_up_usd(self, worst: float, left: tuple[float, int] | None = None) -> float:
+        left = left or self._left_to_finish()
+        return 0.0 if left is None else self.spend.top_up(*left, self.opts.concurrency, worst)
+
+    def _wind_down(self, why: str, worst: float) -> tuple[str, float] | None:
+        """(the message, the top-up rounded to cents) when the run should stop for a top-up now that
+        `why` refused a start of worst case `worst`; None while it should go on."""
+        fraction = self.opts.money_bound_stop_fraction
+        if (not fraction or not self.was_full
+                or self.in_flight >= fraction * min(self.opts.concurrency, self.aimd.limit)):
+            return None
+        left = self._left_to_finish()
+        if left is None or left[0] <= self.spend.left:
+            return None
+        need = left[0]
+        top_up = round(self._top_up_usd(worst, left), 2)
+        money = (f"${self.spend.left:.2f} above the balance floor" if why == "balance"
+                 else f"${self.spend.left:.2f} below spend_limit_usd")
+        action = "top up" if why == "balance" else "raise spend_limit_usd by"
+        return (f"money keeps only {self.in_flight} of {self.opts.concurrency} requests in flight ({money}; each "
+                f"is reserved at its worst case, ${worst:.4f}) and cannot finish the job (about ${need:,.2f} "
+                f"more at the cost per token so far): {action} about ${top_up:,.2f} (what is left, plus a worst "
+                f"case per slot it needs, so every slot stays busy) and re-run stage 02 "
+                f"(money_bound_stop_fraction: 0 spends the rest first)"), top_up
+
+    # -- bookkeeping: the progress line, the timeline, the manifest, the result -----------------
+
+    async def _tick(self) -> None:
+        last_save = last_t = time.monotonic()
+        last_tokens, rate = self.counts.completion_tokens, 0.0
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            rate = 0.7 * rate + 0.3 * (self.counts.completion_tokens - last_tokens) / max(1e-9, now - last_t)
+            last_tokens, last_t = self.counts.completion_tokens, now
+            self.progress.set(**self._progress_fields(rate))
+            self.wake.set()       # the limit may have grown back, or a reservation been freed
+            try:
+                self._point()
+                if now - last_save >= 2:
+                    for d in self.datasets:
+                        d.store.sync()
+                    self._save_manifest()
+                    last_save = now
+            except OSError as e:    # a full disk: the session stops (write_failed)
+                self.write_failed(e)
+
+    def _point(self) -> None:
+        """A line of `timeline.jsonl`, every second of every session: money, slots and tokens now
+        (the report's spend-vs-balance and in-flight figures)."""
+        left = self.spend.balance_left
+        self.timeline.append({
+            "t": round(time.time(), 2), "session": len(self.manifest.sessions), "in_flight": self.in_flight,
+            "limit": self.aimd.limit, "spent": round(self.spend.spent, 6), "reserved": round(self.spend.reserved, 6),
+            "balance": None if left is None else round(left, 6),
+            "tokens": {d.name: d.budget.done for d in self.datasets}})
+
+    def _progress_fields(self, rate: float) -> dict:
+        """The progress line's fields; `padding`: the requests whose reply has been keep-alive alone
+        (whitespace, SSE comments) for longer than request_timeout_s, each given up at its deadline."""
+        f = {}
+        for d in self.datasets:
+            b = d.spec.output_token_budget
+            f[d.name] = f"{short(d.budget.done)}/{short(b)}" if b else short(d.budget.done)
+        f.update(samples=self.counts.samples, spent=f"${self.spend.spent:.4f}/{self.spend.limit:g}",
+                 tok_s=round(rate), in_flight=f"{self.in_flight}/{self.aimd.limit}",
+                 err=f"{100 * sum(self.counts.errors_by_kind.values()) / max(1, self.counts.attempts):.1f}%",
+                 padding=self.watch.waiting(self.opts.request_timeout_s))
+        return f
+
+    def _dataset_table(self) -> dict:
+        out = {}
+        for d in self.datasets:
+            out[d.name] = {**d.store.totals.as_dict(), "budget": d.spec.output_token_budget, "path": d.spec.path,
+                           "failed_for_good": len(d.store.permanent)}
+        return out
+
+    def _provider_table(self) -> dict:
+        merged: dict[str, dict] = {}
+        for d in self.datasets:
+            for name, t in d.store.providers.items():
+                m = merged.setdefault(name, {"samples": 0, "completion_tokens": 0, "prompt_tokens": 0, "cost": 0.0})
+                m["samples"] += t.samples
+                m["completion_tokens"] += t.completion_tokens
+                m["prompt_tokens"] += t.prompt_tokens
+                m["cost"] = round(m["cost"] + t.cost, 8)
+        return merged
+
+    def _save_manifest(self, final: bool = False) -> None:
+        problems = {d.name: [str(p) for p in d.reader.problems[:20]] +
+                    ([f"... {len(d.reader.problems) - 20} more"] if len(d.reader.problems) > 20 else [])
+                    for d in self.datasets if d.reader.problems}
+        self.entry.update(
+            updated=now(), **self.counts.entry(), reserved_usd=round(self.spend.reserved, 8),
+            concurrency_limit=self.aimd.limit, concurrency_cuts=self.aimd.cuts,
+            skipped_too_long={d.name: d.skipped for d in self.datasets if d.skipped}, malformed_rows=problems)
+        if final:
+            self.entry.update(ended=now(), status=self.reason, message=self.message, reserved_usd=0.0)
+        self.manifest.write(self.config, self._dataset_table(), self._provider_table(), self.spend.spent)
+
+    def result(self) -> GenerationResult:
+        done = self.reason in ("finished", "nothing_to_do")
+        parts = []
+        for d in self.datasets:
+            t, b = d.store.totals, d.spec.output_token_budget
+            ran_out = done and b and d.exhausted and t.completion_tokens < b
+            parts.append(f"{d.name}: {t.samples} samples, {t.completion_tokens:,} tokens" + (f" of {b:,}" if b else "")
+                         + (" (its prompts ran out below the budget)" if ran_out else "")
+                         + (f", {len(d.store.permanent)} failed for good" if d.store.permanent else ""))
+        summary = "; ".join(parts)
+        stage_01 = ", stage 01 included" if self.stage_01_usd else ""
+        c = self.counts
+        lost = c.failed_attempts_cost + c.abandoned_reserved_usd + c.unsaved_cost
+        spent = (f"spent ${c.cost + lost:.4f} this session, "
+                 f"${self.spend.spent:.4f} in this run{stage_01} (limit ${self.spend.limit:.2f})")
+        if lost > 0:
+            unknown = (f", of which ${c.abandoned_reserved_usd:.4f} is counted at its worst case for "
+                       f"{c.unknown_bills} requests whose bill could not be read" if c.unknown_bills else "")
+            parts = [f"failed attempts that were billed{unknown}"] if lost > c.unsaved_cost else []
+            if c.unsaved_answers:
+                parts.append(f"${c.unsaved_cost:.4f} for {c.unsaved_answers} answers that came back and could not be written")
+            paid = f"Paid for and not saved this session: ${lost:.4f} ({'; '.join(parts)})"
+        else:
+            paid = "Nothing paid for was lost"
+        cached = c.errors_by_kind.get("cached", 0)
+        if cached:
+            paid += (f". {cached} replies came from OpenRouter's response cache (copies of earlier answers, usage "
+                     f"zeroed) although every request sends X-OpenRouter-Cache: false: none was saved; turn caching "
+                     f"off in the key's preset")
+        if done:
+            head = self.message + ": " if self.reason == "nothing_to_do" else "finished: "
+            msg = f"{head}{summary}; {spent}. {paid}."
+            if c.exhausted_samples:
+                msg += (f" {c.exhausted_samples} samples were GIVEN UP after {self.opts.max_attempts} failed "
+                        f"attempts each ({outputs.ERRORS}); a re-run tries them again.")
+        else:
+            msg = (f"stopped: {self.message}. Done so far: {summary}; {spent}. {paid}; every saved response is "
+                   f"kept: {TODO.get(self.reason, 're-run')} and it resumes where it stopped.")
+            if c.exhausted_samples:
+                msg += f" {c.exhausted_samples} samples were given up this session (a re-run tries them again)."
+        return GenerationResult("finished" if done else "stopped", self.reason, msg, self.folder,
+                                self.spend.spent, dict(self.entry), self._dataset_table())
 
 
 @contextmanager
@@ -484,3 +671,19 @@ def _raise_fd_limit(need: int) -> None:
         if new < need:
             print(f"warning: the open-file limit ({hard}) is below concurrency + 256 = {need}; "
                   f"raise it (ulimit -n) or lower concurrency")
+
+
+TODO = {"balance": "top up the balance, then re-run", "spend_limit": "raise spend_limit_usd, then re-run",
+        "fatal": "fix that, then re-run", "interrupted": "re-run",
+        "write_error": "free space on that disk (or fix the folder), then re-run", "no_room": "re-run"}
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def short(n: float) -> str:
+    for unit, div in (("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:.0f}"

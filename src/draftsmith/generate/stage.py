@@ -1,4 +1,4 @@
-"""Stage 02's entry: `run(run, **params)` takes notebook 02's parameters, opens the API (the local
+"""Stage 02's entry: `run(run, cfg)` takes notebook 02's settings (`GenerateConfig`), opens the API (the local
 emulator, or `api_base` with its key) and generates; `run_at` is the same against an API already
 open at `base_url` (tests and benchmarks that start their own server). See the package's docstring."""
 
@@ -16,75 +16,70 @@ from ..openrouter import client
 from . import outputs
 from ..datasets import parse_datasets
 from ..imports import answered, parse_imports
+from ..config import GenerateConfig
 from ..paths import Run, resolve
 from ..providers import outputs as stage_01
-from . import bookkeeping, prompt_edits, run_settings
+from . import prompt_edits, run_settings
 from .session import Session
 from .options import GenerationResult, GenerationStopped, Options
 
 
-def run(run: Run, *, api_base: str, api_key_file: str | None, target_model_path: str | None, emulator: dict,
-        **params) -> GenerationResult:
-    """Notebook 02: `params` are its parameters (`parameters.given("02", globals())`). Holds the
-    run's writer lock from before the local emulator starts to the end."""
-    with outputs.writer_lock(run), local.open_api(api_base, api_key_file, run, target_model_path, emulator,
-                                                  params.get("model")) as (base_url, api_key):
-        return run_at(base_url, api_key, run, target_model_path=target_model_path, **params)
+def run(run: Run, cfg: GenerateConfig, *, log=print, **knobs) -> GenerationResult:
+    """Stage 02 with notebook 02's settings: opens the API (the local emulator, or `api_base` with
+    its key) and generates (`run_at`). Holds the run's writer lock from before the local emulator
+    starts to the end."""
+    with outputs.writer_lock(run), local.open_api(cfg.api_base, cfg.api_key_file, run, cfg.target_model_path,
+                                                  cfg.emulator, cfg.model) as (base_url, api_key):
+        return run_at(base_url, api_key, run, cfg, log=log, **knobs)
 
 
-def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, max_tokens: int,
-           concurrency: int, spend_limit_usd: float, temperature: float | None = None,
-           top_p: float | None = None, seed: int | None = None, provider: dict | None = None,
-           reasoning: dict | None = None, stream: bool = False, native_precision: str | None = None,
-           allow_unknown_quantization: bool = False, imports: list[dict] | None = None, log=print,
-           allow_changed_settings: bool = False, keep_removed_prompts: bool = False,
-           **options) -> GenerationResult:
-    """Generate responses for `datasets` into `run.dir("generate")`, resuming whatever is there.
-    `options`: the other fields of `Options` (balance_floor_usd, max_attempts, request_timeout_s, ...).
-    Without stage 01's routing, `native_precision` is required: the session then applies the
-    precision policy itself. Prompts answered by an import file (`imports`, see imports.py) are not
-    asked for: they are never paid for twice.
+def run_at(base_url: str, api_key, run: Run, cfg: GenerateConfig, *, log=print, **knobs) -> GenerationResult:
+    """Generate responses for `cfg.datasets` into `run.dir("generate")`, resuming whatever is there.
+    `knobs`: the `Options` fields no stage declares (balance_poll_s, backoff_base_s, ...), which
+    tests and benchmarks turn. Without stage 01's routing, `native_precision` is required: the
+    session then applies the precision policy itself. Prompts answered by an import file
+    (`imports`, see imports.py) are not asked for: they are never paid for twice.
 
     One process writes a run at a time (outputs.writer_lock: a second one raises RunBusy naming the
     holder). A run that holds answers made under other settings is refused (SettingsChanged,
     naming each difference) unless `allow_changed_settings`. Saved answers are first compared with
-    the prompt files as they are now (prompt_edits.py): the counts are logged per dataset, answers
-    to reworded prompts are set aside and the prompts asked again, answers to removed prompts are
-    set aside unless `keep_removed_prompts`; nothing paid for is deleted. A write error at the
-    store (a full disk) ends the session and raises GenerationStopped with what was paid for and
-    not saved.
+    the prompt files as they are now (prompt_edits.py): answers to reworded prompts are set aside
+    and the prompts asked again, answers to removed prompts are set aside unless
+    `keep_removed_prompts`; nothing paid for is deleted. A write error at the store (a full disk)
+    ends the session and raises GenerationStopped with what was paid for and not saved.
 
     Runs its own event loop (in a thread when one is already running, as in Jupyter). SIGINT and
     SIGTERM stop it cleanly; a second SIGINT gives up on the requests in flight at once."""
+    parameters.check(cfg)
     datasets = [{**d, "path": str(resolve(d["path"]))} if isinstance(d, dict) and isinstance(d.get("path"), str)
-                else d for d in datasets]
+                else d for d in cfg.datasets]
     specs = parse_datasets(datasets)
     for spec in specs:
         if not Path(spec.path).is_file():
             raise FileNotFoundError(f"datasets: file of dataset {spec.name!r} not found: {spec.path}")
-    parameters.check_bounds({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p})
-    opts = Options(concurrency, spend_limit_usd, **options)
+    opts = Options(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Options) if hasattr(cfg, f.name)},
+                   **knobs)
     # stage 01's routing with the `provider` setting laid over it; without it, the session applies
     # the same precision policy over the live endpoint list (`Session._apply_policy`)
     base_routing = stage_01.read_routing(run)
     policy = None
     if base_routing is None:
-        if not native_precision:
+        if not cfg.native_precision:
             raise ValueError(f"no {stage_01.routing_file(run)} (stage 01 has not run for run "
                              f"{run.name!r}) and no native_precision: run stage 01 first, or set native_precision so "
                              f"that stage 02 applies the precision policy itself")
-        policy = (native_precision, allow_unknown_quantization)
-    settings = client.request_settings(model, max_tokens, temperature, top_p, seed,
-                                       {**(base_routing or {}), **(provider or {})}, reasoning, stream)
+        policy = (cfg.native_precision, cfg.allow_unknown_quantization)
+    settings = client.request_settings(cfg.model, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed,
+                                       {**(base_routing or {}), **(cfg.provider or {})}, cfg.reasoning, cfg.stream)
     config = {"base_url": base_url, "key_source": api_key.source, "datasets": datasets, "request": settings,
               "routing_source": str(stage_01.routing_file(run).relative_to(run.root)) if base_routing is not None
               else None,
               **{k: v for k, v in vars(opts).items() if k != "target_model_path"}}
-    import_specs = parse_imports(imports or [], [s.name for s in specs])
+    import_specs = parse_imports(cfg.imports or [], [s.name for s in specs])
     shaping = run_settings.data_settings(settings, policy, opts.target_model_path)
     with outputs.writer_lock(run):
-        diff = run_settings.check(run, [s.name for s in specs], shaping, allow_changed_settings)
-        edits = prompt_edits.apply(run, specs, keep_removed_prompts)
+        diff = run_settings.check(run, [s.name for s in specs], shaping, cfg.allow_changed_settings)
+        edits = prompt_edits.apply(run, specs, cfg.keep_removed_prompts)
         for e in edits:
             log(e.summary())
         session = Session(base_url, api_key, run, specs, settings, opts, config, log, policy)
@@ -99,7 +94,7 @@ def run_at(base_url: str, api_key, run: Run, datasets: list[dict], model: str, m
             if d.answered:
                 log(f"{d.name}: prompts that an import file answers are skipped (stage 03 reads that file)")
         _run_with_signals(session)
-    result = bookkeeping.result(session)
+    result = session.result()
     noted = [e for e in edits if e.reworded or e.removed or e.set_aside]
     if noted:
         said = "; ".join(f"{e.dataset}: {e.reworded} reworded (asked again), {e.removed} removed ("

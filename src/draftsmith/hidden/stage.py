@@ -1,16 +1,10 @@
-"""Stage 04 as notebook 04 runs it: in this process, or as torchrun ranks fed one JSON config.
+"""Stage 04 as notebook 04 runs it: `run(run, cfg)` with its settings (`HiddenConfig`).
 
-`run` takes the notebook's parameters under its names and picks the way: `nproc_per_node` > 1
-(`hf` on several GPUs, or gloo processes on a CPU) or `nnodes` > 1 (this node's part of a run over
-several, joined by torchrun's rendezvous; `vllm`: one engine per node) runs `launch`, anything else
-`extract` here, which first proves its features in the engine itself (`check`, on by default, at
-any scale); then, with `verify_with_hf`, the stored features are also checked against the target
-run alone in transformers (`verify`), where transformers can hold the target. `launch` writes every setting into `extract_config.json` in the output folder
-and starts `python -m draftsmith.hidden CONFIG.json` as torchrun ranks (`draftsmith.distributed`),
-as stage 05's training does with its config: the settings are declared once (`extract.Settings`,
-notebook 04's names and defaults). A failed torchrun is started again; it resumes from the whole
-shards. Where vLLM's CPU build cannot run the target (`vllm` on INT4 MoE experts), the stage says
-so in one line and records it (`record_gpu_only`).
+`nproc_per_node` > 1 or `nnodes` > 1 runs `launch` (torchrun ranks reading one `extract_config.json`,
+restarted once on failure, resuming from whole shards); anything else runs `extract` here. Either
+first proves its features in the engine (`check`); with `verify_with_hf` the stored features are
+also checked in transformers (`verify`). A target vLLM's CPU build cannot run is recorded as
+GPU-only (`record_gpu_only`).
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ from pathlib import Path
 from .. import parameters
 from . import outputs, verify
 from ..files import write_json_atomic
+from ..config import HiddenConfig
 from ..paths import Run
 from ..tokens.outputs import token_files
 from ..targets.checkpoint import resolve_target
@@ -32,41 +27,37 @@ from ..distributed import done_launching, launch_dir, torchrun
 from .extract import Settings, extract
 
 CONFIG = "extract_config.json"
+# the settings `extract` takes under the config's names (the vLLM ones travel as `engine_options`)
+SETTINGS = ("layer_ids", "layer_set", "layer_convention", "hidden_dtype", "max_tokens_per_batch", "shard_mb", "device",
+            "target_backend", "check_samples", "check_answers")
 
 
-def run(run: Run, *, target_model_path: str, datasets: list, hidden_dtype: str, layer_set: str, layer_ids: list,
-        layer_convention: str, max_tokens_per_batch: int, shard_mb: float, nproc_per_node: int, nnodes: int,
-        rdzv_endpoint: str, device: str, target_backend: str, trust_remote_code: bool, tensor_parallel_size: int,
-        gpu_memory_utilization: float | None, max_num_batched_tokens: int | None, vllm_model_runner: str,
-        check_samples: int, check_answers: bool, verify_with_hf: bool, log=print) -> dict:
-    """Stage 04 with notebook 04's parameters under its names: extract the run's stage-03 tokens
-    (of `datasets`, or all) into its hidden-state folder and return the summary, with `check` (stage
-    04's own check in the engine, `draftsmith.hidden.check`; None when `check_samples` is 0) and
-    `hf_check` (`verify.check_stored`; None when not `verify_with_hf`). The vLLM settings reach the engine only
-    when `target_backend` is vllm. `nnodes` > 1: this node's part of a run over that many nodes
-    joined at `rdzv_endpoint` (`draftsmith.distributed`)."""
-    parameters.check_bounds({name: value for name, value in locals().items() if name not in ("run", "log")})
-    target = resolve_target(target_model_path, log=log)
-    files = token_files(run, datasets)
+def run(run: Run, cfg: HiddenConfig, *, log=print) -> dict:
+    """Stage 04: extract the run's stage-03 tokens (of `cfg.datasets`, or all) into its hidden-state
+    folder and return the summary, with `check` (stage 04's own check in the engine,
+    `draftsmith.hidden.check`; None when `check_samples` is 0) and `hf_check` (`verify.check_stored`;
+    None when not `verify_with_hf`). The vLLM settings reach the engine only when `target_backend` is
+    vllm. `nnodes` > 1: this node's part of a run over that many nodes (`draftsmith.distributed`)."""
+    parameters.check(cfg)
+    target = resolve_target(cfg.target_model_path, log=log)
+    files = token_files(run, cfg.datasets)
     out_dir = outputs.hidden_dir(run)
-    settings = dict(layer_ids=layer_ids, layer_set=layer_set, layer_convention=layer_convention, hidden_dtype=hidden_dtype,
-                    max_tokens_per_batch=max_tokens_per_batch, shard_mb=shard_mb, device=device,
-                    target_backend=target_backend, check_samples=check_samples, check_answers=check_answers)
-    if target_backend == "vllm":
+    settings = {name: getattr(cfg, name) for name in SETTINGS}
+    if cfg.target_backend == "vllm":
         settings["engine_options"] = dict(
-            tensor_parallel_size=tensor_parallel_size, trust_remote_code=trust_remote_code,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
-            vllm_model_runner=vllm_model_runner)
-    if nproc_per_node > 1 or nnodes > 1:
-        summary = launch(nproc_per_node, target, files, out_dir, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
-                         log=log, **settings)
+            tensor_parallel_size=cfg.tensor_parallel_size, trust_remote_code=cfg.trust_remote_code,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            vllm_model_runner=cfg.vllm_model_runner)
+    if cfg.nproc_per_node > 1 or cfg.nnodes > 1:
+        summary = launch(cfg.nproc_per_node, target, files, out_dir, nnodes=cfg.nnodes,
+                         rdzv_endpoint=cfg.rdzv_endpoint, log=log, **settings)
     else:
         try:
             summary = extract(target, files, out_dir, log=log, **settings)
         except GpuOnly as e:
             summary = record_gpu_only(out_dir, target, e.line, log=log, **settings)
-    hf_check = verify.check_stored(target, out_dir, device, verify_with_hf=verify_with_hf,
-                                   trust_remote_code=trust_remote_code)
+    hf_check = verify.check_stored(target, out_dir, cfg.device, verify_with_hf=cfg.verify_with_hf,
+                                   trust_remote_code=cfg.trust_remote_code)
     return {"check": None, **summary, "hf_check": hf_check}
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from .. import parameters, sources
 from ..datasets import parse_datasets
 from ..imports import parse_imports, source_files
+from ..config import TokensConfig
 from ..paths import Run
 from ..progress import Progress
 from .analysis import analyse, mark_duplicates, totals
@@ -79,20 +80,17 @@ def rebuild_source(rec: Reconstructor, run: Run, name: str, unit: str, src: Path
     return rows, problems
 
 
-def run(run: Run, *, datasets: list[dict], imports: list[dict], target_model_path: str,
-        chat_template_file: str | None, trust_remote_code: bool, sample_tolerance: float, min_clean_rate: float,
-        max_relative_error: float, exclude_flagged: bool, batch_size: int = 256, log=print) -> dict:
-    """Stage 03 end to end, with notebook 03's parameters under its names: rebuild every dataset
-    from stage 02's responses and the files in `imports` (see `draftsmith.imports`), analyse, write
-    outputs and report.json (returned)."""
+def run(run: Run, cfg: TokensConfig, *, batch_size: int = 256, log=print) -> dict:
+    """Stage 03 end to end: rebuild every dataset from stage 02's responses and the files in
+    `cfg.imports` (see `draftsmith.imports`), analyse, write outputs and report.json (returned)."""
     from ..targets.checkpoint import resolve_target
 
-    parameters.check_bounds({"sample_tolerance": sample_tolerance, "min_clean_rate": min_clean_rate,
-                             "max_relative_error": max_relative_error})
-    datasets = parse_datasets(datasets)
-    thresholds = Thresholds(sample_tolerance, min_clean_rate, max_relative_error)
-    specs = parse_imports(list(imports), [s.name for s in datasets])
-    rec = load_reconstructor(str(resolve_target(target_model_path, log=log)), chat_template_file, trust_remote_code)
+    parameters.check(cfg)
+    datasets = parse_datasets(cfg.datasets)
+    thresholds = Thresholds(cfg.sample_tolerance, cfg.min_clean_rate, cfg.max_relative_error)
+    specs = parse_imports(list(cfg.imports), [s.name for s in datasets])
+    rec = load_reconstructor(str(resolve_target(cfg.target_model_path, log=log)), cfg.chat_template_file,
+                             cfg.trust_remote_code)
     log(f"tokenizer: {type(rec.tokenizer).__name__} ({rec.encoder.kind}), vocabulary {rec.encoder.vocab_size:,}")
     parts, problems = {}, {}
     for spec in datasets:
@@ -110,7 +108,7 @@ def run(run: Run, *, datasets: list[dict], imports: list[dict], target_model_pat
     bad = {p for p, s in providers.items() if s["flagged"]}
     for r in rows:
         r["excluded"] = (r["excluded"] or "no_output" in r["checks"]["issues"]
-                         or (exclude_flagged and (r["flagged"] or r["provider"] in bad)))
+                         or (cfg.exclude_flagged and (r["flagged"] or r["provider"] in bad)))
     outputs = {name: write_dataset(run, name, parts[name]) for name in parts}
     report = {
         "format": f"draftsmith-tokens/{FORMAT_VERSION}",
@@ -121,7 +119,7 @@ def run(run: Run, *, datasets: list[dict], imports: list[dict], target_model_pat
                    "think_end": rec.layout.think_end, "think_end_ids": rec.think_end_ids,
                    "end_of_turn": rec.layout.end_of_turn, "end_of_turn_ids": rec.end_of_turn_ids},
         "thresholds": asdict(thresholds),
-        "exclude_flagged": exclude_flagged,
+        "exclude_flagged": cfg.exclude_flagged,
         "totals": totals(rows),
         "totals_unflagged_providers": totals([r for r in rows if r["provider"] not in bad]),
         "totals_kept": totals([r for r in rows if not r["excluded"]]),   # what stage 04 reads (the run summary)
