@@ -10,8 +10,9 @@ tokenizer (`Billing`), and the ledger line written before the client has the las
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
-import math
+import functools
 import random
 import secrets
 import time
@@ -19,6 +20,7 @@ from collections import Counter
 
 from aiohttp import web
 
+from .acts import act
 from .backends import Job, Vocab
 from .cache import STATUS_HEADER, ResponseCache
 from .catalogue import Endpoint
@@ -26,12 +28,11 @@ from .config import EmulatorConfig
 from .faults import uniform
 from .ledger import Ledger
 from .output import Output
+from .pacing import Pace, Sender, paced
 from .quirks import Billing
 from .synthetic import SyntheticBackend
-from .wire import PROCESSING, JSONWriter, SSEWriter, error_body
+from .wire import JSONWriter, SSEWriter, error_body
 
-BILLED = (None, "cut_after_billing", "bad_bytes")  # the faults of a response billed as generated
-MAX_CHUNK_TOKENS = 16  # a stream chunk carries at most this many tokens
 GOLDEN = (5 ** 0.5 - 1) / 2  # the step of an endpoint's quirk draws
 
 
@@ -91,157 +92,79 @@ class Responses:
         stops generating and billing there if it `supports_cancellation`, else it finishes and bills
         the whole response. A non-streamed response is always generated and billed in full."""
         cfg = self.cfg
-        loop = asyncio.get_running_loop()
         rng = random.Random(f"{cfg.seed}|{gen_id}")
-        ttft = rng.lognormvariate(math.log(ep.latency_s.median), ep.latency_s.sigma)
-        tps = rng.lognormvariate(math.log(ep.tokens_per_s.median), ep.tokens_per_s.sigma)
-        t0, scale, stream = loop.time(), cfg.time_scale, req["stream"]
-
-        def due(n: int) -> float:  # when the n-th id (from 0) is produced, on the loop's clock
-            return t0 + (ttft + n / tps) * scale
-
+        pace = Pace.draw(rng, ep, cfg.stream_interval_s, cfg.time_scale)
         out = Output(self.vocab, req, ep, gen_id, cfg.model, self.quirk_draw(ep),
                      byok_fee_rate=cfg.byok_fee_rate if cfg.byok else None)
-        headers = {"X-Generation-Id": gen_id}
         caching = self.cache.enabled(request.headers)
-        if caching:
-            headers[STATUS_HEADER] = "MISS"
-        writer = SSEWriter(request, cfg.padding_interval_s, headers) if stream else \
-            JSONWriter(request, cfg.padding_interval_s, headers)
-        writer.spoil = fault == "bad_bytes"
+        writer = self._writer(request, req["stream"], gen_id, caching)
         if fault == "hang":
-            return await self._hang(writer, req, ep, out, attempts, prompt_ids, nth, t_start, due)
+            return await self._hang(writer, req, ep, out, attempts, prompt_ids, nth, t_start, pace)
         if fault == "stall":
             return await self._stall(writer, req, ep, out, attempts, prompt_ids, t_start)
-        stop_after = {"mid_stream": max(1, int(rng.random() * min(req["max_tokens"], 64))),
-                      "error_200": 0, "empty_200": 0}.get(fault)
-        cut_at = max(1, int(rng.random() * min(req["max_tokens"], 64))) \
-            if fault == "cut_after_billing" and stream else None
-        job = self._job(req, prompt_ids, ep, nth)
-        t_first = None
-        gone = False  # the stream's connection is closed: nothing more is written
-
-        async def send() -> bool:
-            nonlocal gone
-            try:
-                await writer.flush()
-            except ConnectionResetError:
-                gone = True
-            if not gone and cut_at is not None and len(out.ids) >= cut_at:
-                writer.close_connection()
-                gone = True
-            return not (gone and ep.supports_cancellation)
-
-        try:
-            await writer.open()
-            tokens = self._tokens(job)
-            try:
-                going = True
-                async for ids, texts in tokens:
-                    pos = 0
-                    while going and pos < len(ids) and not out.stopped:
-                        end = len(ids)
-                        if stop_after is not None:
-                            end = min(end, pos + stop_after - len(out.ids))
-                            if end <= pos:
-                                break
-                        if cut_at is not None and not gone:
-                            end = min(end, pos + max(1, cut_at - len(out.ids)))
-                        if stream:  # a chunk: the ids due by now (paced), at most MAX_CHUNK_TOKENS of them
-                            if scale > 0:
-                                n_due = int(((loop.time() - t0) / scale - ttft) * tps) + 1
-                                if n_due <= len(out.ids):
-                                    if not gone:
-                                        self._chunk(writer, out)
-                                        going = await send()
-                                    next_write = writer._last + cfg.stream_interval_s * scale if not gone else 0.0
-                                    await asyncio.sleep(max(due(len(out.ids)), next_write) - loop.time())
-                                    continue
-                                end = min(end, pos + n_due - len(out.ids))
-                            end = min(end, pos + MAX_CHUNK_TOKENS)
-                        pos += out.extend(ids[pos:end], texts[pos:end])
-                        t_first = t_first or loop.time()
-                        if stream and not gone:
-                            self._chunk(writer, out)
-                            if cut_at is not None and len(out.ids) >= cut_at:
-                                going = await send()
-                    if stream and not gone:
-                        going = await send()
-                    if not going or out.stopped or (stop_after is not None and len(out.ids) >= stop_after):
-                        break
-            finally:
-                job.cancelled = True
-                await tokens.aclose()
-            if stream and cut_at is not None and not gone:  # a response shorter than the cut: cut before its end
-                writer.close_connection()
-                gone = True
-            # the response (or its failure) is complete when its last id is due
-            if not (gone and ep.supports_cancellation):
-                await asyncio.sleep(max(0.0, due(len(out.ids)) - loop.time()))
-        except ConnectionResetError:  # gone before the first byte
-            gone = True
+        how = act(fault, rng, req, ep)
+        writer.spoil = how.spoil
+        sender = Sender(writer, out, req["stream"], how.cut_at, ep.supports_cancellation)
+        t_first = await self._produce(self._job(req, prompt_ids, ep, nth), out, pace, how.stop_after, sender)
         writer.stop_keepalive()
-        cancelled = gone and ep.supports_cancellation
+        cancelled = not sender.going
         if cancelled:
             self.stats["cancelled"] += 1
-        billed = fault in BILLED
-        finish = None if fault in ("empty_200",) else "error" if fault not in BILLED else out.finish_reason
         # the ledger line exists before the client has the last byte (as /generation would)
-        self.record(gen_id, ep, req, out, 200, attempts, finish=finish, billed=billed, error=fault,
-                     t_start=t_start, prompt_ids=prompt_ids, cancelled=cancelled,
-                     ttft_s=(t_first - t0) if t_first else None)
+        self.record(gen_id, ep, req, out, 200, attempts, finish=how.finish(out), billed=how.billed, error=fault,
+                    t_start=t_start, prompt_ids=prompt_ids, cancelled=cancelled,
+                    ttft_s=(t_first - pace.t0) if t_first else None)
         self.stats["served" if fault is None else f"fault_{fault}"] += 1
-        if gone:
+        if sender.gone:
             return writer.resp or web.Response(status=499)
         if fault is None and caching:
             self.cache.put(req, request.headers, out)
-        if fault == "cut_after_billing":  # non-streaming: billed in full, lost on the wire
-            return await writer.cut(out.message(out.usage(self.billing(ep), prompt_ids, True), finish))
         try:
-            return await self._finish(writer, out, fault, prompt_ids, ep)
+            return await how.end(writer, out, functools.partial(out.usage, self.billing(ep), prompt_ids))
         except ConnectionResetError:  # gone at the very end: billed in full, it was all generated
             return writer.resp or web.Response(status=499)
 
-    def _chunk(self, writer: SSEWriter, out: Output) -> None:
-        r, c = out.take_delta()
-        if r or c:
-            writer.event(out.chunk(r, c))
+    def _writer(self, request, stream: bool, gen_id: str, caching: bool) -> SSEWriter | JSONWriter:
+        """A stream's writer or a JSON body's, with the generation id (and a cache MISS when asked)."""
+        headers = {"X-Generation-Id": gen_id}
+        if caching:
+            headers[STATUS_HEADER] = "MISS"
+        cls = SSEWriter if stream else JSONWriter
+        return cls(request, self.cfg.padding_interval_s, headers)
 
-    async def _finish(self, writer, out: Output, fault: str | None, prompt_ids, ep: Endpoint):
-        billing = self.billing(ep)
-        err = {"code": 502, "message": "Provider returned error",
-               "metadata": {"raw": "upstream connection lost", "provider_name": ep.name,
-                            "error_type": "provider_unavailable"}}
-        if isinstance(writer, SSEWriter):
-            if fault in ("error_200", "mid_stream"):
-                r, c = out.take_delta()
-                writer.event(out.chunk(r, c, finish="error", error=err))
-                await writer.end()
-                return writer.resp
-            finish = out.finish_reason if fault in BILLED else None
-            if fault in BILLED:
-                writer.event(out.chunk("", "", finish=finish))
-            writer.event(out.usage_chunk(out.usage(billing, prompt_ids, billed=fault in BILLED), finish))
-            await writer.done()
-            return writer.resp
-        if fault == "error_200":
-            return await writer.body(error_body(502, "Provider returned error", err["metadata"]))
-        usage = out.usage(billing, prompt_ids, billed=fault in BILLED)
-        if fault == "mid_stream":
-            return await writer.body(out.message(usage, "error", error=err))
-        if fault == "empty_200":
-            out.content, out.reasoning = "", ""
-            return await writer.body(out.message(usage | {"cost": 0.0}, None))
-        return await writer.body(out.message(usage, out.finish_reason))
+    async def _produce(self, job: Job, out: Output, pace: Pace, stop_after: float, sender: Sender) -> float | None:
+        """Generate `job` into `out` as it comes due (`paced`), up to `stop_after` ids, writing it
+        through `sender`; then wait until its last id is due (unless the endpoint stopped). Returns
+        when the first id came, on the loop's clock (None: none did)."""
+        loop = asyncio.get_running_loop()
+        t_first = None
+        try:
+            await sender.writer.open()
+            tokens = self._tokens(job)
+            try:
+                async with contextlib.aclosing(paced(tokens, out, pace, stop_after, sender)) as pieces:
+                    async for ids, texts in pieces:
+                        out.extend(ids, texts)
+                        t_first = t_first or loop.time()
+                        await sender.added()
+            finally:
+                job.cancelled = True
+                await tokens.aclose()
+            sender.end()
+            if sender.going:  # the response (or its failure) is complete when its last id is due
+                await pace.until(len(out.ids))
+        except ConnectionResetError:  # gone before the first byte
+            sender.gone = True
+        return t_first
 
-    async def _hang(self, writer, req, ep, out: Output, attempts, prompt_ids, nth, t_start, due):
+    async def _hang(self, writer, req, ep, out: Output, attempts, prompt_ids, nth, t_start, pace: Pace):
         """The provider generates and bills the response, but the client gets only the headers
         (a stream also its first comment); silence for `hang_s`, then the connection closes."""
         loop = asyncio.get_running_loop()
         t_hang = loop.time()
         try:
             if isinstance(writer, SSEWriter):
-                await writer._write(PROCESSING)
+                await writer.open(keepalive=False)
             else:
                 await writer.send_headers()
         except ConnectionResetError:
@@ -256,7 +179,7 @@ class Responses:
         finally:
             job.cancelled = True
             await tokens.aclose()
-        await asyncio.sleep(max(0.0, due(len(out.ids)) - loop.time()))
+        await pace.until(len(out.ids))
         self.record(out.gen_id, ep, req, out, 200, attempts, finish=out.finish_reason, billed=True, error="hang",
                      t_start=t_start, prompt_ids=prompt_ids, cancelled=False, ttft_s=None)
         self.stats["fault_hang"] += 1

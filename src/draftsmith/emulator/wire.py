@@ -90,6 +90,11 @@ class _Writer:
     async def _prepare(self) -> None:
         raise NotImplementedError
 
+    @property
+    def last_write(self) -> float:
+        """When bytes last went out (at first: when the writer was made), on the event loop's clock."""
+        return self._last
+
     def start_keepalive(self) -> None:
         self._keepalive = asyncio.create_task(self._keepalive_loop())
 
@@ -130,10 +135,12 @@ class SSEWriter(_Writer):
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | self.headers)
         await self.resp.prepare(self.request)
 
-    async def open(self) -> None:
+    async def open(self, keepalive: bool = True) -> None:
+        """Send the headers and the first comment; then repeat it while nothing else is sent (`keepalive`)."""
         self._buf: list[bytes] = []
         await self._write(PROCESSING)
-        self.start_keepalive()
+        if keepalive:
+            self.start_keepalive()
 
     def event(self, obj) -> None:
         """Queue one `data:` event; `flush` sends the queued ones in one write."""
