@@ -211,14 +211,20 @@ def dry_run(params: Path, overrides: list[tuple[str, str]]) -> int:
     return done.returncode
 
 
-def run_plan(plan, run: Run, stop_after_failed: tuple[str, ...] = ()) -> dict[str, dict]:
+def run_plan(plan, run: Run, stop_after_failed: tuple[str, ...] = (), say=None) -> dict[str, dict]:
     """Each step's command in order: {step: rc, seconds, logs}; a failed step in `stop_after_failed`
-    ends the plan (the later steps read rc -1)."""
-    steps = {}
+    ends the plan (the later steps read rc -1). `say`, when given, gets every line the commands print."""
+    steps, echo = {}, say or (lambda line: print(line, flush=True))
     for name, cmd in plan:
-        print(f"== {name}: {shown(cmd)}", flush=True)
+        echo(f"== {name}: {shown(cmd)}")
         t0 = time.monotonic()
-        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        if say is None:
+            rc = subprocess.run(cmd, cwd=ROOT).returncode
+        else:
+            with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+                for line in p.stdout:
+                    say(line.rstrip("\n"))
+            rc = p.returncode
         steps[name] = {"rc": rc, "seconds": time.monotonic() - t0, "logs": f"{run.root}/logs/"}
         if rc and name in stop_after_failed:
             break
