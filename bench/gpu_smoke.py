@@ -65,8 +65,10 @@ def settings(target: str, tp: int, run_name: str, outputs_dir: str | None) -> li
     s = [("run_name", run_name), ("target_model_path", target),
          ("target_backend", "vllm"), ("tensor_parallel_size", str(tp)), ("verify_with_hf", "true"),
          ("eval_backend", "vllm"), ("eval_tensor_parallel", str(tp)), ("eval_engine_dtype", "bfloat16"),
-         ("eval_hf_crosscheck", "true"), ("eval_hf_crosscheck_all", "true"), ("eval_max_new_tokens", "64"), ("eval_temperatures", "[0.0, 1.0]"),
-         ("layer_set", "both"), ("drafter_kinds", '["eagle3", "dflash"]')]
+         ("eval_hf_crosscheck", "true"), ("eval_hf_crosscheck_all", "true"), ("eval_max_new_tokens", "64"),
+         ("eval_temperatures", "[0.0, 1.0]"),
+         # layer_ids empty, so that layer_set decides (a params file's own layer_ids would take precedence)
+         ("layer_set", "both"), ("layer_ids", "[]"), ("drafter_kinds", '["eagle3", "dflash"]')]
     return s + ([("outputs_dir", outputs_dir)] if outputs_dir else [])
 
 

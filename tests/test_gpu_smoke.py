@@ -48,6 +48,21 @@ def test_dry_run_plans_every_stage_on_the_int4_target_in_vllm_with_tensor_parall
                          "05_train_drafter, 06_evaluate: ok")
 
 
+def test_the_smoke_plan_captures_both_drafters_layers_although_its_params_file_names_eagle3s():
+    """params/kimi-mini.yaml sets layer_ids (EAGLE-3's three); the plan's overrides clear them, so
+    `layer_set: both` decides and DFlash trains on its own five layers."""
+    import importlib.util
+
+    from draftsmith import parameters
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    values = parameters.effective_params(parameters.discover(), str(module.PARAMS),
+                                         module.settings("kimi-mini", 1, "plan", None))
+    assert values["layer_set"] == "both" and values["layer_ids"] == []
+
+
 def test_dry_run_reports_the_cli_refusing_a_setting(tmp_path):
     done = smoke("--dry-run", "--target", "no-such-target", "--run-name", "plan", "--outputs-dir", str(tmp_path))
     assert done.returncode == 2
