@@ -99,7 +99,8 @@ def perturbed_copy(target: Path, weight: str, scale: float, into: Path, seed: in
     raise KeyError(f"{weight} is in none of {[f.name for f in files]}")
 
 
-def measure(target: Path, backend: str, tokens: Path, out: Path, samples: int, step_tokens: int | None) -> dict:
+def measure(target: Path, backend: str, tokens: Path, out: Path, samples: int,
+            step_tokens: int | None) -> check.CheckRecord:
     """Stage 04 on `tokens` with the check and the gate on: the check's record (passed or not)."""
     cfg = target_config(target)
     n_layers = int((cfg.get("text_config") or cfg)["num_hidden_layers"])
@@ -110,17 +111,17 @@ def measure(target: Path, backend: str, tokens: Path, out: Path, samples: int, s
         summary = extract(target, [tokens], out, target_backend=backend, layer_ids=layers.default_layer_ids(n_layers),
                           max_tokens_per_batch=4096, shard_mb=1.0, check_samples=samples, check_answers=True,
                           engine_options=options, device="cpu", log=lambda m: None)
-        return summary["check"]
+        return check.CheckRecord.from_dict(summary["check"])
     except check.CheckFailed as failed:
         return failed.record
 
 
-def row(name: str, what: str, r: dict) -> str:
-    a = r["answers"]
-    self_ok = not [p for p in r["problems"] if p not in check.answer_problems(a)]
+def row(name: str, what: str, r: check.CheckRecord) -> str:
+    a = r.answers
+    self_ok = not [p for p in r.problems if p not in check.answer_problems(a)]
     gate = "passes" if not check.answer_problems(a) else "FAILS"
-    return (f"| {name} | {what} | {r['engine']} | {'passes' if self_ok else 'FAILS'} "
-            f"({r['logprob_mean_abs_err']:.3f}) | {a['tokens']} | {a['mean_nll']:.2f} | {a['argmax_agreement']:.3f} "
+    return (f"| {name} | {what} | {r.engine} | {'passes' if self_ok else 'FAILS'} "
+            f"({r.logprob_mean_abs_err:.3f}) | {a['tokens']} | {a['mean_nll']:.2f} | {a['argmax_agreement']:.3f} "
             f"| {gate} |")
 
 

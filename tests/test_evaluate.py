@@ -356,16 +356,16 @@ def test_beside_vllm_our_decoder_cross_checks_the_held_out_prompts_greedily_and_
 
 def test_the_engines_report_compares_with_our_decoder_only_at_the_temperatures_it_measured():
     from draftsmith.evaluate import engine_summary
+    from draftsmith.evaluate.engine import EngineMethod
 
-    methods = [{"name": "none", "kind": "none", "fingerprint": "vllm-none"},
-               {"name": "eagle3", "kind": "eagle3", "fingerprint": "vllm-d", "hf_fingerprint": "d"}]
+    methods = [EngineMethod("none", "none", "vllm-none"), EngineMethod("eagle3", "eagle3", "vllm-d", hf_fingerprint="d")]
     counters = {"drafts": 2, "draft_tokens": 6, "accepted": 3, "per_pos": [2, 1, 0]}
 
     def row(fp, kind, t, **more):
         return {"method_fingerprint": fp, "kind": kind, "dataset": "code", "sample_id": "a", "temperature": t,
                 "output": [5, 6, 7], "seconds": 1.0, "counters": counters, **more}
 
-    engine = [row(m["fingerprint"], m["kind"], t, accepted=[2, 1]) for m in methods for t in (0.0, 1.0)]
+    engine = [row(m.fingerprint, m.kind, t, accepted=[2, 1]) for m in methods for t in (0.0, 1.0)]
     ours = [row("none", "none", 0.0, rounds={"accepted": [], "drafted": []}),
             row("d", "eagle3", 0.0, rounds={"accepted": [2, 1], "drafted": [3, 3]})]
     report = engine_summary.engine_report(engine, methods, ours, draft_tokens=3, eval_temperatures=[0.0, 1.0],

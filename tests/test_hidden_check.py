@@ -10,6 +10,7 @@ Each test prints its row of the table fault -> what the check reported (`pytest 
 """
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -38,14 +39,19 @@ def num_layers(target) -> int:
     return int(cfg.get("text_config", cfg)["num_hidden_layers"])
 
 
-def row(target, backend: str, fault: str, r: dict) -> str:
+def row(target, backend: str, fault: str, r: check.CheckRecord) -> str:
     """One line of the planted-fault table (printed; `pytest -s` shows it)."""
-    verdict = "passed" if r["passed"] else f"caught: {r['cause'].split(':')[0]}"
-    c = r["captured"]
+    verdict = "passed" if r.passed else f"caught: {r.cause.split(':')[0]}"
+    c = r.captured
     return (f"| {target.name.rsplit('-', 1)[0]} | {backend} | {fault} | {c['logprob_mean_abs_err']:.3g} / "
-            f"{r['logprob_mean_abs_err']:.3g} | {c['logprob_max_abs_err']:.3g} / {r['logprob_max_abs_err']:.3g} | "
-            f"{c['top1_agreement']:.3f} / {r['top1_agreement']:.3f} | {max(r['roundtrip_rel_err'].values()):.3g} | "
-            f"{r['health']['min_layer_distance']:.3g} | {verdict} |")
+            f"{r.logprob_mean_abs_err:.3g} | {c['logprob_max_abs_err']:.3g} / {r.logprob_max_abs_err:.3g} | "
+            f"{c['top1_agreement']:.3f} / {r.top1_agreement:.3f} | {max(r.roundtrip_rel_err.values()):.3g} | "
+            f"{r.health['min_layer_distance']:.3g} | {verdict} |")
+
+
+def checked(summary: dict) -> check.CheckRecord:
+    """The check's record in a summary of stage 04 (as its summary.json holds it)."""
+    return check.CheckRecord.from_dict(summary["check"])
 
 
 class Planted:
@@ -135,20 +141,23 @@ def run(every_layer, target, tokens, out_dir, fault, dtype="bf16", log=lambda m:
 
 def test_the_clean_capture_passes_the_check_and_records_it_in_the_index(every_layer, target, tokens, tmp_path):
     summary = run(every_layer, target, tokens, tmp_path, "clean")
-    record = summary["check"]
-    assert record["passed"] and record["problems"] == [] and record["engine"] == every_layer.backend
+    record = checked(summary)
+    assert record.passed and record.problems == [] and record.engine == every_layer.backend
     hs = outputs.HiddenShards(tmp_path)
     assert hs.index["check"]["passed"] and len(hs) == 6 and not hs.index["rejected_shards"]
     assert all(e["health"]["min_layer_distance"] > check.MIN_LAYER_DISTANCE for e in hs.index["shards"])
-    assert json.loads((tmp_path / outputs.CHECK).read_text())["passed"]
+    text = (tmp_path / outputs.CHECK).read_text()
+    assert outputs.read_check(tmp_path).passed and json.loads(text) == hs.index["check"] == summary["check"]
+    # the record writes back the very file it was read from
+    assert json.dumps(outputs.read_check(tmp_path).to_dict(), indent=1, ensure_ascii=False) == text
     print(row(target, every_layer.backend, "none (clean capture)", record))
 
 
 def test_a_clean_fp8_capture_passes_its_looser_stored_bounds_and_the_tight_captured_ones(every_layer, target, tokens,
                                                                                           tmp_path):
-    record = run(every_layer, target, tokens, tmp_path, "clean", dtype="fp8")["check"]
-    assert record["passed"] and record["storage_dtype"] == "fp8", record
-    assert record["captured"]["logprob_mean_abs_err"] < record["logprob_mean_abs_err"]  # fp8 rounds the state
+    record = checked(run(every_layer, target, tokens, tmp_path, "clean", dtype="fp8"))
+    assert record.passed and record.storage_dtype == "fp8", record
+    assert record.captured["logprob_mean_abs_err"] < record.logprob_mean_abs_err  # fp8 rounds the state
     print(row(target, every_layer.backend, "none (clean capture, fp8 storage)", record))
 
 
@@ -158,13 +167,13 @@ def test_a_clean_fp8_capture_passes_its_looser_stored_bounds_and_the_tight_captu
 LAYER_SHIFTS = ("final state one layer early", "layer ids off by one (wrong layer_convention)")
 
 
-def planted(every_layer, target, tokens, tmp_path, fault, monkeypatch) -> tuple[dict, str | None]:
+def planted(every_layer, target, tokens, tmp_path, fault, monkeypatch) -> tuple[check.CheckRecord, str | None]:
     """Stage 04 over `fault`: its check's record, and the line the check stopped it with (None: passed)."""
     if fault == "wrong fp8 scales":
         monkeypatch.setattr(outputs, "quantize", wrong_scales(outputs.quantize))
     try:
-        return run(every_layer, target, tokens, tmp_path, "clean" if fault == "wrong fp8 scales" else fault,
-                   dtype="fp8" if fault == "wrong fp8 scales" else "bf16")["check"], None
+        return checked(run(every_layer, target, tokens, tmp_path, "clean" if fault == "wrong fp8 scales" else fault,
+                           dtype="fp8" if fault == "wrong fp8 scales" else "bf16")), None
     except check.CheckFailed as failed:
         return failed.record, str(failed)
 
@@ -176,15 +185,15 @@ def test_each_planted_fault_stops_stage_04_before_any_shard_with_its_cause(every
     if line is None and fault in LAYER_SHIFTS:
         # Not caught: then the shift must be one the bound does not promise to catch on this build, and
         # the check must still have measured it: under the bound, and many times a clean capture's error.
-        clean = run(every_layer, target, tokens, tmp_path / "clean", "clean")["check"]
-        tol = check.tolerance_for("captured", record["engine_dtype"])
-        got, floor = record["captured"]["logprob_mean_abs_err"], clean["captured"]["logprob_mean_abs_err"]
+        clean = checked(run(every_layer, target, tokens, tmp_path / "clean", "clean"))
+        tol = check.tolerance_for("captured", record.engine_dtype)
+        got, floor = record.captured["logprob_mean_abs_err"], clean.captured["logprob_mean_abs_err"]
         assert got <= tol.mean_abs and got >= 5 * floor, (fault, got, floor, tol)
         print(row(target, every_layer.backend, fault + " (one layer adds less than the bound here)", record))
         return
     assert line is not None, f"{fault}: the check passed"
-    assert not record["passed"] and FAULTS[fault] in record["cause"], (fault, record)
-    assert "\n" not in line and FAULTS[fault] in line and "Likely cause" in line and record["problems"][0] in line
+    assert not record.passed and FAULTS[fault] in record.cause, (fault, record)
+    assert "\n" not in line and FAULTS[fault] in line and "Likely cause" in line and record.problems[0] in line
     assert not outputs.shard_files(tmp_path)                      # nothing written passes for a good shard
     with pytest.raises(ValueError, match="stage 04's own check failed"):
         outputs.HiddenShards(tmp_path)                            # stage 05 (every reader) refuses it
@@ -197,7 +206,7 @@ def test_a_rerun_after_a_failed_check_says_it_starts_clean_and_then_passes(every
     said = []
     summary = run(every_layer, target, tokens, tmp_path, "clean", log=said.append)
     assert any(m.startswith("starting clean") and "check FAILED" in m for m in said), said
-    assert summary["check"]["passed"] and len(outputs.HiddenShards(tmp_path)) == 6
+    assert checked(summary).passed and len(outputs.HiddenShards(tmp_path)) == 6
 
 
 class NanInShard:
@@ -255,6 +264,23 @@ def test_a_shard_whose_layer_rms_drifts_from_the_first_shards_is_rejected():
     assert [e["file"] for e in good] == ["shard-00000.safetensors", "shard-00001.safetensors"]
     [e] = bad
     assert "aux 1: RMS 25 is 2.50x the first shard's 10" in e["problems"][0]
+
+
+def test_a_check_record_of_an_older_run_reads_and_writes_back_its_keys():
+    """check.json from before stage 04 recorded what ran, the step crossing and the engine's answers."""
+    figures = {"logprob_mean_abs_err": 0.001, "logprob_max_abs_err": 0.01, "top1_agreement": 1.0}
+    tolerance = {"mean_abs": 0.02, "max_abs": 0.25, "min_top1": 0.98, "captured": asdict(check.TOLERANCE[
+        ("captured", "float32")]), "roundtrip_rel_err": 0.005, "min_layer_distance": check.MIN_LAYER_DISTANCE}
+    old = {"samples": 2, "positions": 254, "engine": "hf", "engine_dtype": "float32", "storage_dtype": "bf16",
+           **figures, "captured": figures, "roundtrip_rel_err": {"aux": 0.002, "last": 0.002},
+           "health": {"nonfinite": {"aux 1": 0, "last": 0}, "rms": {"aux 1": 10.0, "last": 1.0},
+                      "closest_layers": "aux 1 ~ last", "min_layer_distance": 0.5},
+           "tolerance": tolerance, "problems": [], "passed": True, "seconds": 1.5, "ranks_checked": 1}
+    r = check.CheckRecord.from_dict(old)
+    assert r.ran == {} and r.answers is None and r.step_crossing is None and r.stored == figures
+    assert r.to_dict() == {**old, "step_crossing": None}
+    table = check.check_table(old)
+    assert table["ok"].all() and table.attrs["caption"].startswith("2 samples, 254 positions, hf (float32)")
 
 
 # ---- across engine steps: a sample longer than one step, split by chunked prefill ----------------
@@ -316,9 +342,9 @@ def test_the_check_covers_every_chunk_of_a_sample_split_across_engine_steps_and_
 
     monkeypatch.setattr(check, "CROSSING_WINDOW", window)
     summary = stepped_run(stepped, tiny_target, tiny_tokens, tmp_path)
-    r = summary["check"]
-    c = r["step_crossing"]
-    assert r["passed"] and c["crosses"] and c["step_tokens"] == STEP and c["first_step_tokens"] == window, r
+    r = checked(summary)
+    c = r.step_crossing
+    assert r.passed and c["crosses"] and c["step_tokens"] == STEP and c["first_step_tokens"] == window, r
     assert window + STEP < c["sample_tokens"] <= window + check.CHECK_TOKENS, c  # the longest sample, cut
     # the chunks tile the sample: its share of the first step, then one chunk a step
     assert [ch["tokens"][0] for ch in c["chunks"]] == [0] + list(range(window, c["sample_tokens"], STEP)), c
@@ -326,7 +352,8 @@ def test_the_check_covers_every_chunk_of_a_sample_split_across_engine_steps_and_
     # what ran, in check.json, the index and the summary alike
     ran = {"vllm": vllm.__version__, "model_runner": "v1", "max_num_batched_tokens": STEP, "chunked_prefill": True}
     on_disk = json.loads((tmp_path / outputs.CHECK).read_text())
-    for record in (r, on_disk, outputs.HiddenShards(tmp_path).index["engine"], summary["engine"]):
+    assert json.dumps(r.to_dict(), indent=1, ensure_ascii=False) == (tmp_path / outputs.CHECK).read_text()
+    for record in (r.ran, on_disk, outputs.HiddenShards(tmp_path).index["engine"], summary["engine"]):
         assert {k: record[k] for k in ran} == ran and "CPU_ATTN" in record["attention_backend"], record
         assert record["model_runner_class"].endswith("CPUModelRunner"), record
     print(f"| tiny-test | vllm, {STEP} tokens a step | none | chunks "
@@ -338,18 +365,18 @@ def test_a_fault_in_one_chunk_of_the_step_crossing_sample_is_caught_and_named(st
     with pytest.raises(check.CheckFailed) as failed:
         stepped_run(stepped, tiny_target, tiny_tokens, tmp_path, cls=StaleChunk)
     r, line = failed.value.record, str(failed.value)
-    chunks = r["step_crossing"]["chunks"]
-    tol = check.tolerance_for("captured", r["engine_dtype"])
+    chunks = r.step_crossing["chunks"]
+    tol = check.tolerance_for("captured", r.engine_dtype)
     assert chunks[1]["tokens"] == [STEP, 2 * STEP], chunks
     # the first chunk is clean, the second is the stale one, named as such
     assert chunks[0]["logprob_max_abs_err"] <= tol.max_abs and chunks[1]["top1_agreement"] < tol.min_top1, chunks
-    assert any(p.startswith(f"chunk 2 of {len(chunks)} of the step-crossing sample") for p in r["problems"]), r
-    assert "one engine step" in r["cause"] and "chunk 2 of" in line and "\n" not in line
+    assert any(p.startswith(f"chunk 2 of {len(chunks)} of the step-crossing sample") for p in r.problems), r
+    assert "one engine step" in r.cause and "chunk 2 of" in line and "\n" not in line
     assert not outputs.shard_files(tmp_path)
     with pytest.raises(ValueError, match="stage 04's own check failed"):
         outputs.HiddenShards(tmp_path)
     print(f"| tiny-test | vllm, {STEP} tokens a step | chunk 2 stale | chunks "
-          f"{[round(ch['logprob_max_abs_err'], 3) for ch in chunks]} | caught: {r['cause'].split(':')[0]} |")
+          f"{[round(ch['logprob_max_abs_err'], 3) for ch in chunks]} | caught: {r.cause.split(':')[0]} |")
 
 
 # ---- the gate: the engine on the target's own answers --------------------------------------------
@@ -404,9 +431,9 @@ def gated(target, tokens, out_dir, check_answers=True):
     stopped with (None: passed)."""
     ids = layers.default_layer_ids(num_layers(target))
     try:
-        return extract(target, tokens, out_dir, layer_ids=ids, target_backend="hf", device="cpu",
-                       max_tokens_per_batch=1024, shard_mb=0.02, check_samples=6, check_answers=check_answers,
-                       log=lambda m: None)["check"], None
+        return checked(extract(target, tokens, out_dir, layer_ids=ids, target_backend="hf", device="cpu",
+                               max_tokens_per_batch=1024, shard_mb=0.02, check_samples=6,
+                               check_answers=check_answers, log=lambda m: None)), None
     except check.CheckFailed as failed:
         return failed.record, str(failed)
 
@@ -415,16 +442,16 @@ def test_the_targets_own_answers_pass_the_gate_and_another_models_fail_it_unless
         tiny_target, own_answers, tiny_tokens, tmp_path):
     bounds = check.ANSWERS
     r, line = gated(tiny_target, own_answers, tmp_path / "own")
-    a = r["answers"]
-    assert line is None and r["passed"] and a["gated"] and a["tokens"] >= bounds.min_tokens, r
+    a = r.answers
+    assert line is None and r.passed and a["gated"] and a["tokens"] >= bounds.min_tokens, r
     assert a["mean_nll"] <= bounds.max_nll and a["argmax_agreement"] >= bounds.min_agreement, a
     # answers no target of this vocabulary would write (uniform random ids): the gate stops stage 04
     r, line = gated(tiny_target, tiny_tokens, tmp_path / "other")
-    assert line is not None and "not with the target's own answers" in r["cause"] and "check_answers" in line, r
-    assert all("own answers" in p or "argmax" in p for p in r["problems"]), r["problems"]  # nothing else is off
+    assert line is not None and "not with the target's own answers" in r.cause and "check_answers" in line, r
+    assert all("own answers" in p or "argmax" in p for p in r.problems), r.problems  # nothing else is off
     # with check_answers off the same figures are recorded, not held
     r, line = gated(tiny_target, tiny_tokens, tmp_path / "off", check_answers=False)
-    assert line is None and not r["answers"]["gated"] and r["answers"]["mean_nll"] > bounds.max_nll, r
+    assert line is None and not r.answers["gated"] and r.answers["mean_nll"] > bounds.max_nll, r
 
 
 def test_a_target_with_one_projection_perturbed_agrees_with_itself_and_fails_the_gate(
@@ -433,12 +460,12 @@ def test_a_target_with_one_projection_perturbed_agrees_with_itself_and_fails_the
     still agrees with itself (the check's logprob figures hold), only the answers give it away."""
     copy = perturbed(tiny_target, tmp_path / "target", "model.layers.0.mlp.down_proj.weight", 30.0)
     r, line = gated(copy, own_answers, tmp_path / "hidden")
-    tol = check.tolerance_for("captured", r["engine_dtype"])
-    assert r["captured"]["logprob_mean_abs_err"] <= tol.mean_abs and r["health"]["min_layer_distance"] > 0, r
-    assert line is not None and "not with the target's own answers" in r["cause"], r
-    assert r["answers"]["mean_nll"] > check.ANSWERS.max_nll, r["answers"]
-    print(f"| tiny-test perturbed | hf | mean NLL {r['answers']['mean_nll']} | agreement "
-          f"{r['answers']['argmax_agreement']} | caught |")
+    tol = check.tolerance_for("captured", r.engine_dtype)
+    assert r.captured["logprob_mean_abs_err"] <= tol.mean_abs and r.health["min_layer_distance"] > 0, r
+    assert line is not None and "not with the target's own answers" in r.cause, r
+    assert r.answers["mean_nll"] > check.ANSWERS.max_nll, r.answers
+    print(f"| tiny-test perturbed | hf | mean NLL {r.answers['mean_nll']} | agreement "
+          f"{r.answers['argmax_agreement']} | caught |")
 
 
 def test_the_model_runner_setting_reaches_vllm_which_runs_only_v1_on_a_cpu(tiny_target, tiny_tokens, tmp_path):

@@ -280,10 +280,10 @@ def eagle3_over_mla(kimi_mini_targets, tmp_path_factory):
     target = kimi_mini_targets["kimi-mini-bf16"]
     root = tmp_path_factory.mktemp("kimi-eval")
     export_dir = kimi_export(target, root / "export", [1, 3, 4])
-    methods = [{"name": name, "kind": "eagle3", "fingerprint": f"vllm-{name}", "hf_fingerprint": name,
-                "speculative_config": engine.speculative_config("eagle3", 3, export_dir),
-                "expect_layers": layers.engine_layer_ids([1, 3, 4], "vllm"),
-                "info": {"fraction": fraction, "final": fraction == 1.0}}
+    methods = [engine.EngineMethod(name, "eagle3", f"vllm-{name}", hf_fingerprint=name,
+                                   speculative_config=engine.speculative_config("eagle3", 3, export_dir),
+                                   expect_layers=layers.engine_layer_ids([1, 3, 4], "vllm"),
+                                   info={"fraction": fraction, "final": fraction == 1.0})
                for name, fraction in (("eagle3 50%", 0.5), ("eagle3", 1.0))]
     prompts = [HeldoutPrompt("chat", "p0", (163584, 1000, 2000, 3000, 4000))]
     run = Run(root / "outputs", "kimi")

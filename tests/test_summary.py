@@ -86,7 +86,11 @@ def run(tmp_path):
         "samples": 4, "positions": 508, "engine": "vllm", "engine_dtype": "float32", "storage_dtype": "bf16",
         "vllm": "0.11.0", "model_runner": "v1",
         "logprob_mean_abs_err": 0.0021, "logprob_max_abs_err": 0.02, "top1_agreement": 1.0,
+        "roundtrip_rel_err": {"aux": 0.002, "last": 0.002},
+        "health": {"nonfinite": {"aux 1": 0, "last": 0}, "rms": {"aux 1": 10.0, "last": 1.0},
+                   "closest_layers": "aux 1 ~ last", "min_layer_distance": 0.5},
         "tolerance": {"mean_abs": 0.02, "max_abs": 0.25, "min_top1": 0.98}, "problems": [], "passed": True,
+        "seconds": 1.5,
         "answers": {"tokens": 380, "mean_nll": 5.61, "argmax_agreement": 0.061, "gated": True,
                     "bounds": {"max_nll": 7.0, "min_agreement": 0.02, "min_tokens": 32}}})
     put(run, "hidden/summary.json", {"tokens_extracted": 31000, "shards_written": 5, "shards_rejected": 0})

@@ -299,17 +299,18 @@ def hidden(run: Run, anchor: str):
         s = hidden_outputs.read_summary(run.root / "hidden")
     except FileNotFoundError:
         s = {}
-    engine = (f"vllm {c['vllm']}, model runner {c.get('model_runner') or '-'}" if c.get("vllm") else c["engine"])
-    answers = c.get("answers") or {}
+    engine = (f"vllm {c.ran['vllm']}, model runner {c.ran.get('model_runner') or '-'}" if c.ran.get("vllm")
+              else c.engine)
+    answers = c.answers or {}
     bounds = answers.get("bounds") or {}
-    n = HiddenNumbers(passed=bool(c["passed"]), samples=c["samples"], positions=c["positions"],
-                      engine=f"{engine}, {c['engine_dtype']}" if c.get("engine_dtype") else engine,
-                      logprob_mean_abs_err=c["logprob_mean_abs_err"], max_mean_abs_err=c["tolerance"]["mean_abs"],
-                      top1_agreement=c["top1_agreement"], min_top1=c["tolerance"]["min_top1"],
+    n = HiddenNumbers(passed=bool(c.passed), samples=c.samples, positions=c.positions,
+                      engine=f"{engine}, {c.engine_dtype}" if c.engine_dtype else engine,
+                      logprob_mean_abs_err=c.logprob_mean_abs_err, max_mean_abs_err=c.tolerance["mean_abs"],
+                      top1_agreement=c.top1_agreement, min_top1=c.tolerance["min_top1"],
                       answers_tokens=answers.get("tokens"), answers_mean_nll=answers.get("mean_nll"),
                       answers_argmax_agreement=answers.get("argmax_agreement"), answers_gated=answers.get("gated"),
                       max_nll=bounds.get("max_nll"), min_agreement=bounds.get("min_agreement"),
-                      problems=list(c.get("problems") or []), cause=c.get("cause"),
+                      problems=list(c.problems), cause=c.cause,
                       tokens=s.get("tokens_extracted", s.get("tokens")), shards_written=s.get("shards_written"),
                       shards_rejected=s.get("shards_rejected"))
     figures = [Figure(f"check {'passed' if n.passed else 'FAILED'} on {n.samples} samples ({n.positions:,} positions; "

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 
 from ..paths import Run
 from ..targets.vllm import die_with_parent, vllm_env
@@ -26,6 +27,28 @@ CHILD = "draftsmith.evaluate.engine_child"
 # lets `collective_rpc` carry a function to the workers (reading the layers they capture); the
 # engine's processes talk only to each other
 RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+@dataclass(frozen=True)
+class EngineMethod:
+    """One method as a vLLM engine (`methods.engine_methods_for`): its `speculative_config` (None: no
+    drafting), the layers the engine must capture for its drafter (`expect_layers`, vLLM ids), the
+    same method's fingerprint in our decoder, its own `draft_tokens` (a DFlash block; None: the
+    stage's) and the prompt sets it does not decode. The engine process gets it as `asdict`'s JSON."""
+
+    name: str
+    kind: str                                   # none | ngram | eagle3 | dflash
+    fingerprint: str
+    speculative_config: dict | None = None
+    expect_layers: list[int] | None = None
+    info: dict = field(default_factory=dict)    # the report's fields of the method
+    hf_fingerprint: str | None = None
+    draft_tokens: int | None = None
+    skip_datasets: list[str] = field(default_factory=list)
+
+    def drafts(self, draft_tokens: int) -> int:
+        """Tokens it drafts a step, where the stage's setting is `draft_tokens`."""
+        return draft_tokens if self.draft_tokens is None else self.draft_tokens
 
 
 def speculative_config(kind: str, draft_tokens: int, export_dir: str | None = None, *,
@@ -99,16 +122,15 @@ def _run_job(proc: subprocess.Popen, job_file, log) -> None:
                            + "\n".join(tail))
 
 
-def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: list, *, draft_tokens: int,
+def measure(run: Run, target: str | os.PathLike, methods: list[EngineMethod], prompts: list, *, draft_tokens: int,
             eval_max_new_tokens: int, eval_temperatures: list[float], seed: int, settings: str,
             eval_engine_dtype: str, eval_tensor_parallel: int, trust_remote_code: bool, eval_engine_concurrency: int,
             log=print, proc: subprocess.Popen | None = None) -> list[dict]:
-    """Decode every prompt (`prompts.HeldoutPrompt`) with every method ({name, kind, fingerprint,
-    speculative_config, expect_layers (vLLM ids) or None, info, and skip_datasets: prompt sets it
-    does not decode}) at every temperature in vLLM, appending to the run's engine rounds; returns the
-    rows of these settings, measured now or before (a method vLLM's CPU build cannot start has one
-    row with its `gpu_only` line instead), each engine with up to `eval_engine_concurrency` requests
-    in flight. `proc`: the engine process `engine_process` started (default: one started here).
+    """Decode every prompt (`prompts.HeldoutPrompt`) with every method (`EngineMethod`) at every
+    temperature in vLLM, appending to the run's engine rounds; returns the rows of these settings,
+    measured now or before (a method vLLM's CPU build cannot start has one row with its `gpu_only`
+    line instead), each engine with up to `eval_engine_concurrency` requests in flight. `proc`: the
+    engine process `engine_process` started (default: one started here).
     Prompts go as token ids, with the same `draft_tokens` and `eval_max_new_tokens` as our decoder.
     Acceptance is counted per request and does not depend on what else is in the batch (greedy; in
     distribution when sampling); tok/s is per request at that load (1: each prompt alone, the
@@ -116,9 +138,9 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
     out = outputs.engine_rounds_file(run)
     done = outputs.read_engine_rows(out, settings)
     gpu_only = {r["method_fingerprint"] for r in done.values() if r.get("gpu_only")}
-    todo = [m for m in methods if m["fingerprint"] not in gpu_only and any(
-        (m["fingerprint"], float(t), p.dataset, p.sample_id) not in done for t in eval_temperatures for p in prompts
-        if p.dataset not in m.get("skip_datasets", ()))]
+    todo = [m for m in methods if m.fingerprint not in gpu_only and any(
+        (m.fingerprint, float(t), p.dataset, p.sample_id) not in done for t in eval_temperatures for p in prompts
+        if p.dataset not in m.skip_datasets)]
     if todo:
         job = {"target": str(target), "eval_engine_dtype": eval_engine_dtype,
                "eval_tensor_parallel": eval_tensor_parallel, "trust_remote_code": trust_remote_code,
@@ -126,20 +148,20 @@ def measure(run: Run, target: str | os.PathLike, methods: list[dict], prompts: l
                "settings": settings, "out": str(out), "eval_temperatures": [float(t) for t in eval_temperatures],
                "eval_engine_concurrency": eval_engine_concurrency,
                "max_model_len": max(p.context_needed(eval_max_new_tokens) for p in prompts)
-               + max([draft_tokens] + [m.get("draft_tokens", 0) for m in todo]) + 16,
+               + max([draft_tokens] + [m.drafts(draft_tokens) for m in todo]) + 16,
                "prompts": [p.job() for p in prompts],
-               "methods": todo, "done": [list(key) for key in done]}
+               "methods": [asdict(m) for m in todo], "done": [list(key) for key in done]}
         job_file = outputs.write_engine_job(run, job)
         turns = sum(1 + len(p.followups) for m in todo for t in eval_temperatures for p in prompts
-                    if p.dataset not in m.get("skip_datasets", ())
-                    and (m["fingerprint"], float(t), p.dataset, p.sample_id) not in done)
-        log(f"vLLM {VLLM_VERSION}: {len(todo)} engine(s) to start ({', '.join(m['name'] for m in todo)}), "
+                    if p.dataset not in m.skip_datasets
+                    and (m.fingerprint, float(t), p.dataset, p.sample_id) not in done)
+        log(f"vLLM {VLLM_VERSION}: {len(todo)} engine(s) to start ({', '.join(m.name for m in todo)}), "
             f"{len(prompts)} prompts x {len(eval_temperatures)} temperatures each, {turns} decodes to go, up to "
             f"{eval_engine_concurrency} in flight; the time is estimated once the first engine is up")
         with engine_process(eval_tensor_parallel, start=proc is None) as started:
             _run_job(proc or started, job_file, log)
         done = outputs.read_engine_rows(out, settings)
-    keys = {m["fingerprint"] for m in methods}
+    keys = {m.fingerprint for m in methods}
     return [r for key, r in done.items() if key[0] in keys]
 
 

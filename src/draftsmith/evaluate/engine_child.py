@@ -17,6 +17,7 @@ from .. import events
 from ..targets.vllm_fixes import apply_fixes
 from ..targets.vllm_limits import gpu_only_line
 from . import engine_batch
+from .engine import EngineMethod
 from .estimate import Workload, duration, job_line
 from .outputs import append_row
 from .prompts import prompt_seed
@@ -70,11 +71,10 @@ def engine_eager() -> bool:
     return current_platform.is_cpu()
 
 
-def _workload(job: dict, m: dict, done: set) -> list[tuple[float, dict]]:
+def _workload(job: dict, m: EngineMethod, done: set) -> list[tuple[float, dict]]:
     """The (temperature, prompt) pairs method `m` still decodes."""
     return [(t, p) for t in job["eval_temperatures"] for p in job["prompts"]
-            if (m["fingerprint"], t, p["dataset"], p["sample_id"]) not in done
-            and p["dataset"] not in m.get("skip_datasets", ())]
+            if (m.fingerprint, t, p["dataset"], p["sample_id"]) not in done and p["dataset"] not in m.skip_datasets]
 
 
 def _passes(job: dict, todo: list[tuple[float, dict]]) -> tuple[tuple[tuple[int, ...], ...], ...]:
@@ -83,7 +83,7 @@ def _passes(job: dict, todo: list[tuple[float, dict]]) -> tuple[tuple[tuple[int,
                        for u, p in todo if u == t) for t in job["eval_temperatures"])
 
 
-def _decode(llm, job: dict, m: dict, todo: list[tuple[float, dict]], follow, fields: dict) -> None:
+def _decode(llm, job: dict, m: EngineMethod, todo: list[tuple[float, dict]], follow, fields: dict) -> None:
     """Decode method `m`'s `todo` on its live engine, one temperature after the other, appending a
     row per prompt as it ends (`fields` added to each), then hold the rows' counts to vLLM's counters.
     Up to `eval_engine_concurrency` requests are in flight (`engine_batch.decode_all`). Counting is
@@ -92,12 +92,12 @@ def _decode(llm, job: dict, m: dict, todo: list[tuple[float, dict]], follow, fie
     increase over the decodes (they need `disable_log_stats=False`)."""
     from vllm import SamplingParams
 
-    k, out, rows = m.get("draft_tokens", job["draft_tokens"]), Path(job["out"]), []
+    k, out, rows = m.drafts(job["draft_tokens"]), Path(job["out"]), []
 
     def write(c: engine_batch.Conversation, t: float) -> None:
         p = c.prompt
-        row = {"settings": job["settings"], "method": m["name"], "method_fingerprint": m["fingerprint"],
-               "kind": m["kind"], "dataset": p["dataset"], "sample_id": p["sample_id"], "temperature": t,
+        row = {"settings": job["settings"], "method": m.name, "method_fingerprint": m.fingerprint,
+               "kind": m.kind, "dataset": p["dataset"], "sample_id": p["sample_id"], "temperature": t,
                **c.fields(), **fields}
         append_row(out, row)
         rows.append(row)
@@ -110,9 +110,9 @@ def _decode(llm, job: dict, m: dict, todo: list[tuple[float, dict]], follow, fie
             max_tokens=p.get("max_new_tokens", job["eval_max_new_tokens"]), temperature=t,
             seed=prompt_seed(job["seed"], p["dataset"], p["sample_id"], 4) if t > 0 else None), k)
             for p in mine], job["eval_engine_concurrency"], lambda c, t=t: write(c, t), follow)
-        _say(f"{m['name']}: T={t:g}, {len(mine)} prompts decoded in {time.perf_counter() - t1:.1f}s, "
+        _say(f"{m.name}: T={t:g}, {len(mine)} prompts decoded in {time.perf_counter() - t1:.1f}s, "
              f"up to {min(job['eval_engine_concurrency'], max(len(mine), 1))} in flight")
-    engine_batch.check_counters(m["name"], before, engine_batch.global_counters(llm), rows, k)
+    engine_batch.check_counters(m.name, before, engine_batch.global_counters(llm), rows, k)
 
 
 def run_job(job: dict, fixed: bool) -> None:
@@ -124,6 +124,7 @@ def run_job(job: dict, fixed: bool) -> None:
     from vllm import LLM, SamplingParams
 
     done = {tuple(key) for key in job["done"]}
+    methods = [EngineMethod(**m) for m in job["methods"]]
     concurrency = job["eval_engine_concurrency"]
     eager = engine_eager()
     # language_model_only: a multimodal wrapper (Kimi-K2.5) builds no vision tower. skip_tokenizer_init:
@@ -137,7 +138,7 @@ def run_job(job: dict, fixed: bool) -> None:
     if job["eval_tensor_parallel"] == 1:
         common["distributed_executor_backend"] = "uni"
     out = Path(job["out"])
-    workloads = {m["name"]: Workload(_passes(job, _workload(job, m, done)), concurrency) for m in job["methods"]}
+    workloads = {m.name: Workload(_passes(job, _workload(job, m, done)), concurrency) for m in methods}
     estimated = False
     follow = None
     if any(p.get("followups") for p in job["prompts"]):
@@ -148,10 +149,10 @@ def run_job(job: dict, fixed: bool) -> None:
     # gets one row with its `gpu_only` line and no decodes; the other methods of its kind get the
     # same line without another start
     gpu_only: dict[str, str] = {}   # method kind -> vLLM's line: one failed start stands for its kind
-    for m in job["methods"]:
+    for m in methods:
         t0 = time.perf_counter()
-        spec = m["speculative_config"]
-        line = gpu_only.get(m["kind"])
+        spec = m.speculative_config
+        line = gpu_only.get(m.kind)
         if line is None:
             try:
                 events.note("engine start")
@@ -161,29 +162,29 @@ def run_job(job: dict, fixed: bool) -> None:
                 line = gpu_only_line(e)
                 if line is None:
                     raise
-                gpu_only[m["kind"]] = line
+                gpu_only[m.kind] = line
                 gc.collect()
                 gc.freeze()
         if line is not None:
-            append_row(out, {"settings": job["settings"], "method": m["name"], "method_fingerprint": m["fingerprint"],
-                             "kind": m["kind"], "gpu_only": line, "temperature": None, "dataset": None,
+            append_row(out, {"settings": job["settings"], "method": m.name, "method_fingerprint": m.fingerprint,
+                             "kind": m.kind, "gpu_only": line, "temperature": None, "dataset": None,
                              "sample_id": None})
-            _say(f"engine {m['name']!r}: {line}")
+            _say(f"engine {m.name!r}: {line}")
             continue
         startup = time.perf_counter() - t0
         live = gpu = None
-        if m["kind"] in ("eagle3", "dflash"):
+        if m.kind in ("eagle3", "dflash"):
             # the layers the live engine captures, and the ids vLLM's GPU model runner (Model Runner
             # V2) reads from the same parsed config (unlike the CPU build's V1 runner, it ignores
             # `eagle_config.eagle_aux_hidden_state_layer_ids`): both must be the drafter's
             live = llm.collective_rpc(_engine_aux_layers)[0]
             gpu = gpu_runner_layer_ids(llm.llm_engine.vllm_config.speculative_config)
             for runner, ids in (("the live engine", live), ("vLLM's GPU model runner", gpu)):
-                if ids != m["expect_layers"]:
-                    raise RuntimeError(f"{m['name']}: {runner} captures target layers {ids} (input ids) but the "
-                                       f"drafter was trained on {m['expect_layers']}: the export's "
+                if ids != m.expect_layers:
+                    raise RuntimeError(f"{m.name}: {runner} captures target layers {ids} (input ids) but the "
+                                       f"drafter was trained on {m.expect_layers}: the export's "
                                        f"eagle_aux_hidden_state_layer_ids are not where vLLM reads them")
-        _say(f"engine {m['name']!r} up in {startup:.0f}s" + (f", captures layers {live}" if live else "")
+        _say(f"engine {m.name!r} up in {startup:.0f}s" + (f", captures layers {live}" if live else "")
              + (", eager" if eager else ", compiled with CUDA graphs"))
         first = job["prompts"][0]["ids"]
         llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -191,10 +192,10 @@ def run_job(job: dict, fixed: bool) -> None:
                                    max(2, min([32] + [p.get("max_new_tokens", job["eval_max_new_tokens"])
                                                       for p in job["prompts"]])))
         if not estimated:
-            _say(job_line(workloads, probe, startup, m["name"]))
+            _say(job_line(workloads, probe, startup, m.name))
             estimated = True
-        w = workloads[m["name"]]
-        _say(f"{m['name']}: {w.turns} decodes, up to {w.tokens} tokens, {concurrency} in flight: estimated "
+        w = workloads[m.name]
+        _say(f"{m.name}: {w.turns} decodes, up to {w.tokens} tokens, {concurrency} in flight: estimated "
              f"{duration(w.seconds(probe))} ({probe.tokens_per_s:.0f} tok/s over {probe.requests} in the probe)")
         _decode(llm, job, m, _workload(job, m, done), follow,
                 {"aux_layers_engine": live, "aux_layers_gpu_runner": gpu, "startup_s": startup,

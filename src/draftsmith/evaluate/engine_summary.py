@@ -7,7 +7,7 @@ Counting, vLLM's own: per request, its verify steps summed as vLLM sums its coun
 
 from __future__ import annotations
 
-from .engine import VLLM_VERSION
+from .engine import VLLM_VERSION, EngineMethod
 
 
 def acceptance(rows: list[dict], k: int) -> dict:
@@ -26,22 +26,22 @@ def acceptance(rows: list[dict], k: int) -> dict:
             "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
 
 
-def summarize(rows: list[dict], methods: list[dict], draft_tokens: int, temperature: float) -> dict:
+def summarize(rows: list[dict], methods: list[EngineMethod], draft_tokens: int, temperature: float) -> dict:
     """Per method at one temperature: acceptance overall and per dataset, tok/s and its ratio to
     no drafter, and (greedy) whether the outputs equal the no-drafter engine's token for token."""
     mine = [r for r in rows if r["temperature"] == temperature]
     by_fp: dict[str, list[dict]] = {}
     for r in mine:
         by_fp.setdefault(r["method_fingerprint"], []).append(r)
-    none = next((m for m in methods if m["kind"] == "none"), None)
-    ref = {(r["dataset"], r["sample_id"]): r["output"] for r in by_fp.get(none["fingerprint"], [])} if none else {}
+    none = next((m for m in methods if m.kind == "none"), None)
+    ref = {(r["dataset"], r["sample_id"]): r["output"] for r in by_fp.get(none.fingerprint, [])} if none else {}
     out = {}
     for m in methods:
-        rs = by_fp.get(m["fingerprint"], [])
+        rs = by_fp.get(m.fingerprint, [])
         if not rs:
             continue
-        k = m.get("draft_tokens", draft_tokens)   # a DFlash block drafts its own number
-        s = {"kind": m["kind"], **m.get("info", {}), **acceptance(rs, k), "k": k,
+        k = m.drafts(draft_tokens)   # a DFlash block drafts its own number
+        s = {"kind": m.kind, **m.info, **acceptance(rs, k), "k": k,
              "per_dataset": {ds: acceptance([r for r in rs if r["dataset"] == ds], k)
                              for ds in sorted({r["dataset"] for r in rs})},
              "aux_layers_engine": rs[0].get("aux_layers_engine"), "aux_layers_gpu_runner": rs[0].get("aux_layers_gpu_runner"),
@@ -50,15 +50,15 @@ def summarize(rows: list[dict], methods: list[dict], draft_tokens: int, temperat
                       and r["output"] != ref[(r["dataset"], r["sample_id"])]]
         s["lossless"] = (not mismatched) if temperature <= 0 and ref else None
         s["mismatched_samples"] = mismatched
-        out[m["name"]] = s
-    base = out.get(none["name"]) if none else None
+        out[m.name] = s
+    base = out.get(none.name) if none else None
     for s in out.values():
         s["speedup_tokens_per_s"] = (s["tokens_per_s"] / base["tokens_per_s"]
                                      if base and base["tokens_per_s"] and s["tokens_per_s"] else None)
     return out
 
 
-def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[dict], temperature: float) -> dict:
+def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[EngineMethod], temperature: float) -> dict:
     """Where the engine and our decoder part, per drafter method at one temperature: on how many
     prompts the two no-drafter outputs are the same, and on those the per-step accepted counts
     (they implement the same rule, so they differ only where the two targets' numbers do)."""
@@ -74,20 +74,20 @@ def compare(engine_rows: list[dict], hf_rows: list[dict], methods: list[dict], t
     out = {"prompts": len(none_e), "same_no_drafter_output": len(same_target), "methods": {}}
     measured = {fp for fp, _, _ in eng}
     for m in methods:
-        if m["kind"] not in ("eagle3", "dflash") or m["fingerprint"] not in measured:
+        if m.kind not in ("eagle3", "dflash") or m.fingerprint not in measured:
             continue
         steps_equal = outputs_equal = 0
         for ds, sid in none_e:
-            e, o = eng.get((m["fingerprint"], ds, sid)), ours.get((m["hf_fingerprint"], ds, sid))
+            e, o = eng.get((m.fingerprint, ds, sid)), ours.get((m.hf_fingerprint, ds, sid))
             if e is None or o is None:
                 continue
             outputs_equal += e["output"] == o["output"]
             steps_equal += e["accepted"] == [a for a, d in zip(o["rounds"]["accepted"], o["rounds"]["drafted"]) if d]
-        out["methods"][m["name"]] = {"same_output": outputs_equal, "same_accepted_per_step": steps_equal}
+        out["methods"][m.name] = {"same_output": outputs_equal, "same_accepted_per_step": steps_equal}
     return out
 
 
-def engine_report(rows: list[dict], methods: list[dict], hf_rows: list[dict] | None, draft_tokens: int,
+def engine_report(rows: list[dict], methods: list[EngineMethod], hf_rows: list[dict] | None, draft_tokens: int,
                   eval_temperatures: list[float], eval_engine_dtype: str, eval_tensor_parallel: int) -> dict:
     """The report's `engine` part: per temperature the summary of every method and, at the
     temperatures our decoder measured beside it (`hf_rows`), where the two part (`vs_ours`, else

@@ -17,6 +17,7 @@ from ..drafter.outputs import has_exports, read_exports
 from ..drafter.export import for_engine, read_export_config
 from ..targets.identity import fingerprint
 from . import engine
+from .engine import EngineMethod
 from .proposers import Columns, DFlashProposer, Eagle3Proposer, PromptLookup
 
 
@@ -89,33 +90,33 @@ def on_benchmarks(m: Method) -> bool:
 
 
 def engine_methods_for(methods: list[Method], *, draft_tokens: int, lookup_min_ngram: int,
-                       lookup_max_ngram: int, benchmarks: list[str] = ()) -> list[dict]:
+                       lookup_max_ngram: int, benchmarks: list[str] = ()) -> list[EngineMethod]:
     """The same methods as vLLM engines: no speculation, vLLM's ngram, and every export written
     for vLLM (`drafter.export.for_engine`), each expected to capture its own layers (output ids).
     An export along training skips the prompt sets named in `benchmarks` (`on_benchmarks`)."""
-    out = [{"name": "none", "kind": "none", "fingerprint": "vllm-none", "speculative_config": None,
-            "expect_layers": None, "info": {}},
-           {"name": "ngram", "kind": "ngram", "fingerprint": f"vllm-ngram-{lookup_min_ngram}-{lookup_max_ngram}",
-            "speculative_config": engine.speculative_config("ngram", draft_tokens, lookup_min_ngram=lookup_min_ngram,
-                                                            lookup_max_ngram=lookup_max_ngram),
-            "expect_layers": None,
-            "info": {"lookup_min_ngram": lookup_min_ngram, "lookup_max_ngram": lookup_max_ngram}}]
+    out = [EngineMethod("none", "none", "vllm-none"),
+           EngineMethod("ngram", "ngram", f"vllm-ngram-{lookup_min_ngram}-{lookup_max_ngram}",
+                        speculative_config=engine.speculative_config("ngram", draft_tokens,
+                                                                     lookup_min_ngram=lookup_min_ngram,
+                                                                     lookup_max_ngram=lookup_max_ngram),
+                        info={"lookup_min_ngram": lookup_min_ngram, "lookup_max_ngram": lookup_max_ngram})]
     for m in methods:
+        if m.kind not in ("eagle3", "dflash"):
+            continue
+        expect = layers.engine_layer_ids(m.info["layer_ids"], "vllm")
         if m.kind == "eagle3":
             d = for_engine(m.info["dir"], "vllm")
-            out.append({"name": m.name, "kind": "eagle3", "fingerprint": "vllm-" + fingerprint(d),
-                        "hf_fingerprint": m.fingerprint,
-                        "speculative_config": engine.speculative_config("eagle3", draft_tokens, d),
-                        "expect_layers": layers.engine_layer_ids(m.info["layer_ids"], "vllm"),
-                        "info": {"step": m.info["step"], "fraction": m.info["fraction"], "dir": str(d),
-                                 "final": m.info["final"]},
-                        **({} if on_benchmarks(m) else {"skip_datasets": sorted(benchmarks)})})
-        elif m.kind == "dflash":   # its export is vLLM's format already; it drafts a whole block
+            out.append(EngineMethod(m.name, "eagle3", "vllm-" + fingerprint(d), hf_fingerprint=m.fingerprint,
+                                    speculative_config=engine.speculative_config("eagle3", draft_tokens, d),
+                                    expect_layers=expect,
+                                    info={"step": m.info["step"], "fraction": m.info["fraction"], "dir": str(d),
+                                          "final": m.info["final"]},
+                                    skip_datasets=[] if on_benchmarks(m) else sorted(benchmarks)))
+        else:   # DFlash: its export is vLLM's format already; it drafts a whole block
             k = m.info["draft_tokens"]
-            out.append({"name": m.name, "kind": "dflash", "fingerprint": "vllm-" + m.fingerprint,
-                        "hf_fingerprint": m.fingerprint, "draft_tokens": k,
-                        "speculative_config": engine.speculative_config("dflash", k, m.info["dir"]),
-                        "expect_layers": layers.engine_layer_ids(m.info["layer_ids"], "vllm"),
-                        "info": {"step": m.info["step"], "fraction": m.info["fraction"], "dir": m.info["dir"],
-                                 "final": True, "draft_tokens": k}})
+            out.append(EngineMethod(m.name, "dflash", "vllm-" + m.fingerprint, hf_fingerprint=m.fingerprint,
+                                    speculative_config=engine.speculative_config("dflash", k, m.info["dir"]),
+                                    expect_layers=expect, draft_tokens=k,
+                                    info={"step": m.info["step"], "fraction": m.info["fraction"],
+                                          "dir": m.info["dir"], "final": True, "draft_tokens": k}))
     return out

@@ -9,7 +9,7 @@ at); the index then lists no shard and every reader refuses it (`outputs.HiddenS
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -76,10 +76,66 @@ class AnswerBounds:
 ANSWERS = AnswerBounds(max_nll=7.0, min_agreement=0.01, min_tokens=32)
 
 
+ENGINE_FIELDS = ("vllm", "model_runner", "model_runner_class", "attention_backend", "moe_kernel",
+                 "max_num_batched_tokens", "chunked_prefill", "platform", "transformers", "torch")  # `engine_of`'s keys
+FIGURES = ("logprob_mean_abs_err", "logprob_max_abs_err", "top1_agreement")  # `_figures`' keys
+# left out of the dict when None: what older records lack, and what only some records have
+_OPTIONAL = ("captured", "answers", "cause", "ranks_checked")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckRecord:
+    """One early check (`run_check`): what ran, its figures beside their `tolerance`, and the verdict;
+    the nested parts are dicts as written. On disk (check.json, the index's and the summary's
+    `check`) it is `to_dict()`, `ran`'s keys among the top-level ones; `from_dict` reads that, also
+    from older runs without `ran`, `captured`, `step_crossing` or `answers`."""
+
+    samples: int
+    positions: int
+    engine: str                                    # the capture's backend: hf or vllm
+    engine_dtype: str
+    storage_dtype: str
+    ran: dict = field(default_factory=dict)        # what ran (`engine_of`)
+    logprob_mean_abs_err: float                    # FIGURES of the final state as stored
+    logprob_max_abs_err: float
+    top1_agreement: float
+    captured: dict | None = None                   # FIGURES of the final state as captured
+    roundtrip_rel_err: dict
+    health: dict
+    tolerance: dict
+    step_crossing: dict | None = None              # None: the engine does not prefill in steps
+    answers: dict | None = None                    # `answer_figures`, with `gated` and `bounds`
+    problems: list[str]
+    passed: bool
+    cause: str | None = None                       # `likely_cause`, when it failed
+    seconds: float
+    ranks_checked: int | None = None               # several ranks: `passed` is all of theirs
+
+    @property
+    def stored(self) -> dict:
+        """FIGURES of the final state as stored, as `captured` holds them."""
+        return {k: getattr(self, k) for k in FIGURES}
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "ran":
+                out.update(value)
+            elif value is not None or f.name not in _OPTIONAL:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CheckRecord:
+        names = {f.name for f in fields(cls)} - {"ran"}
+        return cls(ran={k: v for k, v in d.items() if k in ENGINE_FIELDS}, **{k: v for k, v in d.items() if k in names})
+
+
 class CheckFailed(RuntimeError):
     """Stage 04's early check failed: the message is the one line the user reads; `record` the figures."""
 
-    def __init__(self, line: str, record: dict):
+    def __init__(self, line: str, record: CheckRecord):
         super().__init__(line)
         self.record = record
 
@@ -213,10 +269,6 @@ def crossing_window(step_tokens: int) -> int:
     return min(step_tokens, CROSSING_WINDOW)
 
 
-ENGINE_FIELDS = ("vllm", "model_runner", "model_runner_class", "attention_backend", "moe_kernel",
-                 "max_num_batched_tokens", "chunked_prefill", "platform", "transformers", "torch")  # `engine_of`'s keys
-
-
 def engine_of(capture) -> dict:
     """What ran the check: the capture's `engine` record (vLLM: `vllm_capture.engine_record`), or the
     versions of transformers and torch (`hf`)."""
@@ -229,7 +281,7 @@ def engine_of(capture) -> dict:
 
 
 def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str, work_dir: Path,
-              check_answers: bool = False, log=print) -> dict:
+              check_answers: bool = False, log=print) -> CheckRecord:
     """Capture `batch` (`check_samples_of`) with the engine's own prompt logprobs of the same ids
     (vLLM `prompt_logprobs`; `hf`: the model's logits), store it through the shard writer and read
     it back as stage 05 does; then log_softmax(lm_head(stored last)) must give the engine's logprob
@@ -241,8 +293,7 @@ def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str,
     All that compares the engine with itself, so a kernel that computes wrongly passes it; the
     responses are the target's own answers, so the engine's figures on them (`answer_figures`) are
     held to `ANSWERS` when `check_answers` (answers from another model: recorded, not held).
-    Returns the record (`passed`, figures, tolerance, what ran (`engine_of`), `problems`, and
-    `cause` when it failed); raises nothing itself."""
+    Returns its `CheckRecord`; raises nothing itself."""
     from ..targets.checkpoint import final_norm, lm_head_weight
     from ..targets.vllm import rms_norm
 
@@ -282,22 +333,21 @@ def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str,
     crossing = step_crossing(lengths[0], window, step, *errors["captured"]) if step else None
     answers = answer_figures(ref_chosen, ref_top1, ids[pos + 1], torch.cat([s.loss_mask for s in batch])[pos + 1] > 0)
     answers.update(gated=bool(check_answers), bounds=asdict(ANSWERS))
-    record = {"samples": len(batch), "positions": int(pos.numel()), "engine": capture.backend,
-              "engine_dtype": engine, "storage_dtype": dtype, **engine_of(capture), **figures["stored"],
-              "captured": figures["captured"], "roundtrip_rel_err": {k: round(v, 6) for k, v in roundtrip.items()},
-              "health": h, "tolerance": {**asdict(tol["stored"]), "captured": asdict(tol["captured"]),
-                                         "roundtrip_rel_err": ROUNDTRIP[dtype],
-                                         "min_layer_distance": MIN_LAYER_DISTANCE},
-              "step_crossing": crossing, "answers": answers}
+    record = CheckRecord(
+        samples=len(batch), positions=int(pos.numel()), engine=capture.backend, engine_dtype=engine,
+        storage_dtype=dtype, ran=engine_of(capture), **figures["stored"], captured=figures["captured"],
+        roundtrip_rel_err={k: round(v, 6) for k, v in roundtrip.items()}, health=h,
+        tolerance={**asdict(tol["stored"]), "captured": asdict(tol["captured"]), "roundtrip_rel_err": ROUNDTRIP[dtype],
+                   "min_layer_distance": MIN_LAYER_DISTANCE},
+        step_crossing=crossing, answers=answers, problems=[], passed=True, seconds=0.0)
     problems = _problems(record, tol)
-    record["problems"] = problems
-    record["passed"] = not problems
+    record = replace(record, problems=problems, passed=not problems)
     if problems:
         # would the captured state match once the final norm is applied? (a pre-norm state handed over)
         normed = _errors(rms_norm(last[pos], norm_weight, eps), ids[pos + 1], head, rounding, ref_chosen, ref_top1)
-        record["cause"] = likely_cause(record, _figures(*normed)["logprob_mean_abs_err"] <= tol["captured"].mean_abs)
-    record["seconds"] = round(time.perf_counter() - t0, 2)
-    return record
+        record = replace(record, cause=likely_cause(
+            record, _figures(*normed)["logprob_mean_abs_err"] <= tol["captured"].mean_abs))
+    return replace(record, seconds=round(time.perf_counter() - t0, 2))
 
 
 def _errors(states, next_ids, head, rounding, ref_chosen, ref_top1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,9 +386,9 @@ def answer_figures(ref_chosen: torch.Tensor, ref_top1: torch.Tensor, next_ids: t
             "argmax_agreement": round(float((ref_top1[response] == next_ids[response].long()).float().mean()), 4)}
 
 
-def _problems(r: dict, tol: dict) -> list[str]:
+def _problems(r: CheckRecord, tol: dict) -> list[str]:
     out = []
-    for state, figures in (("captured", r["captured"]), ("stored", r)):
+    for state, figures in (("captured", r.captured), ("stored", r.stored)):
         t = tol[state]
         if figures["logprob_mean_abs_err"] > t.mean_abs:
             out.append(f"{state} final state's next-token logprob error mean {figures['logprob_mean_abs_err']:.3g} "
@@ -347,18 +397,18 @@ def _problems(r: dict, tol: dict) -> list[str]:
             out.append(f"{state} max {figures['logprob_max_abs_err']:.3g} > {t.max_abs}")
         if figures["top1_agreement"] < t.min_top1:
             out.append(f"{state} top-1 agreement {figures['top1_agreement']:.4f} < {t.min_top1}")
-    crossing, t = r.get("step_crossing"), tol["captured"]
+    crossing, t = r.step_crossing, tol["captured"]
     for k, c in enumerate((crossing or {}).get("chunks", [])):
         if c["logprob_mean_abs_err"] > t.mean_abs or c["logprob_max_abs_err"] > t.max_abs or c["top1_agreement"] < t.min_top1:
             out.append(f"chunk {k + 1} of {len(crossing['chunks'])} of the step-crossing sample (tokens "
                        f"{c['tokens'][0]}-{c['tokens'][1] - 1}, {crossing['step_tokens']} a step): logprob error mean "
                        f"{c['logprob_mean_abs_err']:.3g}, max {c['logprob_max_abs_err']:.3g}, top-1 agreement "
                        f"{c['top1_agreement']:.3f} (captured bounds {t.mean_abs}, {t.max_abs}, {t.min_top1})")
-    out += answer_problems(r.get("answers"))
-    limit = ROUNDTRIP[r["storage_dtype"]]
+    out += answer_problems(r.answers)
+    limit = ROUNDTRIP[r.storage_dtype]
     out += [f"{k} read back from its shard differs from what the engine gave by {v:.3g} (> {limit})"
-            for k, v in r["roundtrip_rel_err"].items() if not v <= limit]
-    return out + health_problems(r["health"])
+            for k, v in r.roundtrip_rel_err.items() if not v <= limit]
+    return out + health_problems(r.health)
 
 
 def answer_problems(a: dict | None) -> list[str]:
@@ -378,23 +428,23 @@ def answer_problems(a: dict | None) -> list[str]:
     return out
 
 
-def _broken_chunks(r: dict) -> bool:
+def _broken_chunks(r: CheckRecord) -> bool:
     """Some chunks of the step-crossing sample fail their bounds and some pass: a fault at a step."""
-    t = TOLERANCE[("captured", "float32" if r["engine_dtype"] in ("float32", "float64") else "bfloat16")]
-    chunks = (r.get("step_crossing") or {}).get("chunks", [])
+    t = TOLERANCE[("captured", "float32" if r.engine_dtype in ("float32", "float64") else "bfloat16")]
+    chunks = (r.step_crossing or {}).get("chunks", [])
     bad = [c["logprob_mean_abs_err"] > t.mean_abs or c["logprob_max_abs_err"] > t.max_abs
            or c["top1_agreement"] < t.min_top1 for c in chunks]
     return any(bad) and not all(bad)
 
 
-def likely_cause(r: dict, matches_once_normed: bool) -> str:
+def likely_cause(r: CheckRecord, matches_once_normed: bool) -> str:
     """The fault the figures point to, and the setting to look at."""
-    h = r["health"]
+    h = r.health
     if any(h["nonfinite"].values()):
         return ("NaN/inf in the stored features: an engine overflow or broken scales (hidden_dtype; try bf16, and "
                 "look at the engine log)")
-    if any(not v <= ROUNDTRIP[r["storage_dtype"]] for v in r["roundtrip_rel_err"].values()):
-        return (f"the stored {r['storage_dtype']} values do not read back as written: wrong scales in the shard "
+    if any(not v <= ROUNDTRIP[r.storage_dtype] for v in r.roundtrip_rel_err.values()):
+        return (f"the stored {r.storage_dtype} values do not read back as written: wrong scales in the shard "
                 f"writer or reader (hidden_dtype; draftsmith.hidden.outputs)")
     if h["min_layer_distance"] < MIN_LAYER_DISTANCE:
         how = ("an aux column holds the final state: a layer id the engine dropped (e.g. one equal to "
@@ -405,14 +455,15 @@ def likely_cause(r: dict, matches_once_normed: bool) -> str:
         return ("the features of one engine step are not the engine's, the other steps' are: the capture across "
                 "chunked prefill (a request's slots gathered at a step boundary; max_num_batched_tokens, "
                 "vllm_model_runner, the engine version)")
-    answers = answer_problems(r.get("answers"))
-    if answers and r["answers"]["tokens"] < ANSWERS.min_tokens and len(r["problems"]) == 1:
+    answers = answer_problems(r.answers)
+    if answers and r.answers["tokens"] < ANSWERS.min_tokens and len(r.problems) == 1:
         return ("too few response tokens among the checked samples to judge the engine on its answers "
                 "(check_samples; check_answers false for data without responses)")
-    if answers and len(answers) == len(r["problems"]):
+    if answers and len(answers) == len(r.problems):
+        ran = r.ran
         return (f"the forward pass agrees with itself but not with the target's own answers: a wrong kernel "
-                f"(attention {', '.join(r.get('attention_backend') or ['?'])}, MoE {', '.join(r.get('moe_kernel') or ['-'])}, "
-                f"model runner {r.get('model_runner', r['engine'])}), wrong weights or quantisation, or answers another "
+                f"(attention {', '.join(ran.get('attention_backend') or ['?'])}, MoE {', '.join(ran.get('moe_kernel') or ['-'])}, "
+                f"model runner {ran.get('model_runner', r.engine)}), wrong weights or quantisation, or answers another "
                 f"model wrote (check_answers false)")
     if matches_once_normed:
         return ("the stored final state is before the final norm (pre-norm stored as post-norm): the engine's "
@@ -422,58 +473,62 @@ def likely_cause(r: dict, matches_once_normed: bool) -> str:
             "(its version); target_backend hf with verify_with_hf cross-checks a target transformers can hold")
 
 
-def passed_line(r: dict) -> str:
+def passed_line(r: CheckRecord) -> str:
     """The one line a passed check logs: its figures, the answers', the step crossing and what ran."""
-    a, crossing = r["answers"], r.get("step_crossing")
-    said = [f"next-token logprob error mean {r['logprob_mean_abs_err']:.2g}, max {r['logprob_max_abs_err']:.2g}, "
-            f"top-1 agreement {r['top1_agreement']:.3f}"]
+    a, crossing = r.answers, r.step_crossing
+    said = [f"next-token logprob error mean {r.logprob_mean_abs_err:.2g}, max {r.logprob_max_abs_err:.2g}, "
+            f"top-1 agreement {r.top1_agreement:.3f}"]
     if a["tokens"]:
         said.append(f"own answers ({a['tokens']} tokens{'' if a['gated'] else ', not held'}): mean NLL "
                     f"{a['mean_nll']:.3g} nat, argmax agreement {a['argmax_agreement']:.3f}")
     if crossing:
         said.append(f"{len(crossing['chunks'])} chunk(s) of {crossing['step_tokens']} tokens of a step-crossing sample"
                     if crossing["crosses"] else f"no sample is longer than a step ({crossing['step_tokens']} tokens)")
-    return (f"stage 04's own check passed on {r['samples']} samples ({r['positions']} positions, {r['seconds']} s, "
+    return (f"stage 04's own check passed on {r.samples} samples ({r.positions} positions, {r.seconds} s, "
             f"{engine_line(r)}): {'; '.join(said)}")
 
 
-def failure_line(r: dict) -> str:
-    return (f"stage 04's own check failed on {r['samples']} samples ({r['positions']} positions, {engine_line(r)} "
-            f"{r['engine_dtype']}, {r['storage_dtype']} storage): {'; '.join(r['problems'])}. Likely cause: "
-            f"{r['cause']}. No shard was kept from this run; see hidden/{outputs.CHECK}")
+def failure_line(r: CheckRecord) -> str:
+    return (f"stage 04's own check failed on {r.samples} samples ({r.positions} positions, {engine_line(r)} "
+            f"{r.engine_dtype}, {r.storage_dtype} storage): {'; '.join(r.problems)}. Likely cause: "
+            f"{r.cause}. No shard was kept from this run; see hidden/{outputs.CHECK}")
 
 
-def engine_line(record: dict) -> str:
+def engine_line(record: CheckRecord) -> str:
     """What ran, in words: `vllm 0.32.0, model runner v1, attention CPU_ATTN, MoE ...` or `hf`."""
-    if "vllm" not in record:
-        return record["engine"]
-    return (f"vllm {record['vllm']}, model runner {record.get('model_runner')}, attention "
-            f"{', '.join(record.get('attention_backend') or []) or '-'}, MoE {', '.join(record.get('moe_kernel') or []) or '-'}")
+    ran = record.ran
+    if "vllm" not in ran:
+        return record.engine
+    return (f"vllm {ran['vllm']}, model runner {ran.get('model_runner')}, attention "
+            f"{', '.join(ran.get('attention_backend') or []) or '-'}, MoE {', '.join(ran.get('moe_kernel') or []) or '-'}")
 
 
-def check_table(record: dict | None):
-    """The early check's figures beside their tolerances, one row each (empty when none ran)."""
+def check_table(record: CheckRecord | dict | None):
+    """The early check's figures beside their tolerances, one row each (empty when none ran);
+    `record` may be its dict (the summary's `check`)."""
     import pandas as pd
 
     if not record:
         return pd.DataFrame(columns=["value", "tolerance", "ok"])
-    tol, h, rt, cap = record["tolerance"], record["health"], record["roundtrip_rel_err"], record["captured"]
+    if isinstance(record, dict):
+        record = CheckRecord.from_dict(record)
+    tol, h, rt, cap = record.tolerance, record.health, record.roundtrip_rel_err, record.captured
     rows = {"captured last: logprob mean |error| (nat)": (cap["logprob_mean_abs_err"], "<=", tol["captured"]["mean_abs"]),
             "captured last: logprob max |error| (nat)": (cap["logprob_max_abs_err"], "<=", tol["captured"]["max_abs"]),
             "captured last: top-1 agreement": (cap["top1_agreement"], ">=", tol["captured"]["min_top1"]),
-            "stored last: logprob mean |error| (nat)": (record["logprob_mean_abs_err"], "<=", tol["mean_abs"]),
-            "stored last: logprob max |error| (nat)": (record["logprob_max_abs_err"], "<=", tol["max_abs"]),
-            "stored last: top-1 agreement": (record["top1_agreement"], ">=", tol["min_top1"]),
+            "stored last: logprob mean |error| (nat)": (record.logprob_mean_abs_err, "<=", tol["mean_abs"]),
+            "stored last: logprob max |error| (nat)": (record.logprob_max_abs_err, "<=", tol["max_abs"]),
+            "stored last: top-1 agreement": (record.top1_agreement, ">=", tol["min_top1"]),
             "aux read back (relative error)": (rt["aux"], "<=", tol["roundtrip_rel_err"]),
             "last read back (relative error)": (rt["last"], "<=", tol["roundtrip_rel_err"]),
             f"closest layers ({h['closest_layers']})": (h["min_layer_distance"], ">=", tol["min_layer_distance"]),
             "NaN/inf values": (sum(h["nonfinite"].values()), "<=", 0)}
-    crossing = record.get("step_crossing") or {}
+    crossing = record.step_crossing or {}
     for k, c in enumerate(crossing.get("chunks", [])):
         where = f"step-crossing sample, chunk {k + 1} (tokens {c['tokens'][0]}-{c['tokens'][1] - 1})"
         rows[f"{where}: logprob max |error| (nat)"] = (c["logprob_max_abs_err"], "<=", tol["captured"]["max_abs"])
         rows[f"{where}: top-1 agreement"] = (c["top1_agreement"], ">=", tol["captured"]["min_top1"])
-    answers = record.get("answers") or {}
+    answers = record.answers or {}
     if answers.get("tokens"):
         held = "" if answers["gated"] else " (not held: check_answers off)"
         rows[f"own answers: mean NLL (nat){held}"] = (answers["mean_nll"], "<=", answers["bounds"]["max_nll"])
@@ -481,7 +536,7 @@ def check_table(record: dict | None):
                                                          answers["bounds"]["min_agreement"])
     table = pd.DataFrame([{"value": v, "tolerance": f"{op} {bound}", "ok": v <= bound if op == "<=" else v >= bound}
                           for v, op, bound in rows.values()], index=list(rows))
-    table.attrs["caption"] = (f"{record['samples']} samples, {record['positions']} positions, {engine_line(record)} "
-                              f"({record['engine_dtype']}), {record['storage_dtype']} storage, "
-                              f"{record['seconds']} s: {'passed' if record['passed'] else 'FAILED'}")
+    table.attrs["caption"] = (f"{record.samples} samples, {record.positions} positions, {engine_line(record)} "
+                              f"({record.engine_dtype}), {record.storage_dtype} storage, "
+                              f"{record.seconds} s: {'passed' if record.passed else 'FAILED'}")
     return table

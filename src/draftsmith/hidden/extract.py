@@ -20,7 +20,7 @@ import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from ..targets.hf import Capture
 from ..targets.vllm import MODEL_RUNNERS, VllmCapture
 from ..targets.identity import target_identity
 from ..tokens.outputs import Sample, read_tokens
+from .plan import ExtractionPlan
 from .resume import SCRATCH, fingerprint_samples, lock, prepare, shard_entry
 
 ENGINE_LOG = "vllm.log"  # on several ranks (one engine per node): vllm.rank<N>.log
@@ -129,17 +130,16 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
                 d.broadcast({"error": f"{type(e).__name__}: {e}"})
                 raise
         plan = d.broadcast(plan)
-        if "error" in plan:
+        if not isinstance(plan, ExtractionPlan):
             raise RuntimeError(f"rank 0 failed: {plan['error']}")
-        if plan["check"] != fingerprint_samples(samples):
+        if plan.samples != fingerprint_samples(samples):
             raise RuntimeError(f"rank {d.rank} read different samples than rank 0 from {token_files}")
-        mine = plan["shards"][d.rank::d.world]
+        mine = plan.shards[d.rank::d.world]
         engine_log = out_dir / (ENGINE_LOG if d.world == 1 else ENGINE_LOG.replace(".log", f".rank{d.rank}.log"))
         # every rank checks its own engine on the same first samples, before any shard
-        order = [i for _, p in plan["shards"] for b in p for i in b]
         try:
             written, seconds, checked, engine = _capture_shards(
-                target, capture, samples, mine, order, layer_ids, s, plan["settings"], out_dir, engine_log,
+                target, capture, samples, mine, plan.order(), layer_ids, s, plan.settings, out_dir, engine_log,
                 f"hidden {d.rank}/{d.world}" if d.world > 1 else "hidden", say)
         except check.CheckFailed as e:
             if d.main:
@@ -187,7 +187,7 @@ def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Setting
 
 
 def _run_shards(capture, samples, mine, *, target, order, check_samples, check_answers, layer_ids, dtype, settings,
-                out_dir, desc, log) -> tuple[list, float, dict | None, dict | None]:
+                out_dir, desc, log) -> tuple[list, float, check.CheckRecord | None, dict | None]:
     """Stage 04's own check, then this rank's shards (writing one overlaps computing the next);
     returns (shard entries, seconds, the check's record, what ran: `check.engine_of`)."""
     if not mine:
@@ -205,7 +205,7 @@ def _run_shards(capture, samples, mine, *, target, order, check_samples, check_a
         if to_check:
             checked = check.run_check(capture, to_check, target=target, layer_ids=layer_ids, dtype=dtype,
                                       work_dir=capture.scratch_dir, check_answers=check_answers, log=log)
-            if not checked["passed"]:
+            if not checked.passed:
                 raise check.CheckFailed(check.failure_line(checked), checked)
             log(check.passed_line(checked))
         else:
@@ -252,21 +252,22 @@ def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dic
     return shard_entry(path.name, samples, size, health)
 
 
-def _record_failed_check(out_dir: Path, record: dict, identity: dict, layer_ids: list[int], s: Settings) -> None:
+def _record_failed_check(out_dir: Path, record: check.CheckRecord, identity: dict, layer_ids: list[int],
+                         s: Settings) -> None:
     """A failed check: `check.json`, and an index that lists no shard and says why (readers refuse it)."""
-    write_json_atomic(out_dir / outputs.CHECK, record)
-    engine = {k: record[k] for k in check.ENGINE_FIELDS if k in record}
+    written = record.to_dict()
+    write_json_atomic(out_dir / outputs.CHECK, written)
     outputs.write_index(out_dir, {"dtype": s.hidden_dtype, "hidden_size": identity["hidden_size"],
                                   "layer_ids": layer_ids, "layer_convention": "output", "backend": s.target_backend,
-                                  "engine": engine,
-                                  "target": identity, "check": record, "num_samples": 0, "num_tokens": 0,
+                                  "engine": dict(record.ran),
+                                  "target": identity, "check": written, "num_samples": 0, "num_tokens": 0,
                                   "bytes": 0, "shards": []})
 
 
-def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) -> dict:
+def _finish(out_dir, plan: ExtractionPlan, results, identity, layer_ids, dtype, backend, log) -> dict:
     """Rank 0: merge every rank's shards with the kept ones into index.json, leaving out (and
     renaming, so a re-run extracts their samples again) the shards whose health fails."""
-    entries = plan["keep"] + [e for r in results for e in r["written"]]
+    entries = plan.keep + [e for r in results for e in r["written"]]
     entries.sort(key=lambda e: e["file"])
     entries, rejected = check.judge_shards(entries)
     for e in rejected:
@@ -294,7 +295,7 @@ def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) ->
     outputs.write_index(out_dir, index)
     new_tokens = sum(e["tokens"] for r in results for e in r["written"])
     seconds = max(r["seconds"] for r in results)
-    summary = {"samples": len(keys), "tokens": tokens, "shards": len(entries), "shards_kept": len(plan["keep"]),
+    summary = {"samples": len(keys), "tokens": tokens, "shards": len(entries), "shards_kept": len(plan.keep),
                "shards_written": sum(len(r["written"]) for r in results), "tokens_extracted": new_tokens,
                "extract_s": round(seconds, 3), "tokens_per_s": round(new_tokens / seconds, 1) if seconds else None,
                "bytes": index["bytes"], "bytes_per_token": round(index["bytes"] / tokens, 1) if tokens else None,
@@ -307,26 +308,25 @@ def _finish(out_dir, plan, results, identity, layer_ids, dtype, backend, log) ->
     return summary
 
 
-def _this_runs_check(out_dir: Path, records: list[dict | None]) -> dict | None:
+def _this_runs_check(out_dir: Path, records: list[check.CheckRecord | None]) -> dict | None:
     """The check of this run (rank 0's record, with every rank's verdict when there are several),
-    saved as `check.json`; when this run extracted nothing, the one saved by the run that did."""
+    as saved in `check.json`; when this run extracted nothing, the one saved by the run that did."""
     records = [r for r in records if r]
     path = out_dir / outputs.CHECK
     if not records:
         return json.loads(path.read_text()) if path.is_file() else None
-    record = {**records[0], "ranks_checked": len(records), "passed": all(r["passed"] for r in records)}
+    record = replace(records[0], ranks_checked=len(records), passed=all(r.passed for r in records)).to_dict()
     write_json_atomic(path, record)
     return record
 
 
-def _start_line(out_dir: Path, plan: dict) -> str:
+def _start_line(out_dir: Path, plan: ExtractionPlan) -> str:
     """Whether this run resumes or starts clean, and what the last run's check said."""
-    path = out_dir / outputs.CHECK
-    last = json.loads(path.read_text()) if path.is_file() else None
-    said = ("" if last is None else "; the last run's check passed" if last.get("passed")
-            else f"; the last run's check FAILED ({'; '.join(last.get('problems', []))}), and no shard was kept from it")
-    if plan["keep"]:
-        tokens = sum(e["tokens"] for e in plan["keep"])
-        return (f"resuming: {len(plan['keep'])} whole shard(s) ({tokens:,} tokens) kept from an earlier run, "
-                f"{len(plan['shards'])} to extract{said}")
-    return f"starting clean: {len(plan['shards'])} shard(s) to extract{said}"
+    last = outputs.read_check(out_dir) if (out_dir / outputs.CHECK).is_file() else None
+    said = ("" if last is None else "; the last run's check passed" if last.passed
+            else f"; the last run's check FAILED ({'; '.join(last.problems)}), and no shard was kept from it")
+    if plan.keep:
+        tokens = sum(e["tokens"] for e in plan.keep)
+        return (f"resuming: {len(plan.keep)} whole shard(s) ({tokens:,} tokens) kept from an earlier run, "
+                f"{len(plan.shards)} to extract{said}")
+    return f"starting clean: {len(plan.shards)} shard(s) to extract{said}"

@@ -133,12 +133,19 @@ def read_summary(directory: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
-def read_check(directory: str | os.PathLike) -> dict:
-    """check.json: stage 04's own check of its last run."""
+def read_check(directory: str | os.PathLike):
+    """check.json: stage 04's own check of its last run, a `check.CheckRecord`."""
     path = Path(directory) / CHECK
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no record of stage 04's check (run stage 04 first)")
-    return json.loads(path.read_text())
+    return _check_record(json.loads(path.read_text()))
+
+
+def _check_record(d: dict | None):
+    """The `check.CheckRecord` of a dict written from one (None: no check ran)."""
+    from .check import CheckRecord  # check.py writes through this module
+
+    return CheckRecord.from_dict(d) if d else None
 
 
 def remove_summary(directory: str | os.PathLike) -> None:
@@ -165,10 +172,10 @@ class HiddenShards:
         self.index = json.loads(path.read_text())
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{path}: format {self.index.get('format')!r}, expected {FORMAT!r}")
-        check = self.index.get("check")
-        if check and not check.get("passed"):
-            raise ValueError(f"{path}: stage 04's own check failed ({'; '.join(check.get('problems', []))}; likely "
-                             f"cause: {check.get('cause')}): these features are not to be trained on; fix the cause "
+        check = _check_record(self.index.get("check"))
+        if check and not check.passed:
+            raise ValueError(f"{path}: stage 04's own check failed ({'; '.join(check.problems)}; likely "
+                             f"cause: {check.cause}): these features are not to be trained on; fix the cause "
                              f"and run stage 04 again")
         self.samples: list[SampleRef] = []
         for si, shard in enumerate(self.index["shards"]):

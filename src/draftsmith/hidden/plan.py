@@ -10,9 +10,27 @@ disk is checked against bytes per token x tokens before the target is even loade
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import outputs
+
+
+@dataclass(frozen=True)
+class ExtractionPlan:
+    """One extraction, planned by rank 0 and the same on every rank: `keep`, the index entries of the
+    whole shards kept from an earlier run; `shards`, (file name, batches of sample indices) to
+    extract; `settings`, what each shard records in its header; `samples`, the fingerprint of the
+    samples planned (`resume.fingerprint_samples`)."""
+
+    keep: list[dict]
+    shards: list[tuple[str, list[list[int]]]]
+    settings: dict
+    samples: str
+
+    def order(self) -> list[int]:
+        """Every sample index to extract, in extraction order."""
+        return [i for _, batches in self.shards for b in batches for i in b]
 
 
 def plan_batches(lengths: list[int], max_tokens_per_batch: int, max_padding: float = 0.1) -> list[list[int]]:

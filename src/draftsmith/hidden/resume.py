@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import outputs
 from ..tokens.outputs import Sample
-from .plan import bytes_per_token, check_disk, plan_batches, plan_shards
+from .plan import ExtractionPlan, bytes_per_token, check_disk, plan_batches, plan_shards
 
 SCRATCH = ".vllm-scratch"  # vLLM's per-sample feature files, deleted once read
 LOCK = ".lock"
@@ -66,7 +66,7 @@ def scan_shards(out_dir: Path, settings: dict, by_key: dict[tuple[str, str], Sam
 
 
 def prepare(out_dir: Path, samples: list[Sample], identity: dict, layer_ids: list[int], dtype: str,
-             max_tokens_per_batch: int, shard_mb: float, backend: str, log) -> dict:
+             max_tokens_per_batch: int, shard_mb: float, backend: str, log) -> ExtractionPlan:
     """Rank 0: clear leftovers, keep whole shards, check the disk, plan the rest."""
     for tmp in out_dir.glob("*.tmp"):
         tmp.unlink()
@@ -95,8 +95,8 @@ def prepare(out_dir: Path, samples: list[Sample], identity: dict, layer_ids: lis
     batches = [[todo[j] for j in b] for b in plan_batches(lengths, max_tokens_per_batch, max_padding)]
     planned = plan_shards(batches, [len(s) for s in samples], per_shard)
     first = max(numbers, default=-1) + 1
-    return {"keep": keep, "shards": [(outputs.shard_name(first + n), p) for n, p in enumerate(planned)],
-            "settings": settings, "check": fingerprint_samples(samples)}
+    return ExtractionPlan(keep, [(outputs.shard_name(first + n), p) for n, p in enumerate(planned)], settings,
+                          fingerprint_samples(samples))
 
 
 def lock(out_dir: Path):
