@@ -1,5 +1,6 @@
-"""Shared fixtures (the test-sized tiny target, built once into the cache, and a throwaway API key) and
-the test tiers: which tier each test is in, so that `pytest -m TIER` imports and builds only what it runs."""
+"""Shared fixtures (the test-sized tiny target, built once into the cache; the session's one trained
+run on it, `shared_run`; a throwaway API key) and the test tiers: which tier each test is in, so that
+`pytest -m TIER` imports and builds only what it runs."""
 
 import json
 import os
@@ -319,17 +320,12 @@ def greedy_answers(target: Path, new_tokens: int = 48):
     return answer
 
 
-def stage_05_run(run: Path, target: Path, tok, *, epochs: float, export_fractions: list[float],
-                 layer_ids: list[int] | None = None, target_answers: bool = False, lr: float = 3e-3,
-                 train_layer_ids: list[int] | None = None, dflash: dict | None = None) -> Path:
-    """`run` as stages 03-05 leave it: tokens of two datasets (16 samples each), hidden states at
-    `layer_ids` (None: the default), a drafter trained with 20% held out on `train_layer_ids` of
-    them (None: its own) and exported at `export_fractions`; with `dflash` (DFlash settings), a DFlash
-    drafter as well, trained the same way on the same features into `drafter-dflash/`.
-    `target_answers`: the code dataset's responses are the target's own greedy ones (`greedy_answers`),
-    the chat dataset keeps the corpus's, so the drafter learns what greedy decoding and sampling meet."""
-    from draftsmith.drafter.config import TrainConfig
-    from draftsmith.drafter.train import train
+def stage_04_run(run: Path, target: Path, tok, *, layer_ids: list[int] | None = None,
+                 target_answers: bool = False) -> Path:
+    """`run` as stages 03-04 leave it: tokens of two datasets (16 samples each) and their hidden
+    states at `layer_ids` (None: the default). `target_answers`: the code dataset's responses are the
+    target's own greedy ones (`greedy_answers`), the chat dataset keeps the corpus's, so a drafter
+    learns what greedy decoding and sampling meet."""
     from draftsmith.hidden.extract import extract
     from draftsmith.targets.corpus import chat_examples
 
@@ -341,6 +337,17 @@ def stage_05_run(run: Path, target: Path, tok, *, epochs: float, export_fraction
              write_token_rows(tokens / "chat.jsonl", tok, convs[16:32], "chat")]
     extract(target, files, run / "hidden", layer_ids=layer_ids, hidden_dtype="bf16", target_backend="hf",
             log=lambda *a: None)
+    return run
+
+
+def stage_05_train(run: Path, target: Path, *, epochs: float, export_fractions: list[float], lr: float = 3e-3,
+                   train_layer_ids: list[int] | None = None, dflash: dict | None = None) -> Path:
+    """Stage 05 on `run`'s hidden states: a drafter trained with 20% held out on `train_layer_ids` of
+    them (None: its own) and exported at `export_fractions` into `drafter/`; with `dflash` (DFlash
+    settings), a DFlash drafter as well, trained the same way on the same features into `drafter-dflash/`."""
+    from draftsmith.drafter.config import TrainConfig
+    from draftsmith.drafter.train import train
+
     common = dict(hidden_dir=str(run / "hidden"), target_path=str(target), draft_vocab_size=512, ttt_steps=3,
                   train_epochs=epochs, train_batch_size=4, train_micro_batch_size=4, train_max_len=160, train_lr=lr,
                   train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
@@ -353,6 +360,63 @@ def stage_05_run(run: Path, target: Path, tok, *, epochs: float, export_fraction
         train(TrainConfig(out_dir=str(run / "drafter-dflash"), drafter_kind="dflash", export_engine="vllm",
                           **{**common, "export_fractions": [1.0]}, **dflash), log=lambda *a: None)
     return run
+
+
+def stage_05_run(run: Path, target: Path, tok, *, epochs: float, export_fractions: list[float],
+                 layer_ids: list[int] | None = None, target_answers: bool = False, lr: float = 3e-3,
+                 train_layer_ids: list[int] | None = None, dflash: dict | None = None) -> Path:
+    """`run` as stages 03-05 leave it: `stage_04_run`, then `stage_05_train`."""
+    stage_04_run(run, target, tok, layer_ids=layer_ids, target_answers=target_answers)
+    return stage_05_train(run, target, epochs=epochs, export_fractions=export_fractions, lr=lr,
+                          train_layer_ids=train_layer_ids, dflash=dflash)
+
+
+def copy_run(run: Path, into: Path, parts: tuple[str, ...] | None = None) -> Path:
+    """A copy of run folder `run` at `into` (only its folders `parts` when given), for a test that
+    writes into a run or needs another state of it: the shared runs are read, never written. The
+    paths a stage recorded (exports.json, summary.json: the export folders) name the copy's own
+    folders, as if it had been built at `into`, so that what a stage writes beside them (an export
+    rewritten for vLLM) lands in the copy."""
+    import re
+    import shutil
+
+    if parts is None:
+        shutil.copytree(run, into)
+    else:
+        for part in parts:
+            shutil.copytree(run / part, into / part)
+    old = re.compile(re.escape(str(run)) + r'(?=[/"])')
+    for path in into.rglob("*.json"):
+        text = path.read_text(encoding="utf-8")
+        if str(run) in text:
+            path.write_text(old.sub(lambda _: str(into), text), encoding="utf-8")
+    return into
+
+
+# ---- built once per session --------------------------------------------------------------------
+# The one trained run on tiny-test that test_eval_vllm and test_evaluate read (through copies):
+# stages 03-05 with the settings below, about 20 s on two cores. One capture of DFlash's five of
+# 8 layers holds the default [1, 3, 4] (what test_evaluate's drafter trains on) and the custom
+# [2, 3, 5] (test_eval_vllm's); the EAGLE-3 and DFlash drafters learn the target's own greedy
+# answers for long enough to draft them (test_eval_vllm's greedy tests need accepts).
+SHARED_RUN = {"layer_ids": [1, 2, 3, 4, 5], "target_answers": True, "epochs": 6.0, "export_fractions": [0.5, 1.0],
+              "lr": 1e-2, "train_layer_ids": [2, 3, 5],
+              "dflash": {"dflash_layers": 2, "dflash_block_size": 4, "dflash_anchors": 32}}
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
+    """The session's trained run (`SHARED_RUN`): tokens/, hidden/, drafter/ (EAGLE-3) and
+    drafter-dflash/. Read it, or copy it (`copy_run`) to write into it or to build another state
+    from it. Built on one torch thread, as the modules that read it build and run theirs."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return stage_05_run(tmp_path_factory.mktemp("shared") / "run", tiny_target, target_tokenizer, **SHARED_RUN)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ from draftsmith.evaluate import engine, engine_summary, figures, results
 from draftsmith.targets import vllm_fixes
 from draftsmith.targets.checkpoint import target_config, target_tensors
 
-from conftest import stage_05_run
+from conftest import SHARED_RUN, copy_run
 
 CUSTOM = [2, 3, 5]          # output ids; not the default [1, 3, 4] of 8 layers
 VLLM_IDS = [3, 4, 6]        # what vLLM must capture for them (input of layers 3, 4, 6)
@@ -107,14 +107,15 @@ def test_custom_layer_ids_reach_vllm_from_the_new_export_and_not_from_the_old(ti
 
 
 @pytest.fixture(scope="module")
-def custom_run(tmp_path_factory, tiny_target, target_tokenizer):
+def custom_run(shared_run, tmp_path_factory):
     """A run as stages 03-05 leave it: one capture of DFlash's layers and the custom ones, an
     EAGLE-3 export trained on the custom layers and a DFlash export on DFlash's own. The drafters also
     learn the target's own greedy answers (the loop the test-sized target falls into differs from
-    machine to machine), for long enough to draft them: the greedy tests need accepts."""
-    return stage_05_run(tmp_path_factory.mktemp("outputs") / "vllm", tiny_target, target_tokenizer, epochs=6.0,
-                        export_fractions=[0.5, 1.0], layer_ids=CAPTURED, train_layer_ids=CUSTOM, target_answers=True,
-                        lr=1e-2, dflash=DFLASH)
+    machine to machine), for long enough to draft them: the greedy tests need accepts. It is the
+    session's shared run (`conftest.shared_run`), copied: stage 06 writes into it."""
+    built = (SHARED_RUN["layer_ids"], SHARED_RUN["train_layer_ids"], SHARED_RUN["dflash"], SHARED_RUN["target_answers"])
+    assert built == (CAPTURED, CUSTOM, DFLASH, True), f"conftest.SHARED_RUN is no longer this module's run: {built}"
+    return copy_run(shared_run, tmp_path_factory.mktemp("outputs") / "vllm")
 
 
 def run_stage_06(run: Path, crosscheck: bool, *more: str) -> dict:

@@ -22,7 +22,7 @@ from draftsmith.targets.corpus import chat_examples
 from draftsmith.targets.hf import Capture
 from draftsmith.tokens import Sample
 
-from conftest import stage_config, stage_05_run
+from conftest import copy_run, stage_config, stage_05_train
 
 LAYER_IDS = [1, 3, 4]   # the default for 8 layers, output convention
 
@@ -53,11 +53,12 @@ def greedy(target_model, prompts):
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, tiny_target, target_tokenizer):
-    """A run folder as stages 03-05 leave it: tokens of two datasets, hidden states, and a drafter
-    trained for a few steps with exports at 50% and 100%."""
-    return stage_05_run(tmp_path_factory.mktemp("outputs") / "smoke", tiny_target, target_tokenizer, epochs=1.0,
-                        export_fractions=[0.5, 1.0])
+def trained_run(shared_run, tmp_path_factory, tiny_target):
+    """A run folder as stages 03-05 leave it: tokens of two datasets and hidden states (the
+    session's shared run's, copied: `conftest.shared_run`), and a drafter trained on the default
+    layers for a few steps with exports at 50% and 100%."""
+    run = copy_run(shared_run, tmp_path_factory.mktemp("outputs") / "smoke", parts=("tokens", "hidden"))
+    return stage_05_train(run, tiny_target, epochs=1.0, export_fractions=[0.5, 1.0])
 
 
 def random_export(tiny_target, out: Path, seed: int = 0) -> Path:
