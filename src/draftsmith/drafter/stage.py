@@ -1,10 +1,10 @@
 """Stage 05 as notebook 05 runs it (`run`): train the run's drafters on its stage-04 hidden states.
 
-`run(run, cfg)` takes notebook 05's settings (`DrafterConfig`); those that shape training become a
-`TrainConfig` per kind;
-`drafter_kinds` lists the drafters trained in turn on the same features (eagle3, dflash), each into
-its own folder (`outputs.drafter_dir`); `train_nproc`, `nnodes` and `rdzv_endpoint` choose where it
-runs (`train.launch`: this process, or torchrun processes on one node or several).
+`run(run, cfg)` takes notebook 05's settings (`DrafterConfig`); those that shape training become one
+`TrainConfig` per kind. `drafter_kinds` lists the drafters trained in turn on the same features
+(eagle3, dflash), each into its own folder (`outputs.drafter_dir`); `train_nproc`, `nnodes` and
+`rdzv_endpoint` choose where it runs (`train.launch`: this process, or torchrun processes on one
+node or several).
 """
 
 from __future__ import annotations
