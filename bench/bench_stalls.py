@@ -52,12 +52,9 @@ a = json.loads(sys.argv[1])
 t0 = time.monotonic()
 args = [ApiKey(a["key"], "bench"), Run(Path(a["root"]), a["name"])]
 if "cfg" in inspect.signature(run_at).parameters:      # a revision with stage configs
-    from dataclasses import fields
-    from draftsmith.config import GenerateConfig
-    names = {f.name for f in fields(GenerateConfig)}
-    args.append(GenerateConfig(datasets=a["datasets"], target_model_path=None,
-                               **{k: v for k, v in a["params"].items() if k in names}))
-    knobs = {k: v for k, v in a["params"].items() if k not in names}
+    from draftsmith.config import GenerateConfig, split
+    settings, knobs = split(GenerateConfig, a["params"])
+    args.append(GenerateConfig(datasets=a["datasets"], target_model_path=None, **settings))
 else:
     args.append(a["datasets"])
     knobs = a["params"]

@@ -38,15 +38,11 @@ def stage_02_at(base_url: str, api_key, run, datasets: list, **args):
     """`generate.stage.run_at` as tests call it, against a server they started: `args` are stage 02's
     settings (its config) and the rest, `log` and the `Options` knobs no stage declares. The target's
     tokenizer is not loaded unless `target_model_path` is given."""
-    import dataclasses
-
-    from draftsmith.config import GenerateConfig
+    from draftsmith.config import GenerateConfig, split
     from draftsmith.generate.stage import run_at
 
-    names = {f.name for f in dataclasses.fields(GenerateConfig)}
-    args = {"target_model_path": None, **args}
-    cfg = GenerateConfig(datasets=datasets, **{k: v for k, v in args.items() if k in names})
-    return run_at(base_url, api_key, run, cfg, **{k: v for k, v in args.items() if k not in names})
+    settings, rest = split(GenerateConfig, {"target_model_path": None, **args})
+    return run_at(base_url, api_key, run, GenerateConfig(datasets=datasets, **settings), **rest)
 
 
 # ---- tiers -------------------------------------------------------------------------------------

@@ -86,18 +86,14 @@ def prompts(path: Path, n: int, tag: str) -> Path:
 CHILD = """
 import json, sys
 from draftsmith.openrouter.apikey import ApiKey
-from dataclasses import fields
-from draftsmith.config import GenerateConfig
+from draftsmith.config import GenerateConfig, split
 from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
-given = {**a["settings"], **a["fast"]}
-declared = {f.name for f in fields(GenerateConfig)}
+settings, knobs = split(GenerateConfig, {**a["settings"], **a["fast"]})
 cfg = GenerateConfig(datasets=a["datasets"], model=a["model"], concurrency=2, spend_limit_usd=1.0,
-                     native_precision="int4", target_model_path=None,
-                     **{k: v for k, v in given.items() if k in declared})
-r = run_at(a["base"], ApiKey("EMPTY", "none: a local server"), Run(a["root"], "mixed"), cfg,
-           **{k: v for k, v in given.items() if k not in declared})
+                     native_precision="int4", target_model_path=None, **settings)
+r = run_at(a["base"], ApiKey("EMPTY", "none: a local server"), Run(a["root"], "mixed"), cfg, **knobs)
 print("RESULT", r.reason, flush=True)
 """
 

@@ -308,18 +308,15 @@ def test_too_long_prompts_skipped_and_malformed_rows_reported(tiny_target, tmp_p
 CHILD = """
 import asyncio, json, sys
 from draftsmith.openrouter.apikey import ApiKey
-from dataclasses import fields
-from draftsmith.config import GenerateConfig
+from draftsmith.config import GenerateConfig, split
 from draftsmith.generate.stage import run_at
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
 def go():
-    declared = {f.name for f in fields(GenerateConfig)}
+    settings, knobs = split(GenerateConfig, a["fast"])
     cfg = GenerateConfig(datasets=a["datasets"], model=a["model"], max_tokens=32, concurrency=a["concurrency"],
-                         spend_limit_usd=5.0, native_precision="int4", target_model_path=None,
-                         **{k: v for k, v in a["fast"].items() if k in declared})
-    r = run_at(a["base"], ApiKey(a["key"], "test"), Run(a["root"], "r"), cfg,
-               **{k: v for k, v in a["fast"].items() if k not in declared})
+                         spend_limit_usd=5.0, native_precision="int4", target_model_path=None, **settings)
+    r = run_at(a["base"], ApiKey(a["key"], "test"), Run(a["root"], "r"), cfg, **knobs)
     print("RESULT", r.reason, flush=True)
 async def like_jupyter():      # a cell runs inside the kernel's event loop
     go()

@@ -6,7 +6,7 @@ defaults derive from it. A bound is the interval a number must lie in, as writte
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 def setting(default, help: str, bound: str | None = None):
@@ -15,6 +15,13 @@ def setting(default, help: str, bound: str | None = None):
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def split(cls, values: dict) -> tuple[dict, dict]:
+    """(the entries of `values` that name fields of dataclass `cls`, the rest): to build one settings
+    class from another's values (`split(TrainConfig, vars(cfg))[0]`) or from mixed keyword arguments."""
+    names = {f.name for f in fields(cls)}
+    return ({k: v for k, v in values.items() if k in names}, {k: v for k, v in values.items() if k not in names})
 
 
 def shared(default, help: str, bound: str | None = None):

@@ -9,11 +9,9 @@ node or several).
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from .. import parameters
 from ..hidden.outputs import hidden_dir
-from ..config import DrafterConfig
+from ..config import DrafterConfig, split
 from ..paths import Run
 from ..targets.checkpoint import resolve_target
 from . import outputs, train
@@ -27,7 +25,7 @@ def run(run: Run, cfg: DrafterConfig, *, log=print) -> dict[str, dict]:
     kinds = cfg.drafter_kinds
     if not kinds or len(set(kinds)) != len(kinds) or not set(kinds) <= set(outputs.KINDS):
         raise ValueError(f"drafter_kinds must list distinct kinds of {outputs.KINDS}, got {kinds!r}")
-    shared = {f.name: getattr(cfg, f.name) for f in fields(TrainConfig) if hasattr(cfg, f.name)}
+    shared = split(TrainConfig, vars(cfg))[0]
     trains = [TrainConfig(**shared, hidden_dir=str(hidden_dir(run)), out_dir=str(outputs.drafter_dir(run, kind)),
                           target_path=str(resolve_target(cfg.target_model_path)), drafter_kind=kind)
               for kind in kinds]

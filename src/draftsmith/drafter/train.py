@@ -130,10 +130,12 @@ class Steps:
 def _plan(prep: Prepared, cfg: TrainConfig, d: Dist, steps: range, per_epoch: int, denominators):
     """This process's micro-batches of the given steps in order with their epochs, and per step the
     loss denominators [k] of the whole global batch (`DrafterKind.denominators`) and its tokens."""
-    micro, epochs, denoms, tokens = [], [], [], []
+    micro, epochs, denoms, tokens, by_epoch = [], [], [], [], {}
     for s in steps:
         epoch = s // per_epoch
-        gb = data.global_batches(prep.train, cfg.train_batch_size, cfg.seed, epoch)[s % per_epoch]
+        if epoch not in by_epoch:     # one shuffle per epoch, not per step
+            by_epoch[epoch] = data.global_batches(prep.train, cfg.train_batch_size, cfg.seed, epoch)
+        gb = by_epoch[epoch][s % per_epoch]
         mine = data.micro_batches(gb, prep.sup, cfg.train_micro_batch_size)[d.rank::d.world]
         micro.extend(mine)
         epochs.extend([epoch] * len(mine))

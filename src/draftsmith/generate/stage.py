@@ -16,7 +16,7 @@ from ..openrouter import client
 from . import outputs
 from ..datasets import parse_datasets
 from ..imports import answered, parse_imports
-from ..config import GenerateConfig
+from ..config import GenerateConfig, split
 from ..paths import Run, resolve
 from ..providers import outputs as stage_01
 from . import prompt_edits, run_settings
@@ -57,8 +57,7 @@ def run_at(base_url: str, api_key, run: Run, cfg: GenerateConfig, *, log=print, 
     for spec in specs:
         if not Path(spec.path).is_file():
             raise FileNotFoundError(f"datasets: file of dataset {spec.name!r} not found: {spec.path}")
-    opts = Options(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Options) if hasattr(cfg, f.name)},
-                   **knobs)
+    opts = Options(**split(Options, vars(cfg))[0], **knobs)
     # stage 01's routing with the `provider` setting laid over it; without it, the session applies
     # the same precision policy over the live endpoint list (`Session._apply_policy`)
     base_routing = stage_01.read_routing(run)

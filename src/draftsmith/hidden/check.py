@@ -32,6 +32,11 @@ class Tolerance:
     max_abs: float
     min_top1: float
 
+    def holds(self, figures: dict) -> bool:
+        """`figures` (the logprob errors and top-1 agreement, `FIGURES`' keys) are within these bounds."""
+        return not (figures["logprob_mean_abs_err"] > self.mean_abs or figures["logprob_max_abs_err"] > self.max_abs
+                    or figures["top1_agreement"] < self.min_top1)
+
 
 # (which final state, engine dtype) -> Tolerance. The logprobs come from the final state as the
 # engine handed it over ("captured": proves the capture, at any storage dtype), and as stored and
@@ -399,7 +404,7 @@ def _problems(r: CheckRecord, tol: dict) -> list[str]:
             out.append(f"{state} top-1 agreement {figures['top1_agreement']:.4f} < {t.min_top1}")
     crossing, t = r.step_crossing, tol["captured"]
     for k, c in enumerate((crossing or {}).get("chunks", [])):
-        if c["logprob_mean_abs_err"] > t.mean_abs or c["logprob_max_abs_err"] > t.max_abs or c["top1_agreement"] < t.min_top1:
+        if not t.holds(c):
             out.append(f"chunk {k + 1} of {len(crossing['chunks'])} of the step-crossing sample (tokens "
                        f"{c['tokens'][0]}-{c['tokens'][1] - 1}, {crossing['step_tokens']} a step): logprob error mean "
                        f"{c['logprob_mean_abs_err']:.3g}, max {c['logprob_max_abs_err']:.3g}, top-1 agreement "
@@ -432,8 +437,7 @@ def _broken_chunks(r: CheckRecord) -> bool:
     """Some chunks of the step-crossing sample fail their bounds and some pass: a fault at a step."""
     t = TOLERANCE[("captured", "float32" if r.engine_dtype in ("float32", "float64") else "bfloat16")]
     chunks = (r.step_crossing or {}).get("chunks", [])
-    bad = [c["logprob_mean_abs_err"] > t.mean_abs or c["logprob_max_abs_err"] > t.max_abs
-           or c["top1_agreement"] < t.min_top1 for c in chunks]
+    bad = [not t.holds(c) for c in chunks]
     return any(bad) and not all(bad)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import parameters
 from . import outputs, verify
 from ..files import write_json_atomic
-from ..config import HiddenConfig
+from ..config import HiddenConfig, split
 from ..paths import Run
 from ..tokens.outputs import token_files
 from ..targets.checkpoint import resolve_target
@@ -27,9 +27,6 @@ from ..distributed import done_launching, launch_dir, torchrun
 from .extract import Settings, extract
 
 CONFIG = "extract_config.json"
-# the settings `extract` takes under the config's names (the vLLM ones travel as `engine_options`)
-SETTINGS = ("layer_ids", "layer_set", "layer_convention", "hidden_dtype", "max_tokens_per_batch", "shard_mb", "device",
-            "target_backend", "check_samples", "check_answers")
 
 
 def run(run: Run, cfg: HiddenConfig, *, log=print) -> dict:
@@ -42,7 +39,7 @@ def run(run: Run, cfg: HiddenConfig, *, log=print) -> dict:
     target = resolve_target(cfg.target_model_path, log=log)
     files = token_files(run, cfg.datasets)
     out_dir = outputs.hidden_dir(run)
-    settings = {name: getattr(cfg, name) for name in SETTINGS}
+    settings = split(Settings, vars(cfg))[0]      # the vLLM ones travel as `engine_options`
     if cfg.target_backend == "vllm":
         settings["engine_options"] = dict(
             tensor_parallel_size=cfg.tensor_parallel_size, trust_remote_code=cfg.trust_remote_code,
