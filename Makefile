@@ -40,8 +40,11 @@ demo: $(STAMP)
 # without importing the other tiers' files. The built-in targets the chosen tests use are built before
 # the first test (tests/conftest.py), outside any test's time-out, and cached afterwards.
 FAST_TIERS := unit or emulator
+# The files are shared among TEST_WORKERS processes (pytest-xdist), each file whole on one worker, in
+# the order tests/conftest.py gives them (heaviest tier first); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "$(FAST_TIERS)"

@@ -178,12 +178,22 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+# the heavier a tier, the earlier its files run: under `make test`'s workers (pytest-xdist, one file
+# to a worker at a time) the long files start first and the short ones fill in at the end
+HEAVY_FIRST = ("engine", "network-resolver", "notebook", "crash", "browser", "emulator", "unit")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
 def pytest_collection_modifyitems(config, items):
+    """Marks each test with its tier, and orders the files by their heaviest tier (a file's own
+    tests keep their order)."""
+    rank = {}
     for item in items:
         tier = tier_of(item)
         if tier:
             item.add_marker(tier)
+        rank[item.path] = min(rank.get(item.path, len(HEAVY_FIRST)), HEAVY_FIRST.index(tier) if tier else len(HEAVY_FIRST))
+    items.sort(key=lambda item: rank[item.path])
 
 
 def pytest_configure(config):
