@@ -42,7 +42,9 @@ demo: $(STAMP)
 FAST_TIERS := unit or emulator
 # The files are shared among TEST_WORKERS processes (pytest-xdist), each file whole on one worker, in
 # the order tests/conftest.py gives them (heaviest tier first); TEST_WORKERS=0 runs them in this process.
-TEST_WORKERS ?= 2
+# Three on two cores: a test often waits on a child process (a kernel, an engine, torchrun), and a
+# third worker fills that time (bench/bench_test_workers.py).
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

@@ -221,7 +221,8 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_finish(session):
-    """Builds the built-in targets the selected tests' tiers use, saying which, before any test runs."""
+    """Builds the built-in targets the selected tests' tiers use, saying which, before any test runs
+    (each worker of `make test` starts with another, so that a fresh cache builds them side by side)."""
     config = session.config
     if config.option.collectonly or not session.items:
         return
@@ -233,7 +234,10 @@ def pytest_collection_finish(session):
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     write = reporter.write_line if reporter else print
-    for name in names:
+    names = list(names)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")   # pytest-xdist's workers each start with another
+    start = int(worker[2:]) % len(names)                    # target: a fresh cache builds them side by side
+    for name in names[start:] + names[:start]:
         write(f"test target {name}: {resolve_target(name, log=write)}")
 
 
@@ -414,15 +418,33 @@ SHARED_RUN = {"layer_ids": [1, 2, 3, 4, 5], "target_answers": True, "epochs": 6.
 def shared_run(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
     """The session's trained run (`SHARED_RUN`): tokens/, hidden/, drafter/ (EAGLE-3) and
     drafter-dflash/. Read it, or copy it (`copy_run`) to write into it or to build another state
-    from it. Built on one torch thread, as the modules that read it build and run theirs."""
+    from it. Built on one torch thread, as the modules that read it build and run theirs; under
+    `make test`'s workers, by the first worker that asks, in the folder they share, while the
+    others wait for it."""
+    import shutil
+
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return stage_05_run(tmp_path_factory.mktemp("shared") / "run", tiny_target, target_tokenizer, **SHARED_RUN)
-    finally:
-        torch.set_num_threads(threads)
+    from draftsmith.progress import wait_for_lock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent               # pytest-xdist: each worker's basetemp is a folder of one run's
+    folder = root / "shared-run"
+    run, built = folder / "run", folder / "built"
+    with open(root / "shared-run.lock", "w") as lock:
+        wait_for_lock(lock, "another worker building the shared run", log=print)
+        if not built.exists():
+            shutil.rmtree(folder, ignore_errors=True)     # what a failed build left
+            folder.mkdir()
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                stage_05_run(run, tiny_target, target_tokenizer, **SHARED_RUN)
+            finally:
+                torch.set_num_threads(threads)
+            built.touch()
+    return run
 
 
 def free_port() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
+from functools import lru_cache
 from pathlib import Path
 
 _QUESTIONS = [
@@ -21,9 +22,10 @@ _QUESTIONS = [
 ]
 
 
-def stdlib_docstrings(limit: int = 20000) -> list[tuple[str, str, str]]:
+@lru_cache(maxsize=4)
+def stdlib_docstrings(limit: int = 20000) -> tuple[tuple[str, str, str], ...]:
     """(module, qualified name, docstring) for documented functions and classes of the stdlib,
-    in a fixed order so builds are reproducible."""
+    in a fixed order so builds are reproducible; parsed once per process."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
@@ -40,8 +42,8 @@ def stdlib_docstrings(limit: int = 20000) -> list[tuple[str, str, str]]:
                 if doc and len(doc) > 40:
                     out.append((module, node.name, doc))
                     if len(out) >= limit:
-                        return out
-    return out
+                        return tuple(out)
+    return tuple(out)
 
 
 def chat_examples(seed: int = 0, limit: int = 20000) -> list[list[dict]]:
