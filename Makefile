@@ -45,11 +45,12 @@ FAST_TIERS := unit or emulator
 # Three on two cores: a test often waits on a child process (a kernel, an engine, torchrun), and a
 # third worker fills that time (bench/bench_test_workers.py).
 TEST_WORKERS ?= 3
+WORKERS := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q --durations=15 $(WORKERS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "$(FAST_TIERS)"
+	$(PY) -m pytest -q -m "$(FAST_TIERS)" $(WORKERS)
 
 # Lab works on copies in $(LAB_DIR)/ (git-ignored): its autosave writes outputs and edited values into
 # the notebook it has open, while notebooks/ holds the defaults `draftsmith run` reads. A copy is made

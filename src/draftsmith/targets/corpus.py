@@ -22,10 +22,14 @@ _QUESTIONS = [
 ]
 
 
-@lru_cache(maxsize=4)
-def stdlib_docstrings(limit: int = 20000) -> tuple[tuple[str, str, str], ...]:
+def stdlib_docstrings(limit: int = 20000) -> list[tuple[str, str, str]]:
     """(module, qualified name, docstring) for documented functions and classes of the stdlib,
-    in a fixed order so builds are reproducible; parsed once per process."""
+    in a fixed order so builds are reproducible; parsed once per process (a new list each call)."""
+    return list(_stdlib_docstrings(limit))
+
+
+@lru_cache(maxsize=4)
+def _stdlib_docstrings(limit: int) -> tuple[tuple[str, str, str], ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
