@@ -43,7 +43,7 @@ FAST_TIERS := unit or emulator
 # The files are shared among TEST_WORKERS processes (pytest-xdist), each file whole on one worker, in
 # the order tests/conftest.py gives them (heaviest tier first); TEST_WORKERS=0 runs them in this process.
 # Three on two cores: a test often waits on a child process (a kernel, an engine, torchrun), and a
-# third worker fills that time (bench/bench_test_workers.py).
+# third worker fills that time; a fourth adds nothing on two cores (bench/bench_test_workers.py).
 TEST_WORKERS ?= 3
 WORKERS := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP)

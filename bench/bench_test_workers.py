@@ -5,8 +5,8 @@ Each setting runs the same files with `make test`'s options (`--dist loadfile --
 each file whole on one worker, heaviest tier first); the table has each setting's wall time, the CPU
 time of it and of every process it started (user + system), and its speed-up over one process. The
 default files are a cross-section of the tiers (notebooks, crashes, torchrun, the emulator, units),
-about 4 minutes in one process on two idle cores; `--files` takes others (`tests` for the whole
-suite: about an hour for the three settings).
+about 6 and a half minutes in one process on two idle cores; `--files` takes others (`tests` for
+the whole suite: about an hour for the three settings).
 
     .venv/bin/python bench/bench_test_workers.py
     .venv/bin/python bench/bench_test_workers.py --workers 0 2 3 4 --files tests/test_hidden.py tests/test_drafter.py
@@ -63,7 +63,7 @@ def main() -> None:
     print("| workers | wall (s) | CPU, all processes (s) | speed-up over the first | tests |")
     print("|---|---|---|---|---|")
     for n, wall, cpu, tests in rows:
-        print(f"| {n or 'one process'} | {wall:.3g} | {cpu:.3g} | {base / wall:.3g}x | {tests} |")
+        print(f"| {n or 'one process'} | {wall:.3g} | {cpu:.3g} | {base / wall:#.3g}x | {tests} |")
 
 
 if __name__ == "__main__":
