@@ -145,9 +145,11 @@ TIERS = {
     "test_vllm_fixes.py": "unit",
 }
 # the built-in targets a tier's tests use: built (or found in the cache) before the first test runs,
-# so that no build counts against a test's time-out; "kimi-mini" builds "kimi-mini-bf16" with it
-TARGETS = {"unit": ("tiny-test",), "emulator": ("tiny-test",), "crash": ("tiny-test",), "notebook": ("tiny-test",),
-           "engine": ("tiny-test", "kimi-mini", "kimi-mini-bf16"), "browser": ("tiny-test",), "network-resolver": ()}
+# so that no build counts against a test's time-out; "kimi-mini" builds "kimi-mini-bf16" with it.
+# The tiers are in order, heaviest first: under `make test`'s workers (pytest-xdist, one file to a
+# worker at a time) the files of the heavier tiers start first and the short ones fill in at the end.
+TARGETS = {"engine": ("tiny-test", "kimi-mini", "kimi-mini-bf16"), "network-resolver": (), "notebook": ("tiny-test",),
+           "crash": ("tiny-test",), "browser": ("tiny-test",), "emulator": ("tiny-test",), "unit": ("tiny-test",)}
 
 
 def tier_of(item) -> str | None:
@@ -178,21 +180,18 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-# the heavier a tier, the earlier its files run: under `make test`'s workers (pytest-xdist, one file
-# to a worker at a time) the long files start first and the short ones fill in at the end
-HEAVY_FIRST = ("engine", "network-resolver", "notebook", "crash", "browser", "emulator", "unit")
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
 def pytest_collection_modifyitems(config, items):
-    """Marks each test with its tier, and orders the files by their heaviest tier (a file's own
-    tests keep their order)."""
+    """Marks each test with its tier, and orders the files by their heaviest tier (`TARGETS`' order;
+    a file's own tests keep their order)."""
+    heavy_first = list(TARGETS)
     rank = {}
     for item in items:
         tier = tier_of(item)
         if tier:
             item.add_marker(tier)
-        rank[item.path] = min(rank.get(item.path, len(HEAVY_FIRST)), HEAVY_FIRST.index(tier) if tier else len(HEAVY_FIRST))
+        here = heavy_first.index(tier) if tier in heavy_first else len(heavy_first)
+        rank[item.path] = min(rank.get(item.path, here), here)
     items.sort(key=lambda item: rank[item.path])
 
 
@@ -226,15 +225,15 @@ def pytest_collection_finish(session):
     config = session.config
     if config.option.collectonly or not session.items:
         return
-    tiers = {tier_of(item) for item in session.items}
-    names = dict.fromkeys(n for tier in tiers for n in TARGETS.get(tier, TARGETS["unit"]))
+    tiers = {tier_of(item) or "unit" for item in session.items}
+    # in `TARGETS`' order, the same in every worker (a set's order is not: hashing is seeded per process)
+    names = list(dict.fromkeys(n for tier in TARGETS if tier in tiers for n in TARGETS[tier]))
     if not names:
         return
     from draftsmith.targets.checkpoint import resolve_target
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     write = reporter.write_line if reporter else print
-    names = list(names)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")   # pytest-xdist's workers each start with another
     start = int(worker[2:]) % len(names)                    # target: a fresh cache builds them side by side
     for name in names[start:] + names[:start]:
@@ -430,6 +429,8 @@ def shared_run(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent               # pytest-xdist: each worker's basetemp is a folder of one run's
+    # built in place under a marker, not renamed into place as `targets.tiny.build_once` does: the run
+    # records its own absolute paths (exports.json), which `copy_run` rewrites from this folder's
     folder = root / "shared-run"
     run, built = folder / "run", folder / "built"
     with open(root / "shared-run.lock", "w") as lock:
