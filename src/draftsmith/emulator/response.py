@@ -191,12 +191,20 @@ class Responses:
         """No provider answers: the router keeps the connection alive with keep-alive (SSE comments,
         or whitespace padding of the JSON body) for `stall_s`, then ends it with a 524 (an error chunk,
         or an error body inside the 200). Nothing is billed; the ledger line is written when the
-        stall ends or the client leaves, whichever comes first."""
+        stall ends (before the client has the 524) or when the client leaves, whichever comes first."""
         loop = asyncio.get_running_loop()
         end = loop.time() + self.cfg.stall_s
         self.stats["fault_stall"] += 1
         err = {"code": 524, "message": "A timeout occurred while waiting for the upstream model",
                "metadata": {"provider_name": ep.name, "error_type": "timeout"}}
+        recorded = False
+
+        def record():
+            nonlocal recorded
+            if not recorded:
+                recorded = True
+                self.record(out.gen_id, ep, req, out, 200, attempts, finish="error", billed=False, error="stall",
+                            t_start=t_start, prompt_ids=prompt_ids)
         try:
             if isinstance(writer, SSEWriter):
                 await writer.open()
@@ -205,6 +213,8 @@ class Responses:
                 writer.start_keepalive()
             while not writer.gone and loop.time() < end:
                 await asyncio.sleep(min(self.cfg.padding_interval_s, max(0.0, end - loop.time())))
+            writer.stop_keepalive()
+            record()
             if not writer.gone:
                 if isinstance(writer, SSEWriter):
                     writer.event(out.chunk("", "", finish="error", error=err))
@@ -215,8 +225,7 @@ class Responses:
             pass
         finally:
             writer.stop_keepalive()
-            self.record(out.gen_id, ep, req, out, 200, attempts, finish="error", billed=False, error="stall",
-                        t_start=t_start, prompt_ids=prompt_ids)
+            record()
         return writer.resp or web.Response(status=499)
 
     async def replay(self, request, req, cached: Output, gen_id: str, attempts, prompt_ids, t_start):
