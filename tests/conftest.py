@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -184,13 +185,13 @@ def pytest_ignore_collect(collection_path, config):
 def pytest_collection_modifyitems(config, items):
     """Marks each test with its tier, and orders the files by their heaviest tier (`TARGETS`' order;
     a file's own tests keep their order)."""
-    heavy_first = list(TARGETS)
+    order = {tier: i for i, tier in enumerate(TARGETS)}
     rank = {}
     for item in items:
         tier = tier_of(item)
         if tier:
             item.add_marker(tier)
-        here = heavy_first.index(tier) if tier in heavy_first else len(heavy_first)
+        here = order.get(tier, len(order))
         rank[item.path] = min(rank.get(item.path, here), here)
     items.sort(key=lambda item: rank[item.path])
 
@@ -277,16 +278,24 @@ def python() -> str:
     return sys.executable
 
 
-@pytest.fixture(scope="module")
-def one_thread():
+@contextmanager
+def torch_on_one_thread():
     """Tiny-model CPU work runs fastest on one thread (stages 04-06 do the same); extra OpenMP
     threads only spin on a shared 2-core box. Restores the setting afterwards."""
     import torch
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    with torch_on_one_thread():
+        yield
 
 
 def write_token_rows(path: Path, tok, convs: list[list[dict]], prefix: str = "s", answer=None) -> Path:
@@ -422,8 +431,6 @@ def shared_run(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
     others wait for it."""
     import shutil
 
-    import torch
-
     from draftsmith.progress import wait_for_lock
 
     root = tmp_path_factory.getbasetemp()
@@ -438,12 +445,8 @@ def shared_run(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
         if not built.exists():
             shutil.rmtree(folder, ignore_errors=True)     # what a failed build left
             folder.mkdir()
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
+            with torch_on_one_thread():
                 stage_05_run(run, tiny_target, target_tokenizer, **SHARED_RUN)
-            finally:
-                torch.set_num_threads(threads)
             built.touch()
     return run
 

@@ -197,14 +197,6 @@ class Responses:
         self.stats["fault_stall"] += 1
         err = {"code": 524, "message": "A timeout occurred while waiting for the upstream model",
                "metadata": {"provider_name": ep.name, "error_type": "timeout"}}
-        recorded = False
-
-        def record():
-            nonlocal recorded
-            if not recorded:
-                recorded = True
-                self.record(out.gen_id, ep, req, out, 200, attempts, finish="error", billed=False, error="stall",
-                            t_start=t_start, prompt_ids=prompt_ids)
         try:
             if isinstance(writer, SSEWriter):
                 await writer.open()
@@ -213,19 +205,21 @@ class Responses:
                 writer.start_keepalive()
             while not writer.gone and loop.time() < end:
                 await asyncio.sleep(min(self.cfg.padding_interval_s, max(0.0, end - loop.time())))
+        except ConnectionResetError:
+            pass
+        finally:
             writer.stop_keepalive()
-            record()
-            if not writer.gone:
+            self.record(out.gen_id, ep, req, out, 200, attempts, finish="error", billed=False, error="stall",
+                        t_start=t_start, prompt_ids=prompt_ids)
+        if not writer.gone:
+            try:
                 if isinstance(writer, SSEWriter):
                     writer.event(out.chunk("", "", finish="error", error=err))
                     await writer.end()
                 else:
                     await writer.body(error_body(524, err["message"], err["metadata"]))
-        except ConnectionResetError:
-            pass
-        finally:
-            writer.stop_keepalive()
-            record()
+            except ConnectionResetError:
+                pass
         return writer.resp or web.Response(status=499)
 
     async def replay(self, request, req, cached: Output, gen_id: str, attempts, prompt_ids, t_start):
