@@ -73,8 +73,16 @@ class Planted:
     def scratch_dir(self, value):
         self.inner.scratch_dir = value
 
-    def __call__(self, batch, reference=False):
-        every, last, *refs = self.inner(batch, reference)
+    @property
+    def scheduled(self):
+        return self.inner.scheduled
+
+    @property
+    def max_model_len(self):
+        return self.inner.max_model_len
+
+    def __call__(self, batch, reference=False, steps=False):
+        every, last, *refs = self.inner(batch, reference, steps=steps) if steps else self.inner(batch, reference)
         h = last.shape[1]
 
         def layer(k):
@@ -285,24 +293,29 @@ def test_a_check_record_of_an_older_run_reads_and_writes_back_its_keys():
 
 # ---- across engine steps: a sample longer than one step, split by chunked prefill ----------------
 
-STEP = 64  # vLLM's max_num_batched_tokens for these tests: the check's longest sample spans 3 steps
+STEP = 64  # vLLM's max_num_batched_tokens for the quick tests: the crossing sample spans 3 steps
 
 
 class StaleChunk(Planted):
-    """A clean capture except that the step-crossing sample's second chunk (its tokens of the second
-    engine step) holds the features of its first tokens: a capture that gathered the slots of the
-    step before at a chunk boundary."""
+    """A clean capture except that, in the call that splits the step-crossing sample after fillers,
+    its second chunk (its tokens of the second engine step, as the engine's scheduler reports them)
+    holds the features of the tokens before it: a capture that gathered the slots of the step before
+    at a chunk boundary. Only there: the same tokens split otherwise come back clean."""
 
-    def __call__(self, batch, reference=False):
-        aux, last, *refs = super().__call__(batch, reference)
-        if reference:
-            k = reference.index(True) if isinstance(reference, list) else 0  # after the filler, if any
-            a = sum(len(s) for s in batch[:k]) + check.crossing_window(STEP)
-            n = min(STEP, len(batch[k]) - check.crossing_window(STEP))
-            start = a - check.crossing_window(STEP)
+    def __call__(self, batch, reference=False, steps=False):
+        aux, last, *refs = super().__call__(batch, reference, steps)
+        if steps and len(batch) > 1:
+            first, second = self.scheduled[-1][:2]
+            a = sum(len(s) for s in batch[:-1]) + first  # the sample's second chunk starts here
+            n = min(second, len(batch[-1]) - first)
             aux, last = aux.clone(), last.clone()
-            aux[a:a + n], last[a:a + n] = aux[start:start + n].clone(), last[start:start + n].clone()
+            aux[a:a + n], last[a:a + n] = aux[a - n:a].clone(), last[a - n:a].clone()
         return (aux, last, *refs)
+
+
+def vllm_on_every_layer(target, step: int, max_model_len: int):
+    return open_capture("vllm", target, list(range(num_layers(target))), device="cpu", trust_remote_code=True,
+                        max_model_len=max_model_len, max_num_batched_tokens=step, log=lambda m: None)
 
 
 @pytest.fixture(scope="module")
@@ -310,8 +323,7 @@ def stepped(tiny_target):
     """vLLM on every layer of tiny-test, STEP tokens a step (chunked prefill)."""
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cap = open_capture("vllm", tiny_target, list(range(num_layers(tiny_target))), device="cpu",
-                       trust_remote_code=True, max_model_len=2048, max_num_batched_tokens=STEP, log=lambda m: None)
+    cap = vllm_on_every_layer(tiny_target, STEP, 2048)
     yield cap
     cap.close()
     torch.set_num_threads(torch_threads)
@@ -326,29 +338,29 @@ def tiny_tokens(tiny_target, tmp_path_factory):
     return [d / "chat.jsonl"]
 
 
-def stepped_run(capture, tiny_target, tokens, out_dir, cls=Planted, **kw):
-    ids = layers.default_layer_ids(num_layers(tiny_target))
-    return extract(tiny_target, tokens, out_dir, capture=cls(capture, "clean", ids, tiny_target), layer_ids=ids,
+def stepped_run(capture, target, tokens, out_dir, cls=Planted, **kw):
+    ids = layers.default_layer_ids(num_layers(target))
+    return extract(target, tokens, out_dir, capture=cls(capture, "clean", ids, target), layer_ids=ids,
                    target_backend="vllm", max_tokens_per_batch=1024, shard_mb=0.02, check_samples=2,
                    log=lambda m: None, **kw)
 
 
-@pytest.mark.parametrize("window", [STEP, 16])
-def test_the_check_covers_every_chunk_of_a_sample_split_across_engine_steps_and_records_what_ran(
-        stepped, tiny_target, tiny_tokens, tmp_path, window, monkeypatch):
-    """window STEP: the sample starts its first step; 16: a filler of its own first 48 tokens goes
-    before it (`check.CROSSING_WINDOW`, 1024 on a real engine), and the step ends 16 tokens in."""
+def test_the_check_splits_a_sample_over_three_engine_steps_as_the_scheduler_reports_and_records_what_ran(
+        stepped, tiny_target, tiny_tokens, tmp_path):
+    """Fillers leave the sample `crossing_window` tokens of its first step; the engine's scheduler
+    reports the split (window | step | rest), and the same tokens alone split at step | rest."""
     import vllm
 
-    monkeypatch.setattr(check, "CROSSING_WINDOW", window)
     summary = stepped_run(stepped, tiny_target, tiny_tokens, tmp_path)
     r = checked(summary)
     c = r.step_crossing
-    assert r.passed and c["crosses"] and c["step_tokens"] == STEP and c["first_step_tokens"] == window, r
-    assert window + STEP < c["sample_tokens"] <= window + check.CHECK_TOKENS, c  # the longest sample, cut
-    # the chunks tile the sample: its share of the first step, then one chunk a step
-    assert [ch["tokens"][0] for ch in c["chunks"]] == [0] + list(range(window, c["sample_tokens"], STEP)), c
-    assert c["chunks"][-1]["tokens"][1] == c["sample_tokens"] and len(c["chunks"]) >= 3
+    window = check.crossing_window(STEP)
+    assert r.passed and c["crosses"] and c["split_confirmed"] and c["step_tokens"] == STEP, r
+    assert window % 16 and window + STEP < c["sample_tokens"], c  # not block-aligned; over three steps
+    assert c["scheduled"][:2] == [window, STEP] and sum(c["scheduled"]) >= c["sample_tokens"], c
+    assert c["reference_scheduled"][0] == STEP and c["fillers"] >= 1, c
+    assert [ch["tokens"] for ch in c["chunks"]] == check.chunks_of(c["scheduled"], c["sample_tokens"])
+    assert len(c["chunks"]) >= 3 and all(ch["rel_err"] < check.CROSSING_REL_ERR for ch in c["chunks"]), c
     # what ran, in check.json, the index and the summary alike
     ran = {"vllm": vllm.__version__, "model_runner": "v1", "max_num_batched_tokens": STEP, "chunked_prefill": True}
     on_disk = json.loads((tmp_path / outputs.CHECK).read_text())
@@ -356,27 +368,73 @@ def test_the_check_covers_every_chunk_of_a_sample_split_across_engine_steps_and_
     for record in (r.ran, on_disk, outputs.HiddenShards(tmp_path).index["engine"], summary["engine"]):
         assert {k: record[k] for k in ran} == ran and "CPU_ATTN" in record["attention_backend"], record
         assert record["model_runner_class"].endswith("CPUModelRunner"), record
-    print(f"| tiny-test | vllm, {STEP} tokens a step | none | chunks "
-          f"{[round(ch['logprob_max_abs_err'], 3) for ch in c['chunks']]} | passed |")
+    print(f"| tiny-test | vllm, {STEP} tokens a step | none | chunks {c['scheduled']} "
+          f"rel err {[ch['rel_err'] for ch in c['chunks']]} | passed |")
+
+
+def caught_in_chunk_2(failed) -> check.CheckRecord:
+    r, line = failed.value.record, str(failed.value)
+    chunks = r.step_crossing["chunks"]
+    # the first chunk is clean, the second is the stale one, named as such
+    assert chunks[0]["rel_err"] < check.CROSSING_REL_ERR < chunks[1]["rel_err"], chunks
+    assert [p for p in r.problems if p.startswith("chunk ")] == [
+        p for p in r.problems if p.startswith(f"chunk 2 of {len(chunks)} of the step-crossing sample")], r.problems
+    assert "one engine step" in r.cause and "chunk 2 of" in line and "\n" not in line
+    return r
 
 
 def test_a_fault_in_one_chunk_of_the_step_crossing_sample_is_caught_and_named(stepped, tiny_target, tiny_tokens,
                                                                               tmp_path):
     with pytest.raises(check.CheckFailed) as failed:
         stepped_run(stepped, tiny_target, tiny_tokens, tmp_path, cls=StaleChunk)
-    r, line = failed.value.record, str(failed.value)
-    chunks = r.step_crossing["chunks"]
-    tol = check.tolerance_for("captured", r.engine_dtype)
-    assert chunks[1]["tokens"] == [STEP, 2 * STEP], chunks
-    # the first chunk is clean, the second is the stale one, named as such
-    assert chunks[0]["logprob_max_abs_err"] <= tol.max_abs and chunks[1]["top1_agreement"] < tol.min_top1, chunks
-    assert any(p.startswith(f"chunk 2 of {len(chunks)} of the step-crossing sample") for p in r.problems), r
-    assert "one engine step" in r.cause and "chunk 2 of" in line and "\n" not in line
+    r = caught_in_chunk_2(failed)
+    assert r.step_crossing["chunks"][1]["tokens"] == [check.crossing_window(STEP), check.crossing_window(STEP) + STEP]
     assert not outputs.shard_files(tmp_path)
     with pytest.raises(ValueError, match="stage 04's own check failed"):
         outputs.HiddenShards(tmp_path)
-    print(f"| tiny-test | vllm, {STEP} tokens a step | chunk 2 stale | chunks "
-          f"{[round(ch['logprob_max_abs_err'], 3) for ch in chunks]} | caught: {r.cause.split(':')[0]} |")
+
+
+@pytest.fixture(scope="module")
+def long_context(tiny_target, tmp_path_factory):
+    """tiny-test's weights with a 16K-token context (RoPE: the same model at positions it was not
+    trained at, enough for the features to be the engine's), and one chat sample of 6,000 tokens."""
+    import shutil
+
+    from draftsmith.targets.checkpoint import load_tokenizer
+
+    target = tmp_path_factory.mktemp("tiny-16k") / "tiny-test-16k"
+    shutil.copytree(tiny_target, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
+    d = tmp_path_factory.mktemp("long-tokens")
+    rows = write_tokens(d / "chat.jsonl", load_tokenizer(tiny_target), 3, 0, "chat")
+    rows[0]["output_ids"] = rows[0]["output_ids"] * (6000 // len(rows[0]["output_ids"]) + 1)
+    rows[0]["input_ids"] = rows[0]["input_ids"][:len(rows[0]["input_ids"]) - sum(rows[0]["loss_mask"])] + rows[0]["output_ids"]
+    rows[0]["loss_mask"] = [0] * (len(rows[0]["input_ids"]) - len(rows[0]["output_ids"])) + [1] * len(rows[0]["output_ids"])
+    (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return target, [d / "chat.jsonl"]
+
+
+def test_at_the_cpu_builds_step_of_4096_the_crossing_sample_spans_three_steps_and_a_second_chunk_fault_is_caught(
+        long_context, tmp_path):
+    """The engine's own default step on a CPU (4,096 tokens; 8,192-16,384 on the user's GPUs): the
+    check's fillers, not the sample's cut, decide where the step ends."""
+    target, tokens = long_context
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cap = vllm_on_every_layer(target, 4096, 8192)
+    try:
+        c = checked(stepped_run(cap, target, tokens, tmp_path / "clean")).step_crossing
+        assert c["split_confirmed"] and c["scheduled"][:2] == [check.CROSSING_WINDOW, 4096], c
+        assert len(c["chunks"]) == 3 and c["fillers"] >= 1, c
+        with pytest.raises(check.CheckFailed) as failed:
+            stepped_run(cap, target, tokens, tmp_path / "planted", cls=StaleChunk)
+        caught_in_chunk_2(failed)
+    finally:
+        cap.close()
+        torch.set_num_threads(torch_threads)
+    print(f"| tiny-test 16K | vllm, 4096 tokens a step | none / chunk 2 stale | chunks {c['scheduled']} | "
+          f"passed / caught |")
 
 
 # ---- the gate: the engine on the target's own answers --------------------------------------------

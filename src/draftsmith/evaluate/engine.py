@@ -24,10 +24,6 @@ from . import outputs
 VLLM_VERSION = "0.32.0"
 CHILD = "draftsmith.evaluate.engine_child"
 
-# lets `collective_rpc` carry a function to the workers (reading the layers they capture); the
-# engine's processes talk only to each other
-RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-
 
 @dataclass(frozen=True)
 class EngineMethod:
@@ -92,7 +88,7 @@ def engine_process(eval_tensor_parallel: int, start: bool = True) -> Iterator[su
     if not start:
         yield None
         return
-    env = {**vllm_env(in_process=eval_tensor_parallel == 1), **RPC_ENV}
+    env = vllm_env(tensor_parallel_size=eval_tensor_parallel)
     proc = subprocess.Popen([sys.executable, "-m", CHILD, "--job-on-stdin"], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
     try:
@@ -169,7 +165,7 @@ def read_layer_ids(target: str | os.PathLike, exports: list[str | os.PathLike]) 
     """What vLLM reads as aux layer ids from each export (None: its default), per model runner."""
     job = {"mode": "layer_ids", "target": str(target), "exports": [str(e) for e in exports]}
     r = subprocess.run([sys.executable, "-m", CHILD, "-"], input=json.dumps(job), text=True,
-                       capture_output=True, env={**vllm_env(), **RPC_ENV})
+                       capture_output=True, env=vllm_env())
     if r.returncode:
         raise RuntimeError(f"vLLM could not parse the exports: {(r.stdout + r.stderr)[-3000:]}")
     return json.loads(next(line for line in r.stdout.splitlines() if line.startswith("[draftsmith-result] "))

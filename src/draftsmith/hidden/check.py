@@ -17,10 +17,21 @@ import torch
 from . import outputs
 
 CHECK_TOKENS = 128  # response tokens of each checked sample (its first ones: a prefix's features are the prefix's)
-# tokens of the step-crossing sample in its first step: a filler (its own first step - CROSSING_WINDOW
-# tokens, no prompt logprobs) goes before it, so the engine's logits for prompt logprobs (vLLM's V1
-# runner computes a request's share of a step at once: [tokens, vocabulary]) stay this small
-CROSSING_WINDOW = 1024
+# prompt + checked tokens of a sample checked against the engine's prompt logprobs, at most: the
+# engine materialises a request's share of a step as [tokens, vocabulary] float32 logits (and a copy
+# or two) on rank 0, outside what gpu_memory_utilization leaves: 4,096 x 163,840 x 4 B = 2.7 GB on
+# Kimi-K2.5, where a whole 16K-token prompt would need ~27 GB. Longer samples are cut to it.
+CHECK_MAX_TOKENS = 4096
+# tokens of the step-crossing sample in its first step (the fillers before it take the rest): not a
+# multiple of any KV block size (16, 32, 64, ...), so the step boundary falls inside a block
+CROSSING_WINDOW = 1000
+# positions on each side of every chunk boundary whose next-token logprobs are compared (the
+# features of every position are compared too, as a relative error a chunk)
+CROSSING_EDGE = 32
+# the step-crossing sample's features, split by the engine two ways, may differ by bf16 rounding
+# (other batch neighbours, other kernel tiles): at most this relative error a chunk (a clean
+# split reads 0.00x; a chunk holding other positions' features reads ~1)
+CROSSING_REL_ERR = 0.05
 
 
 @dataclass(frozen=True)
@@ -108,7 +119,7 @@ class CheckRecord:
     roundtrip_rel_err: dict
     health: dict
     tolerance: dict
-    step_crossing: dict | None = None              # None: the engine does not prefill in steps
+    step_crossing: dict | None = None              # `run_crossing`; None: the engine does not prefill in steps
     answers: dict | None = None                    # `answer_figures`, with `gated` and `bounds`
     problems: list[str]
     passed: bool
@@ -248,30 +259,96 @@ def _cut(s, n: int):
     return replace(s, input_ids=s.input_ids[:n], loss_mask=s.loss_mask[:n])
 
 
-def check_samples_of(samples: list, order: list[int], check_samples: int, step_tokens: int | None = None) -> list:
-    """The first `check_samples` samples in extraction order, each cut to its prompt and first CHECK_TOKENS
-    response tokens. `step_tokens` (an engine that prefills in steps of that many tokens): the
-    longest sample, cut to `crossing_window(step_tokens)` + CHECK_TOKENS tokens, goes first (`run_check`
-    splits it across steps) in place of its turn among them, if it is one of them."""
+def check_samples_of(samples: list, order: list[int], check_samples: int) -> list:
+    """The first `check_samples` samples in extraction order whose prompt and first CHECK_TOKENS
+    response tokens fit CHECK_MAX_TOKENS, each cut to them (fewer such samples: the next ones, cut
+    to CHECK_MAX_TOKENS)."""
     if check_samples <= 0:
         return []
-    out = []
-    for i in order[:check_samples]:
+    fits, long = [], []
+    for i in order:
         s = samples[i]
         response = s.loss_mask.nonzero()
         start = int(response[0]) if len(response) else len(s)
-        out.append((i, _cut(s, min(len(s), start + CHECK_TOKENS))))
-    if step_tokens:
-        longest = max(order, key=lambda i: len(samples[i]))
-        s = samples[longest]
-        cut = min(len(s), crossing_window(step_tokens) + CHECK_TOKENS)
-        out = [(longest, _cut(s, cut))] + [x for x in out if x[0] != longest]
-    return [s for _, s in out]
+        n = min(len(s), start + CHECK_TOKENS)
+        (fits if n <= CHECK_MAX_TOKENS else long).append(_cut(s, n) if n <= CHECK_MAX_TOKENS else s)
+        if len(fits) >= check_samples:
+            break
+    return fits + [_cut(s, CHECK_MAX_TOKENS) for s in long[:check_samples - len(fits)]]
 
 
 def crossing_window(step_tokens: int) -> int:
-    """Tokens of the step-crossing sample in its first step (the rest of that step is the filler's)."""
-    return min(step_tokens, CROSSING_WINDOW)
+    """Tokens of the step-crossing sample in its first step (the rest of that step is the fillers'):
+    odd below CROSSING_WINDOW, so never a multiple of a KV block."""
+    return min(CROSSING_WINDOW, step_tokens // 2 + 1)
+
+
+def crossing_sample_of(samples: list, order: list[int], step_tokens: int | None):
+    """The sample the check splits across engine steps (`run_crossing`): the longest, cut to what
+    three steps need (`crossing_window` + a step + CHECK_TOKENS); None when the engine does not
+    prefill in steps or no sample is longer than its first step's share."""
+    if not step_tokens or not order:
+        return None
+    s = samples[max(order, key=lambda i: len(samples[i]))]
+    window = crossing_window(step_tokens)
+    return _cut(s, min(len(s), window + step_tokens + CHECK_TOKENS)) if len(s) > window else None
+
+
+def chunks_of(scheduled: list[int], length: int) -> list[list[int]]:
+    """[start, stop) of each prefill chunk of a `length`-token sample, from its tokens per step (a
+    decode step after the prefill, if any, left out)."""
+    out, start = [], 0
+    for n in scheduled:
+        if start >= length:
+            break
+        out.append([start, min(start + n, length)])
+        start += n
+    return out
+
+
+def run_crossing(capture, sample, *, head, rounding) -> dict:
+    """The engine splits `sample` across steps two ways, and each way must give its features:
+    after fillers (the sample's own ids over again, no row of theirs kept) that leave it
+    `crossing_window` tokens of its first step, so it runs window | step | rest; and alone, so
+    it runs step | rest. The engine's scheduler says how each ran (`capture(..., steps=True)`:
+    `capture.scheduled`); each chunk of the first is compared with the second: the relative error
+    of its features and the next-token logprobs of CROSSING_EDGE positions on each side of each
+    boundary (our lm_head on the stored final state, `next_token_logprobs`). A fault at a step
+    boundary moves other positions in the two, so it shows; no prompt logprobs, so no logits."""
+    step = int(capture.step_tokens)
+    window = crossing_window(step)
+    n = len(sample)
+    piece = max(1, min(n, int(getattr(capture, "max_model_len", n + 1)) - 1))
+    ids = sample.input_ids.repeat((step - window) // n + 1)
+    fillers = [replace(sample, sample_id=f"filler-{k}", input_ids=ids[a:min(a + piece, step - window)],
+                       loss_mask=sample.loss_mask.new_zeros(min(piece, step - window - a)))
+               for k, a in enumerate(range(0, step - window, piece))]
+    aux, last = capture(fillers + [sample], steps=True)[:2]
+    split = capture.scheduled[-1] if capture.scheduled else None
+    aux, last = aux[-n:], last[-n:]
+    ref_aux, ref_last = capture([sample], steps=True)[:2]
+    ref_split = capture.scheduled[0] if capture.scheduled else None
+    planned = [[0, min(window, n)]] + [[a, min(a + step, n)] for a in range(window, n, step)]
+    chunks = chunks_of(split, n) if split else planned
+    full = torch.cat([aux.float(), last.float()], 1)
+    ref = torch.cat([ref_aux.float(), ref_last.float()], 1)
+    pos = sorted({p for a, b in chunks for p in [*range(a, min(a + CROSSING_EDGE, b)),
+                                                   *range(max(a, b - CROSSING_EDGE), b)] if p < n - 1})
+    pos_t = torch.tensor(pos)
+    nxt = sample.input_ids[pos_t + 1]
+    ours, our_top = next_token_logprobs(last[pos_t].float(), nxt, head, rounding)
+    theirs, their_top = next_token_logprobs(ref_last[pos_t].float(), nxt, head, rounding)
+    err, same = (ours - theirs).abs(), our_top == their_top
+    rows = []
+    for a, b in chunks:
+        inside = (pos_t >= a) & (pos_t < b)
+        rel = _distance(full[a:b], ref[a:b])
+        rows.append({"tokens": [a, b], "rel_err": round(rel, 6),
+                     **(_figures(err[inside], same[inside]) if inside.any() else {})})
+    return {"step_tokens": step, "first_step_tokens": window, "sample_tokens": n, "fillers": len(fillers),
+            "planned": [b - a for a, b in planned], "scheduled": split, "reference_scheduled": ref_split,
+            "split_confirmed": None if split is None else len(chunks) > 1,
+            "crosses": len(chunks) > 1, "chunks": rows}
 
 
 def engine_of(capture) -> dict:
@@ -286,15 +363,15 @@ def engine_of(capture) -> dict:
 
 
 def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str, work_dir: Path,
-              check_answers: bool = False, log=print) -> CheckRecord:
+              check_answers: bool = False, crossing_sample=None, log=print) -> CheckRecord:
     """Capture `batch` (`check_samples_of`) with the engine's own prompt logprobs of the same ids
     (vLLM `prompt_logprobs`; `hf`: the model's logits), store it through the shard writer and read
     it back as stage 05 does; then log_softmax(lm_head(stored last)) must give the engine's logprob
     of every next token and its top-1. The lm_head comes from the checkpoint's safetensors, without
     building the model; the final state is captured through the aux layers' numbering, so a wrong
-    numbering shows here too. When the engine runs in steps (`capture.step_tokens`) and batch[0]
-    is longer than one, it goes after a filler that leaves it `crossing_window` tokens of its first
-    step, and each of its chunks is judged on its own (`step_crossing`).
+    numbering shows here too. When the engine runs in steps (`capture.step_tokens`),
+    `crossing_sample` (`crossing_sample_of`) is split across steps and each chunk judged on its own
+    (`run_crossing`).
     All that compares the engine with itself, so a kernel that computes wrongly passes it; the
     responses are the target's own answers, so the engine's figures on them (`answer_figures`) are
     held to `ANSWERS` when `check_answers` (answers from another model: recorded, not held).
@@ -303,15 +380,7 @@ def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str,
     from ..targets.vllm import rms_norm
 
     t0 = time.perf_counter()
-    step = getattr(capture, "step_tokens", None)
-    window = crossing_window(step) if step else None
-    if step and len(batch[0]) > window and step > window:
-        # the filler fills the first step but `window` tokens, without prompt logprobs; its rows go
-        filler = _cut(batch[0], step - window)
-        aux, last, refs = capture([filler] + batch, reference=[False] + [True] * len(batch))
-        aux, last, refs = aux[len(filler):], last[len(filler):], refs[1:]
-    else:
-        aux, last, refs = capture(batch, reference=True)
+    aux, last, refs = capture(batch, reference=True)
     lengths = [len(s) for s in batch]
     offsets = torch.tensor([0] + lengths).cumsum(0)
     ids = torch.cat([s.input_ids for s in batch])
@@ -335,7 +404,7 @@ def run_check(capture, batch: list, *, target, layer_ids: list[int], dtype: str,
     roundtrip = {"aux": _distance(stored["aux"], aux.float()), "last": _distance(stored["last"], last.float())}
     h = health(aux, last, layer_ids, norm_weight)  # as captured: the storage has its own figures above
     tol = {"captured": tolerance_for("captured", engine), "stored": tolerance_for(dtype, engine)}
-    crossing = step_crossing(lengths[0], window, step, *errors["captured"]) if step else None
+    crossing = run_crossing(capture, crossing_sample, head=head, rounding=rounding) if crossing_sample else None
     answers = answer_figures(ref_chosen, ref_top1, ids[pos + 1], torch.cat([s.loss_mask for s in batch])[pos + 1] > 0)
     answers.update(gated=bool(check_answers), bounds=asdict(ANSWERS))
     record = CheckRecord(
@@ -366,20 +435,6 @@ def _figures(err: torch.Tensor, same_top1: torch.Tensor) -> dict:
             "top1_agreement": round(float(same_top1.float().mean()), 6)}
 
 
-def step_crossing(length: int, window: int, step_tokens: int, err: torch.Tensor, same_top1: torch.Tensor) -> dict:
-    """The first checked sample's figures chunk by chunk, as an engine prefilling `step_tokens` a step
-    splits it when `window` tokens of it fit its first step (its positions lead `err`); `crosses`:
-    it is longer than that."""
-    starts = [0] + list(range(window, length, step_tokens))
-    chunks = []
-    for start, stop in zip(starts, starts[1:] + [length]):
-        a, b = start, min(stop, length - 1)  # positions a..b-1 predict tokens a+1..b
-        if b > a:  # (a last chunk of the sample's last token alone predicts nothing within it)
-            chunks.append({"tokens": [start, stop], **_figures(err[a:b], same_top1[a:b])})
-    return {"step_tokens": int(step_tokens), "first_step_tokens": int(window), "sample_tokens": int(length),
-            "crosses": length > window, "chunks": chunks}
-
-
 def answer_figures(ref_chosen: torch.Tensor, ref_top1: torch.Tensor, next_ids: torch.Tensor,
                    response: torch.Tensor) -> dict:
     """The engine on the response tokens among `next_ids` (the sampled answers): their mean NLL
@@ -404,11 +459,13 @@ def _problems(r: CheckRecord, tol: dict) -> list[str]:
             out.append(f"{state} top-1 agreement {figures['top1_agreement']:.4f} < {t.min_top1}")
     crossing, t = r.step_crossing, tol["captured"]
     for k, c in enumerate((crossing or {}).get("chunks", [])):
-        if not t.holds(c):
+        if not chunk_holds(c, t):
             out.append(f"chunk {k + 1} of {len(crossing['chunks'])} of the step-crossing sample (tokens "
-                       f"{c['tokens'][0]}-{c['tokens'][1] - 1}, {crossing['step_tokens']} a step): logprob error mean "
-                       f"{c['logprob_mean_abs_err']:.3g}, max {c['logprob_max_abs_err']:.3g}, top-1 agreement "
-                       f"{c['top1_agreement']:.3f} (captured bounds {t.mean_abs}, {t.max_abs}, {t.min_top1})")
+                       f"{c['tokens'][0]}-{c['tokens'][1] - 1}, {crossing['step_tokens']} a step) differs from the "
+                       f"same tokens split at other steps: features relative error {c['rel_err']:.3g} (bound "
+                       f"{CROSSING_REL_ERR}), logprob error mean {c.get('logprob_mean_abs_err', 0):.3g}, max "
+                       f"{c.get('logprob_max_abs_err', 0):.3g}, top-1 agreement {c.get('top1_agreement', 1):.3f} "
+                       f"(captured bounds {t.mean_abs}, {t.max_abs}, {t.min_top1})")
     out += answer_problems(r.answers)
     limit = ROUNDTRIP[r.storage_dtype]
     out += [f"{k} read back from its shard differs from what the engine gave by {v:.3g} (> {limit})"
@@ -433,12 +490,17 @@ def answer_problems(a: dict | None) -> list[str]:
     return out
 
 
+def chunk_holds(chunk: dict, t: Tolerance) -> bool:
+    """A chunk of the step-crossing sample (`run_crossing`) gives the features of the same tokens
+    split otherwise: its relative error within CROSSING_REL_ERR, its edge logprobs within `t` (a
+    record of an older run has no relative error)."""
+    return chunk.get("rel_err", 0.0) <= CROSSING_REL_ERR and ("top1_agreement" not in chunk or t.holds(chunk))
+
+
 def _broken_chunks(r: CheckRecord) -> bool:
-    """Some chunks of the step-crossing sample fail their bounds and some pass: a fault at a step."""
-    t = TOLERANCE[("captured", "float32" if r.engine_dtype in ("float32", "float64") else "bfloat16")]
-    chunks = (r.step_crossing or {}).get("chunks", [])
-    bad = [not t.holds(c) for c in chunks]
-    return any(bad) and not all(bad)
+    """A chunk of the step-crossing sample differs from the same tokens split otherwise: a fault at a step."""
+    t = tolerance_for("captured", r.engine_dtype)
+    return any(not chunk_holds(c, t) for c in (r.step_crossing or {}).get("chunks", []))
 
 
 def likely_cause(r: CheckRecord, matches_once_normed: bool) -> str:
@@ -486,10 +548,18 @@ def passed_line(r: CheckRecord) -> str:
         said.append(f"own answers ({a['tokens']} tokens{'' if a['gated'] else ', not held'}): mean NLL "
                     f"{a['mean_nll']:.3g} nat, argmax agreement {a['argmax_agreement']:.3f}")
     if crossing:
-        said.append(f"{len(crossing['chunks'])} chunk(s) of {crossing['step_tokens']} tokens of a step-crossing sample"
-                    if crossing["crosses"] else f"no sample is longer than a step ({crossing['step_tokens']} tokens)")
+        said.append(crossing_words(crossing))
     return (f"stage 04's own check passed on {r.samples} samples ({r.positions} positions, {r.seconds} s, "
             f"{engine_line(r)}): {'; '.join(said)}")
+
+
+def crossing_words(c: dict) -> str:
+    """The step-crossing sample in words: its chunks and whether the engine's scheduler confirmed them."""
+    how = {True: "split as the engine's scheduler reports", False: "the engine's scheduler ran it in one step",
+           None: "the split assumed, the engine reports none"}[c.get("split_confirmed")]
+    sizes = [b - a for a, b in (ch["tokens"] for ch in c["chunks"])]
+    return (f"a {c['sample_tokens']:,}-token sample over {len(sizes)} engine step(s) of {c['step_tokens']:,} tokens "
+            f"({' | '.join(map(str, sizes))}; {how}), each chunk as when split otherwise")
 
 
 def failure_line(r: CheckRecord) -> str:
@@ -530,8 +600,10 @@ def check_table(record: CheckRecord | dict | None):
     crossing = record.step_crossing or {}
     for k, c in enumerate(crossing.get("chunks", [])):
         where = f"step-crossing sample, chunk {k + 1} (tokens {c['tokens'][0]}-{c['tokens'][1] - 1})"
-        rows[f"{where}: logprob max |error| (nat)"] = (c["logprob_max_abs_err"], "<=", tol["captured"]["max_abs"])
-        rows[f"{where}: top-1 agreement"] = (c["top1_agreement"], ">=", tol["captured"]["min_top1"])
+        rows[f"{where}: features relative error vs split otherwise"] = (c.get("rel_err", 0.0), "<=", CROSSING_REL_ERR)
+        if "top1_agreement" in c:
+            rows[f"{where}: logprob max |error| (nat)"] = (c["logprob_max_abs_err"], "<=", tol["captured"]["max_abs"])
+            rows[f"{where}: top-1 agreement"] = (c["top1_agreement"], ">=", tol["captured"]["min_top1"])
     answers = record.answers or {}
     if answers.get("tokens"):
         held = "" if answers["gated"] else " (not held: check_answers off)"

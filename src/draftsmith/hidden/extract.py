@@ -192,7 +192,8 @@ def _run_shards(capture, samples, mine, *, target, order, check_samples, check_a
     returns (shard entries, seconds, the check's record, what ran: `check.engine_of`)."""
     if not mine:
         return [], 0.0, None, None
-    to_check = check.check_samples_of(samples, order, check_samples, getattr(capture, "step_tokens", None))
+    to_check = check.check_samples_of(samples, order, check_samples)
+    crossing = check.crossing_sample_of(samples, order, getattr(capture, "step_tokens", None)) if to_check else None
     # one scratch folder per process: ranks on several nodes share out_dir, and each engine numbers
     # its feature files from 0 (a shared folder mixed two ranks' files, and one rank's cleanup
     # removed the files another was waiting for)
@@ -204,7 +205,8 @@ def _run_shards(capture, samples, mine, *, target, order, check_samples, check_a
     try:
         if to_check:
             checked = check.run_check(capture, to_check, target=target, layer_ids=layer_ids, dtype=dtype,
-                                      work_dir=capture.scratch_dir, check_answers=check_answers, log=log)
+                                      work_dir=capture.scratch_dir, check_answers=check_answers,
+                                      crossing_sample=crossing, log=log)
             if not checked.passed:
                 raise check.CheckFailed(check.failure_line(checked), checked)
             log(check.passed_line(checked))

@@ -37,20 +37,48 @@ from .vllm_limits import GpuOnly
 MODEL_RUNNERS = ("v1", "v2")
 
 
-def vllm_env(kvcache_gib: float = 1.0, in_process: bool = True) -> dict[str, str]:
-    """The environment of a process that runs vLLM: this one's, plus what vLLM's CPU build needs
-    (Intel OpenMP preloaded, the KV cache size in GiB; both ignored on GPUs) unless already set, and
-    `in_process` (one tensor-parallel rank): the engine core runs inside that process instead of
-    one more process, which saves one import of vLLM (tens of seconds on a small CPU)."""
+def vllm_env(kvcache_gib: float = 1.0, tensor_parallel_size: int = 1) -> dict[str, str]:
+    """The environment of a process that runs vLLM: this one's, plus what vLLM needs unless already
+    set. Always: `collective_rpc` may carry a function to the workers (`RPC_ENV`; the engine's
+    processes talk only to each other). vLLM's CPU build: Intel OpenMP preloaded, the KV cache size
+    in GiB. One tensor-parallel rank: the engine core runs inside that process instead of one more
+    process, which saves one import of vLLM (tens of seconds on a small CPU). Several ranks on a CPU
+    (`cpu_binding`): each rank's OpenMP threads bound to its own cores, without which vLLM's CPU
+    build stops on "Not enough allowed NUMA nodes"."""
     env = dict(os.environ)
+    for k, v in RPC_ENV.items():
+        env.setdefault(k, v)
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
     if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kvcache_gib:g}")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if in_process:
+    if tensor_parallel_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    elif not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel_size)
     return env
+
+
+# lets `collective_rpc` carry a function to the workers (stage 04 reads what ran, stage 06 the layers
+# the drafter captures); vLLM's msgpack refuses one otherwise, after the weights are loaded
+RPC_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def cpu_binding(tensor_parallel_size: int, cores: list[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `tensor_parallel_size` ranks on vLLM's CPU build: the cores this
+    process may use (`cores`, default its affinity), split into that many contiguous groups, one a
+    rank ("0|1", "0-7|8-15"). Fewer cores than ranks: ValueError saying what to set."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    n = int(tensor_parallel_size)
+    if len(cores) < n:
+        raise ValueError(f"tensor_parallel_size {n} on vLLM's CPU build needs a core per rank; this process may "
+                         f"use {len(cores)} ({cores}): lower tensor_parallel_size, or set "
+                         f"VLLM_CPU_OMP_THREADS_BIND yourself (one core list per rank, separated by '|')")
+    per = len(cores) // n
+    groups = [cores[i * per:(i + 1) * per] for i in range(n)]
+    return "|".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1
+                    else ",".join(map(str, g)) for g in groups)
 
 
 def die_with_parent() -> None:
@@ -100,6 +128,7 @@ class VllmCapture:
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.device = f"vLLM, tensor parallel {self.tensor_parallel_size}"
         self.scratch_dir: Path | None = None
+        self.scheduled: list[list[int]] | None = None
         self._n = 0
         config = {"engine": engine_kwargs(str(self.target), self.vllm_ids, tensor_parallel_size=tensor_parallel_size,
                                           trust_remote_code=trust_remote_code, max_model_len=self.max_model_len,
@@ -110,7 +139,7 @@ class VllmCapture:
             os.close(fd)
         self.log_file = Path(log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        env = vllm_env(kvcache_gib, in_process=self.tensor_parallel_size == 1)
+        env = vllm_env(kvcache_gib, self.tensor_parallel_size)
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if vllm_model_runner == "v2" else "0"  # read by vLLM's config
         read_fd, write_fd = os.pipe()
         with open(self.log_file, "ab") as out:
@@ -167,11 +196,13 @@ class VllmCapture:
             return "".join(collections.deque(f, maxlen=n))
 
     @torch.inference_mode()
-    def __call__(self, batch, reference: bool | list[bool] = False):
+    def __call__(self, batch, reference: bool | list[bool] = False, steps: bool = False):
         """(aux [T, nH], last [T, H]) of the batch's samples, one after the other; `reference` (true,
         or one flag a sample): also the engine's own prompt logprobs, one {"chosen": [L-1], "top1":
         [L-1]} a sample (the logprob of each next token and the top-1 token, from the same forward
-        pass; None for a sample whose flag is false). The samples are prefilled in this order."""
+        pass; None for a sample whose flag is false). The samples are prefilled in this order.
+        `steps`: `self.scheduled` is then each sample's tokens per engine step, as the engine's
+        scheduler ran them (None after a call without)."""
         from safetensors.torch import load_file
 
         if self.scratch_dir is None:
@@ -186,10 +217,12 @@ class VllmCapture:
         for _ in batch:
             paths.append(str(self.scratch_dir / f"{self._n:08d}.safetensors"))
             self._n += 1
-        job = {"prompts": [s.input_ids.tolist() for s in batch], "paths": paths, "reference": reference}
+        job = {"prompts": [s.input_ids.tolist() for s in batch], "paths": paths, "reference": reference,
+               "steps": steps}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         answer = self._reply(timeout_s=3600.0)
+        self.scheduled = answer.get("scheduled")
         aux, last = [], []
         for s, p in zip(batch, paths):
             got = load_file(p)

@@ -21,6 +21,10 @@ import torch
 
 VLLM_VERSION = "0.32.0"
 CONNECTOR = "HiddenStatesToFiles"
+# a request's `kv_transfer_params` key asking for its prefill's tokens per engine step, written
+# beside its features (`<path>` + STEPS_SUFFIX) as the scheduler ran them
+STEPS_KEY = "record_steps"
+STEPS_SUFFIX = ".steps.json"
 
 
 def _connector_class():
@@ -50,6 +54,29 @@ def _connector_class():
             super().__init__(*args, **kwargs)
             self._copied: set[str] = set()    # requests whose hidden states are on the host
             self._finished: set[str] = set()  # requests vLLM reported finished to this worker
+            self._scheduled: dict[str, list[int]] = {}  # scheduler side: tokens of each request, step by step
+
+        def get_finished_count(self) -> int:
+            """One "finished sending" a request: only tensor-parallel rank 0 copies and writes
+            (`_submit_async_write`), so ranks 1.. never report one. Stated here, not inherited: were
+            vLLM to wait for every rank, no request would finish, its KV blocks would never be freed,
+            and the scheduler would stall once the cache filled (minutes into a real run)."""
+            return 1
+
+        def build_connector_meta(self, scheduler_output):
+            """The parent's, and each request's tokens scheduled this step (`request_finished`
+            writes them for a request that asks, `STEPS_KEY`)."""
+            for req_id, n in scheduler_output.num_scheduled_tokens.items():
+                self._scheduled.setdefault(req_id, []).append(int(n))
+            return super().build_connector_meta(scheduler_output)
+
+        def request_finished(self, request, block_ids):
+            scheduled = self._scheduled.pop(request.request_id, [])
+            params = request.kv_transfer_params or {}
+            if params.get(STEPS_KEY) and params.get("hidden_states_path"):
+                # the prefill's chunks as the scheduler ran them (the last step decodes nothing: max_tokens 1)
+                _write_json(params["hidden_states_path"] + STEPS_SUFFIX, {"scheduled": scheduled})
+            return super().request_finished(request, block_ids)
 
         def _submit_async_write(self, pending) -> None:
             if not self._is_tp_rank_zero:
@@ -78,6 +105,12 @@ def _connector_class():
 
     HiddenStatesToFiles.__module__ = __name__
     return HiddenStatesToFiles
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    Path(tmp).write_text(json.dumps(obj))
+    os.replace(tmp, path)
 
 
 def _write(save_file, path: str, hidden: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -208,19 +241,31 @@ def serve(config: dict, requests, replies) -> None:
             # (true for all, or one flag a prompt: a prompt without them costs no logits beyond its last)
             reference = job.get("reference")
             flags = [bool(f) for f in reference] if isinstance(reference, list) else [bool(reference)] * len(job["paths"])
+            # `steps`: each request's tokens per engine step, as the scheduler ran them (the check's
+            # step-crossing sample, `hidden.check.run_crossing`)
+            steps = bool(job.get("steps"))
             params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                      prompt_logprobs=1 if flag else None,
-                                     extra_args={"kv_transfer_params": {"hidden_states_path": p}})
+                                     extra_args={"kv_transfer_params": {"hidden_states_path": p, STEPS_KEY: steps}})
                       for p, flag in zip(job["paths"], flags)]
             outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
-            _wait_for(llm, job["paths"], in_process, float(config.get("write_timeout_s", 600)))
+            written = job["paths"] + ([p + STEPS_SUFFIX for p in job["paths"]] if steps else [])
+            _wait_for(llm, written, in_process, float(config.get("write_timeout_s", 600)))
             answer = {"ok": len(job["paths"])}
+            if steps:
+                answer["scheduled"] = [_pop_json(p + STEPS_SUFFIX)["scheduled"] for p in job["paths"]]
             if any(flags):
                 answer["reference"] = [_prompt_logprobs(o.prompt_logprobs, ids) if flag else None
                                        for o, ids, flag in zip(outs, job["prompts"], flags)]
             reply(answer)
         except Exception:
             reply({"error": traceback.format_exc(limit=6)})
+
+
+def _pop_json(path: str):
+    obj = json.loads(Path(path).read_text())
+    os.unlink(path)
+    return obj
 
 
 def _prompt_logprobs(entries, ids: list[int]) -> dict:
