@@ -137,6 +137,7 @@ TIERS = {
     "test_store.py": "unit",
     "test_summary.py": "unit",
     "test_tables.py": "unit",
+    "test_tensor_parallel.py": "engine",
     "test_tiers.py": "unit",
     "test_tokens.py": "unit",
     "test_tokens_emulator.py": "emulator",

@@ -93,7 +93,8 @@ ANSWERS = AnswerBounds(max_nll=7.0, min_agreement=0.01, min_tokens=32)
 
 
 ENGINE_FIELDS = ("vllm", "model_runner", "model_runner_class", "attention_backend", "moe_kernel",
-                 "max_num_batched_tokens", "chunked_prefill", "platform", "transformers", "torch")  # `engine_of`'s keys
+                 "max_num_batched_tokens", "chunked_prefill", "tensor_parallel_size", "engine_core", "platform",
+                 "transformers", "torch")  # `engine_of`'s keys
 FIGURES = ("logprob_mean_abs_err", "logprob_max_abs_err", "top1_agreement")  # `_figures`' keys
 # left out of the dict when None: what older records lack, and what only some records have
 _OPTIONAL = ("captured", "answers", "cause", "ranks_checked")
@@ -309,20 +310,25 @@ def chunks_of(scheduled: list[int], length: int) -> list[list[int]]:
 def run_crossing(capture, sample, *, head, rounding) -> dict:
     """The engine splits `sample` across steps two ways, and each way must give its features:
     after fillers (the sample's own ids over again, no row of theirs kept) that leave it
-    `crossing_window` tokens of its first step, so it runs window | step | rest; and alone, so
+    `crossing_window` tokens of the step it starts in, so it runs window | step | rest; and alone, so
     it runs step | rest. The engine's scheduler says how each ran (`capture(..., steps=True)`:
     `capture.scheduled`); each chunk of the first is compared with the second: the relative error
     of its features and the next-token logprobs of CROSSING_EDGE positions on each side of each
     boundary (our lm_head on the stored final state, `next_token_logprobs`). A fault at a step
-    boundary moves other positions in the two, so it shows; no prompt logprobs, so no logits."""
+    boundary moves other positions in the two, so it shows; no prompt logprobs, so no logits.
+    Costs two steps of fillers and two prefills of the sample."""
     step = int(capture.step_tokens)
     window = crossing_window(step)
     n = len(sample)
+    # the fillers fill one whole step and the next but `window` tokens: an engine core in its own
+    # process (tensor parallel > 1) may run its first step before the last request reaches it, but
+    # not its second
+    fill = 2 * step - window
     piece = max(1, min(n, int(getattr(capture, "max_model_len", n + 1)) - 1))
-    ids = sample.input_ids.repeat((step - window) // n + 1)
-    fillers = [replace(sample, sample_id=f"filler-{k}", input_ids=ids[a:min(a + piece, step - window)],
-                       loss_mask=sample.loss_mask.new_zeros(min(piece, step - window - a)))
-               for k, a in enumerate(range(0, step - window, piece))]
+    ids = sample.input_ids.repeat(fill // n + 1)
+    fillers = [replace(sample, sample_id=f"filler-{k}", input_ids=ids[a:min(a + piece, fill)],
+                       loss_mask=sample.loss_mask.new_zeros(min(piece, fill - a)))
+               for k, a in enumerate(range(0, fill, piece))]
     aux, last = capture(fillers + [sample], steps=True)[:2]
     split = capture.scheduled[-1] if capture.scheduled else None
     aux, last = aux[-n:], last[-n:]

@@ -41,7 +41,8 @@ def _connector_class():
     `use_synchronization_lock` extra config, per-request `kv_transfer_params.hidden_states_path`),
     its worker state (`_kv_cache`, `_block_size`, `_is_tp_rank_zero`, `_executor`,
     `_get_connector_metadata`, `has_connector_metadata`), `ExampleHiddenStatesConnectorMetadata`
-    and `extract_from_kv_cache`."""
+    and `extract_from_kv_cache`; `get_finished_count` (the finished notices vLLM waits for a
+    request), `SchedulerOutput.num_scheduled_tokens` and `Request.kv_transfer_params`."""
     from safetensors.torch import save_file
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         ExampleHiddenStatesConnector, ExampleHiddenStatesConnectorMetadata, extract_from_kv_cache)
@@ -284,10 +285,12 @@ def engine_record(llm) -> dict:
     runner built on it; v2: `v1/worker/gpu/`, vLLM 0.32's default where Triton is present), the
     runner's class, the attention backend(s) and MoE kernel(s) the model's layers were built with
     (rank 0's; every tensor-parallel rank builds the same), the step's token budget, whether chunked
-    prefill splits a prompt across steps (vLLM's CPU build turns it off for MLA) and the platform.
+    prefill splits a prompt across steps (vLLM's CPU build turns it off for MLA), the tensor-parallel
+    ranks, whether the engine core runs in its own process, and the platform.
 
     vLLM internals: `vllm_config.use_v2_model_runner` (set through `VLLM_USE_V2_MODEL_RUNNER` by
     `VllmCapture`), `scheduler_config.max_num_batched_tokens` and `enable_chunked_prefill`,
+    `parallel_config.tensor_parallel_size`,
     `LLM.collective_rpc`, `vllm.platforms.current_platform`; on the worker, `_worker_kernels`'."""
     from vllm.platforms import current_platform
 
@@ -297,6 +300,8 @@ def engine_record(llm) -> dict:
             "model_runner_class": layers["runner"], "attention_backend": layers["attention"],
             "moe_kernel": layers["moe"], "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
             "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
+            "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
+            "engine_core": "in process" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "own process",
             "platform": str(getattr(current_platform, "device_name", "") or type(current_platform).__name__)}
 
 
