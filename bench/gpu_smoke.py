@@ -27,9 +27,12 @@ their parameters (`draftsmith run ... --check`). --cpu runs the plan on vLLM's C
 (to check this script: the INT4 stage 04 then reads GPU-only, and stages 05-06 have no features).
 
 --preflight checks the node alone and runs no stage (`draftsmith.node_preflight`): the NVIDIA
-driver against torch's CUDA, the GPUs and their free memory, the peer-access matrix, a timed
-all-reduce over every visible GPU with a time-out, and the disk where outputs_dir points against
-stage 04's features; each failure is one line naming its fix. Give it the real job's params file:
+driver against torch's CUDA, the GPUs and their free memory, what an earlier job left on them
+(processes, ECC errors, a wedged GPU, fatal Xids), the NCCL torch and vLLM load, IOMMU and PCIe
+ACS, the peer-access matrix, a timed all-reduce over every visible GPU with a time-out and the
+latency of decode-sized ones (in the run's engine_env), /dev/shm, and the disk where outputs_dir
+points against stage 04's features; each failure is one line naming its fix, and the settings the
+failures call for close the report. Give it the real job's params file:
 
   .venv-gpu/bin/python bench/gpu_smoke.py --preflight --params params/kimi-k2.5.yaml
 
