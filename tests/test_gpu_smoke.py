@@ -36,16 +36,58 @@ def test_dry_run_plans_every_stage_on_the_int4_target_in_vllm_with_tensor_parall
     done = smoke("--dry-run", "--tp", "2", "--run-name", "plan", "--outputs-dir", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
-    commands = [line.split(": ", 1)[1] for line in lines if line.startswith("  ")]
-    assert [c.split()[2] for c in commands] == ["01,02,03", "04", "05", "06"]
-    for c in commands:
+    commands = [line.split(": ", 1)[1] for line in lines if line.startswith("  ") and "draftsmith run" in line]
+    assert [c.split()[2] for c in commands] == ["01,02,03", "04", "04", "05", "06"]
+    for i, c in enumerate(commands):
         assert c.startswith("draftsmith run ") and " -f params/kimi-mini.yaml " in c
+        other = i == 2   # stage 04 again on the other model runner, in a run of its own
         for setting in ("-p target_model_path kimi-mini ", "-p target_backend vllm ", "-p tensor_parallel_size 2 ",
-                        "-p eval_backend vllm ", "-p eval_tensor_parallel 2 ", "-p verify_with_hf true ",
-                        "-p run_name plan ", f"-p outputs_dir {tmp_path}"):
+                        "-p eval_backend vllm ", "-p eval_tensor_parallel 2 ", f"-p outputs_dir {tmp_path}",
+                        f"-p verify_with_hf {'false' if other else 'true'} ",
+                        f"-p vllm_model_runner {'v2' if other else 'v1'} ", f"-p run_name {'plan-v2' if other else 'plan'} "):
             assert setting in c + " ", f"{setting!r} missing from {c}"
-    assert lines[-1] == ("parameters of 01_providers, 02_generate, 03_validate_tokens, 04_hidden_states, "
-                         "05_train_drafter, 06_evaluate: ok")
+    engines = lines[lines.index("vLLM engines it starts:") + 1:]
+    assert engines == ["  04: capture, model runner v1", "  04 v2: capture, model runner v2 (the comparison)",
+                       *(f"  06: {m}, model runner v1" for m in ("none", "ngram", "eagle3 50%", "eagle3", "dflash"))]
+    assert lines[lines.index("vLLM engines it starts:") - 1] == (
+        "parameters of 01_providers, 02_generate, 03_validate_tokens, 04_hidden_states, 05_train_drafter, "
+        "06_evaluate: ok")
+
+
+def test_the_runner_comparison_reads_two_stores_sample_by_sample(tmp_path):
+    """`compare_runners` on two real stage 04 stores of the same samples (transformers backend, one
+    with a sample's features perturbed): agreement within the bound, then a sample over it."""
+    import importlib.util
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from draftsmith.hidden.extract import extract
+    from draftsmith.targets.checkpoint import resolve_target
+    from test_hidden import write_tokens
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPT)
+    gpu_smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_smoke)
+
+    target = resolve_target("tiny-test")
+    tokens = tmp_path / "code.jsonl"
+    write_tokens(tokens, AutoTokenizer.from_pretrained(target), 6, 3, "code")
+    stores = []
+    for name in ("a", "b"):
+        extract(target, [tokens], tmp_path / name, target_backend="hf", check_samples=0, log=lambda m: None)
+        stores.append(tmp_path / name)
+    same = gpu_smoke.compare_runners(*stores)
+    assert same["agree"] and same["samples"] == 6 and same["missing"] == 0 and same["aux"] < 1e-6
+    shard = sorted(stores[1].glob("*.safetensors"))[0]
+    with safe_open(str(shard), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(shard)
+    tensors["last"] = tensors["last"] * 1.1
+    save_file(tensors, shard, metadata=meta)
+    off = gpu_smoke.compare_runners(*stores)
+    assert not off["agree"] and 0.08 < off["last"] < 0.12
 
 
 def test_the_smoke_plan_captures_both_drafters_layers_although_its_params_file_names_eagle3s():

@@ -82,7 +82,8 @@ ANSWERS = AnswerBounds(max_nll=7.0, min_agreement=0.01, min_tokens=32)
 
 
 ENGINE_FIELDS = ("vllm", "model_runner", "model_runner_class", "attention_backend", "moe_kernel",
-                 "max_num_batched_tokens", "chunked_prefill", "platform", "transformers", "torch")  # `engine_of`'s keys
+                 "max_num_batched_tokens", "chunked_prefill", "platform", "transformers", "torch",
+                 "engine_env", "disable_custom_all_reduce", "kv_cache_dtype")  # `engine_of`'s keys
 FIGURES = ("logprob_mean_abs_err", "logprob_max_abs_err", "top1_agreement")  # `_figures`' keys
 # left out of the dict when None: what older records lack, and what only some records have
 _OPTIONAL = ("captured", "answers", "cause", "ranks_checked")
