@@ -21,7 +21,7 @@ params/kimi-mini.yaml with the GPU settings:
          our decoder over transformers beside it
 
 and prints one table: stage x setting -> ok / failed / GPU-only, tokens/s, acceptance length
-(docs/gpu.md). Each run has its own run folder (outputs/gpu-smoke-<time>/), so nothing is resumed.
+(docs/gpu-runbook.md). Each run has its own run folder (outputs/gpu-smoke-<time>/), so nothing is resumed.
 
   .venv-gpu/bin/python bench/gpu_smoke.py [--tp N] [--target kimi-mini] [--runner v1|v2] [--run-name NAME] [--dry-run]
 
@@ -215,7 +215,7 @@ def table(steps: dict[str, dict], run: Run, target: str, tp: int) -> pd.DataFram
             bad = m.get("lossless") is False
             row("06", f"vLLM {name}, T={t}, tp {tp}",
                 f"{len(m['mismatched_samples'])} outputs differ from no drafter's (a few are expected in bf16, "
-                f"docs/gpu.md)" if bad else "ok",
+                f"docs/gpu-runbook.md)" if bad else "ok",
                 m.get("tokens_per_s"), m["acceptance_length"] if m["kind"] != "none" else None)
     for t, part in (report.get("temperatures") or {}).items():
         for name, m in part["methods"].items():

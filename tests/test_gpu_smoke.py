@@ -1,7 +1,7 @@
 """bench/gpu_smoke.py's CPU path: the plan it would run on GPUs, checked by the CLI, and its refusal
 to run without them; its node preflight (`draftsmith.node_preflight`), each message with torch made
 to read as a GPU node, the all-reduce in real processes. (The GPU run itself is never part of CI:
-docs/gpu.md.)"""
+docs/gpu-runbook.md.)"""
 
 from __future__ import annotations
 

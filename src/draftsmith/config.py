@@ -168,7 +168,7 @@ class HiddenConfig:
     kv_cache_dtype: str = KV_CACHE_DTYPE()
     scratch_dir: str = setting("", "vllm: where the engine writes each sample's features before they join a shard (every byte is written twice: there, then in the shard); empty: beside the shards, in <run>/hidden/.vllm-scratch; local NVMe or /dev/shm (when a batch's features fit) halve the shared disk's writes")
     check_samples: int = setting(2, "stage 04's own check: the first samples (prompt + 128 response tokens each; on vLLM also the longest, across engine steps) against the engine's own logprobs, before any shard; 0: off", bound='[0, inf)')
-    check_answers: bool = setting(False, "the responses are this target's own sampled answers (stage 02 on it): the check also holds the engine to them (mean NLL, argmax agreement; docs/gpu.md)")
+    check_answers: bool = setting(False, "the responses are this target's own sampled answers (stage 02 on it): the check also holds the engine to them (mean NLL, argmax agreement; docs/gpu-runbook.md)")
     verify_with_hf: bool = setting(True, 'also run the target through transformers on one sample as a check (targets transformers can hold)')
 
 @dataclass
