@@ -74,7 +74,7 @@ rehearsal: $(STAMP)
 clean-demo:
 	rm -rf outputs/demo
 
-# GPU machines (docs/gpu.md): one environment per serving engine, as vLLM and SGLang pin different
+# GPU machines (docs/gpu-runbook.md): one environment per serving engine, as vLLM and SGLang pin different
 # torch releases; each is the project's own requirements plus its engine's, CUDA builds from PyPI.
 # `make gpu-venv`: vLLM, for stages 04 and 06 on GPUs and `make gpu-preflight` / `make gpu-smoke`, in $(GPU_VENV)/;
 # `make sglang-venv`: SGLang, to serve the drafter's SGLang export, in $(SGLANG_VENV)/.

@@ -9,7 +9,10 @@ params/kimi-mini.yaml with the GPU settings:
   01-03  the local emulator samples kimi-mini's answers; stage 03 rebuilds and checks the token ids
   04     the features, captured in vLLM from the INT4 experts (tensor parallel 2 when two GPUs are
          visible), proven by stage 04's own check in the engine first, then checked against
-         transformers on one sample (`verify_with_hf`)
+         transformers on one sample (`verify_with_hf`); then captured again on vLLM's other model
+         runner (v1 / v2, `vllm_model_runner`) into a run of its own, and the two stores compared
+         sample by sample (the same kernels: they must agree to bf16), so the first GPU run says
+         with a figure whether v2 may become the default. vLLM's CPU build has no Triton, so no v2
   05     the EAGLE-3 drafter trained on them and exported for vLLM and SGLang, and a DFlash drafter on
          the same capture (stage 04 stores both drafters' layers, `layer_set: both`)
   06     vLLM serving every export as EAGLE-3 over the MLA target and the DFlash export as `dflash`
@@ -18,18 +21,23 @@ params/kimi-mini.yaml with the GPU settings:
          our decoder over transformers beside it
 
 and prints one table: stage x setting -> ok / failed / GPU-only, tokens/s, acceptance length
-(docs/gpu.md). Each run has its own run folder (outputs/gpu-smoke-<time>/), so nothing is resumed.
+(docs/gpu-runbook.md). Each run has its own run folder (outputs/gpu-smoke-<time>/), so nothing is resumed.
 
-  .venv-gpu/bin/python bench/gpu_smoke.py [--tp N] [--target kimi-mini] [--run-name NAME] [--dry-run]
+  .venv-gpu/bin/python bench/gpu_smoke.py [--tp N] [--target kimi-mini] [--runner v1|v2] [--run-name NAME] [--dry-run]
 
---dry-run needs no GPU and runs nothing: it prints the commands in order and has the CLI check
-their parameters (`draftsmith run ... --check`). --cpu runs the plan on vLLM's CPU build anyway
+--runner sets `vllm_model_runner` for every engine of stages 04 and 06 (default v1, the one the CPU
+build tests); the comparison capture runs on the other one. --dry-run needs no GPU and runs
+nothing: it prints the commands in order, every engine they will start with its model runner, and
+has the CLI check their parameters (`draftsmith run ... --check`). --cpu runs the plan on vLLM's CPU build anyway
 (to check this script: the INT4 stage 04 then reads GPU-only, and stages 05-06 have no features).
 
 --preflight checks the node alone and runs no stage (`draftsmith.node_preflight`): the NVIDIA
-driver against torch's CUDA, the GPUs and their free memory, the peer-access matrix, a timed
-all-reduce over every visible GPU with a time-out, and the disk where outputs_dir points against
-stage 04's features; each failure is one line naming its fix. Give it the real job's params file:
+driver against torch's CUDA, the GPUs and their free memory, what an earlier job left on them
+(processes, ECC errors, a wedged GPU, fatal Xids), the NCCL torch and vLLM load, IOMMU and PCIe
+ACS, the peer-access matrix, a timed all-reduce over every visible GPU with a time-out and the
+latency of decode-sized ones (in the run's engine_env), /dev/shm, and the disk where outputs_dir
+points against stage 04's features; each failure is one line naming its fix, and the settings the
+failures call for close the report. Give it the real job's params file:
 
   .venv-gpu/bin/python bench/gpu_smoke.py --preflight --params params/kimi-k2.5.yaml
 
@@ -58,11 +66,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params" / "kimi-mini.yaml"
 STEPS = [("01-03", "01,02,03"), ("04", "04"), ("05", "05"), ("06", "06")]
 EXPERTS = {"kimi-mini": "INT4 experts", "kimi-mini-bf16": "bf16 experts"}
+RUNNERS = ("v1", "v2")
+# the two runners run the same kernels on the same ids: their stored features may differ only by bf16
+# rounding of a different batch split. Per sample and layer, relative error (norm of the difference over
+# the norm of the other) at most 3%: tests/test_hidden_vllm.py's bound for vLLM against transformers
+RUNNER_REL_TOL = 0.03
 
 
-def settings(target: str, tp: int, run_name: str, outputs_dir: str | None) -> list[tuple[str, str]]:
+def other_runner(runner: str) -> str:
+    return RUNNERS[1 - RUNNERS.index(runner)]
+
+
+def settings(target: str, tp: int, run_name: str, outputs_dir: str | None, runner: str = "v1") -> list[tuple[str, str]]:
     """The `-p` overrides every step gets: one set of settings for the whole chain."""
-    s = [("run_name", run_name), ("target_model_path", target),
+    s = [("run_name", run_name), ("target_model_path", target), ("vllm_model_runner", runner),
          ("target_backend", "vllm"), ("tensor_parallel_size", str(tp)), ("verify_with_hf", "true"),
          ("eval_backend", "vllm"), ("eval_tensor_parallel", str(tp)), ("eval_engine_dtype", "bfloat16"),
          ("eval_hf_crosscheck", "true"), ("eval_hf_crosscheck_all", "true"), ("eval_max_new_tokens", "64"),
@@ -169,6 +186,18 @@ def table(steps: dict[str, dict], run: Run, target: str, tp: int) -> pd.DataFram
     own = own_check(shards.hidden_dir(run))
     if own:
         row("04", f"stage 04's own check in vLLM, tp {tp}", own)
+    runner = next((k.split()[1] for k in steps if k.startswith("04 ")), None)
+    if runner:
+        s, other = steps[f"04 {runner}"], Run(run.root.parent, f"{run.name}-{runner}")
+        if s["rc"]:
+            result = (f"{runner} needs Triton, which vLLM's CPU build lacks (GPU-only)" if runner == "v2"
+                      and not gpus() else failed(s))
+        else:
+            c = compare_runners(shards.hidden_dir(run), shards.hidden_dir(other))
+            result = (f"{'agree' if c['agree'] else 'DIFFER'}: {c['samples']} samples, worst relative error aux "
+                      f"{c['aux']:.2%}, last {c['last']:.2%} (bound {RUNNER_REL_TOL:.0%})" +
+                      (f"; {c['missing']} samples missing" if c["missing"] else ""))
+        row("04", f"stored features, model runner {other_runner(runner)} vs {runner}", result, seconds=s["seconds"])
     s = steps["05"]
     row("05", "EAGLE-3 and DFlash training on one capture, exports", "ok" if s["rc"] == 0 else failed(s),
         seconds=s["seconds"])
@@ -186,7 +215,7 @@ def table(steps: dict[str, dict], run: Run, target: str, tp: int) -> pd.DataFram
             bad = m.get("lossless") is False
             row("06", f"vLLM {name}, T={t}, tp {tp}",
                 f"{len(m['mismatched_samples'])} outputs differ from no drafter's (a few are expected in bf16, "
-                f"docs/gpu.md)" if bad else "ok",
+                f"docs/gpu-runbook.md)" if bad else "ok",
                 m.get("tokens_per_s"), m["acceptance_length"] if m["kind"] != "none" else None)
     for t, part in (report.get("temperatures") or {}).items():
         for name, m in part["methods"].items():
@@ -195,14 +224,72 @@ def table(steps: dict[str, dict], run: Run, target: str, tp: int) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
-def show_plan(params: Path, overrides: list[tuple[str, str]], what: str):
-    """Every step's command, printed under `what`: (plan, the run)."""
+def show_plan(params: Path, overrides: list[tuple[str, str]], what: str, compare_runners: bool = False):
+    """Every step's command, printed under `what`: (plan, the run). `compare_runners`: after stage 04,
+    stage 04 again on the other model runner, in the run `comparison_overrides` names."""
     plan = [(name, command(stages, params, overrides)) for name, stages in STEPS]
+    if compare_runners:
+        other = comparison_overrides(overrides)
+        plan.insert(2, (f"04 {dict(other)['vllm_model_runner']}", command("04", params, other)))
     run = run_of(overrides)
     print(f"plan: {what}, run folder {run.root}")
     for name, cmd in plan:
         print(f"  {name}: {shown(cmd)}")
     return plan, run
+
+
+def comparison_overrides(overrides: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Stage 04's overrides for the capture on the other model runner: a run of its own
+    (`<run_name>-<runner>`, its tokens copied from the main run), no transformers check."""
+    values = dict(overrides)
+    other = other_runner(values.get("vllm_model_runner", "v1"))
+    changed = {"run_name": f"{values['run_name']}-{other}", "vllm_model_runner": other, "verify_with_hf": "false"}
+    return [(k, changed.get(k, v)) for k, v in overrides]
+
+
+def planned_engines(params: Path, overrides: list[tuple[str, str]], compare_runners: bool) -> list[str]:
+    """One line per vLLM engine the plan starts, with the model runner it is given: stage 04's
+    capture (and the comparison's), and stage 06's, one per method (`evaluate.methods`' names)."""
+    values = parameters.effective_params(parameters.discover(), str(params), overrides)
+    runner = values["vllm_model_runner"]
+    fractions = sorted(values["export_fractions"])
+    exports = [f"eagle3 {f:.0%}" for f in fractions[:-1]] + ["eagle3"]
+    stage06 = ["none", "ngram", *exports, *(["dflash"] if "dflash" in values["drafter_kinds"] else [])]
+    lines = [f"04: capture, model runner {runner}"]
+    if compare_runners:
+        lines.append(f"04 {other_runner(runner)}: capture, model runner {other_runner(runner)} (the comparison)")
+    lines += [f"06: {name}, model runner {runner}" for name in stage06]
+    return lines
+
+
+def copy_tokens(overrides: list[tuple[str, str]]) -> None:
+    """The main run's stage 03 tokens into the comparison run (stage 04 reads them from its own run)."""
+    import shutil
+
+    src, dst = run_of(overrides).root / "tokens", run_of(comparison_overrides(overrides)).root / "tokens"
+    if src.is_dir():  # else stages 01-03 failed, and so does the comparison's stage 04, saying why
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+
+
+def compare_runners(a: Path, b: Path) -> dict:
+    """Two stage 04 stores of the same samples (hidden folders), sample by sample: the worst relative
+    error per stored tensor (aux: every captured layer side by side; last) over all samples."""
+    from draftsmith.hidden.outputs import HiddenShards
+
+    x, y = HiddenShards(a), HiddenShards(b)
+    keys = lambda h: [(r.dataset, r.sample_id) for r in h.samples]
+    where = {k: i for i, k in enumerate(keys(y))}
+    worst = {"aux": 0.0, "last": 0.0}
+    missing = [k for k in keys(x) if k not in where]
+    for i, k in enumerate(keys(x)):
+        if k in where:
+            s, t = x.sample(i), y.sample(where[k])
+            for name in worst:
+                u, v = s[name].float(), t[name].float()
+                worst[name] = max(worst[name], float((u - v).norm() / v.norm().clamp_min(1e-30)))
+    return {"samples": len(keys(x)) - len(missing), "missing": len(missing), **worst,
+            "agree": not missing and max(worst.values()) <= RUNNER_REL_TOL}
 
 
 def dry_run(params: Path, overrides: list[tuple[str, str]]) -> int:
@@ -213,11 +300,14 @@ def dry_run(params: Path, overrides: list[tuple[str, str]]) -> int:
     return done.returncode
 
 
-def run_plan(plan, run: Run, stop_after_failed: tuple[str, ...] = (), say=None) -> dict[str, dict]:
+def run_plan(plan, run: Run, stop_after_failed: tuple[str, ...] = (), say=None, before=None) -> dict[str, dict]:
     """Each step's command in order: {step: rc, seconds, logs}; a failed step in `stop_after_failed`
-    ends the plan (the later steps read rc -1). `say`, when given, gets every line the commands print."""
+    ends the plan (the later steps read rc -1). `say`, when given, gets every line the commands print;
+    `before`: step -> what to do before its command."""
     steps, echo = {}, say or (lambda line: print(line, flush=True))
     for name, cmd in plan:
+        if name in (before or {}):
+            before[name]()
         echo(f"== {name}: {shown(cmd)}")
         t0 = time.monotonic()
         if say is None:
@@ -241,6 +331,8 @@ def main() -> int:
     ap.add_argument("--run-name", default=None, help="run folder name; default gpu-smoke-<date>-<time>")
     ap.add_argument("--outputs-dir", default=None, help="where the run folder goes (default: the params file's)")
     ap.add_argument("--params", type=Path, default=PARAMS)
+    ap.add_argument("--runner", choices=RUNNERS, default="v1", help="vllm_model_runner of every engine (default v1, "
+                    "the one the CPU build tests); stage 04 is captured again on the other and the two compared")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and check their parameters; run nothing")
     ap.add_argument("--cpu", action="store_true", help="run on vLLM's CPU build anyway (checks this script)")
     ap.add_argument("--preflight", action="store_true", help="check the node for the run --params describes "
@@ -257,14 +349,20 @@ def main() -> int:
         print(f"gpu_smoke: {problem}; --dry-run prints the plan without a GPU", file=sys.stderr)
         return 2
     tp = a.tp or (2 if gpus() >= 2 else 1)
-    overrides = settings(a.target, tp, a.run_name or time.strftime("gpu-smoke-%Y%m%d-%H%M%S"), a.outputs_dir)
-    plan, run = show_plan(a.params, overrides, f"{a.target} ({EXPERTS.get(a.target, '?')}), tensor parallel {tp}")
+    overrides = settings(a.target, tp, a.run_name or time.strftime("gpu-smoke-%Y%m%d-%H%M%S"), a.outputs_dir,
+                         a.runner)
+    plan, run = show_plan(a.params, overrides, f"{a.target} ({EXPERTS.get(a.target, '?')}), tensor parallel {tp}",
+                          compare_runners=True)
     if a.dry_run:
-        return dry_run(a.params, overrides)
+        rc = dry_run(a.params, overrides)
+        if rc == 0:
+            print("vLLM engines it starts:")
+            print("\n".join(f"  {line}" for line in planned_engines(a.params, overrides, True)))
+        return rc
     if not a.cpu and preflight(a.params, overrides, a.all_reduce_timeout):
         print("gpu_smoke: the node failed its preflight (above); no stage was run", file=sys.stderr)
         return 2
-    steps = run_plan(plan, run)
+    steps = run_plan(plan, run, before={plan[2][0]: lambda: copy_tokens(overrides)})
     result = table(steps, run, a.target, tp)
     print(f"\nGPU smoke check, {a.target}, tensor parallel {tp} ({gpus()} GPUs visible), run {run.root}:")
     print(result.to_string(index=False))

@@ -92,6 +92,7 @@ TIERS = {
     "test_generate_stalls.py": "emulator",
     "test_gpu_requirements.py": "network-resolver",
     "test_gpu_smoke.py": "unit",
+    "test_node_preflight.py": "unit",
     "test_heap.py": "unit",
     "test_hidden.py": "unit",
     "test_hidden.py::test_two_rank_torchrun_gives_the_same_samples_as_one_process": "engine",

@@ -136,8 +136,9 @@ def run_stage_06(run: Path, crosscheck: bool, *more: str) -> dict:
 
 @pytest.fixture(scope="module")
 def engine_only_report(custom_run):
-    """Stage 06 as the real job runs it (eval_hf_crosscheck false): engine numbers only."""
-    return run_stage_06(custom_run, crosscheck=False)
+    """Stage 06 as the real job runs it (eval_hf_crosscheck false): engine numbers only; its engines
+    get an `engine_env` (read back in each engine's worker)."""
+    return run_stage_06(custom_run, False, "-p", "engine_env", json.dumps(PROBE_ENV))
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +193,34 @@ def test_batched_and_sequential_measurement_give_the_same_greedy_acceptance(engi
         together = engine_summary.acceptance([batched[(name, r["dataset"], r["sample_id"])] for r in seq], k)
         print(f"{name}: greedy acceptance {alone:.4f} one at a time, {together['acceptance_length']:.4f} batched")
         assert alone == together["acceptance_length"], name
+
+
+PROBE_ENV = {"DRAFTSMITH_ENGINE_PROBE": "stage 06"}
+
+
+def test_every_engine_row_of_the_report_and_the_summary_names_the_runner_that_ran(engine_only_report, custom_run):
+    """vllm_model_runner (v1 by default) reaches every engine; each records the runner class its
+    worker held, and the engine_env its worker read, in the report and the run's summary."""
+    from draftsmith import summary
+    from draftsmith.paths import Run
+
+    for part in (engine_only_report["engine"], engine_only_report["benchmarks"]["engine"]):
+        assert part["engines"] and all(e["model_runner"] == "v1" and e["model_runner_class"] and e["started"]
+                                       for e in part["engines"].values()), part["engines"]
+        assert part["engine_env"] == PROBE_ENV and part["kv_cache_dtype"] == "auto"
+        for t in part["temperatures"].values():
+            assert all(m["model_runner"] == "v1" and m["model_runner_class"] for m in t["methods"].values())
+    assert set(engine_only_report["engine"]["engines"]) == {"none", "ngram", "eagle3 50%", "eagle3", "dflash"}
+    numbers, _, figures, _ = summary.evaluate(Run(custom_run.parent, custom_run.name), "eval")
+    assert {(e.method, e.prompt_sets, e.model_runner) for e in numbers.engines} == {
+        *((m, "held-out", "v1") for m in ("none", "ngram", "eagle3 50%", "eagle3", "dflash")),
+        *((m, "benchmarks", "v1") for m in ("none", "ngram", "eagle3", "dflash"))}
+    classes = {e.model_runner_class for e in numbers.engines}
+    assert len(classes) == 1 and None not in classes
+    lines = [f.text for f in figures]
+    assert lines[0] == ("vLLM engines (held-out): " + ", ".join(f"{m} v1 ({next(iter(classes))})"
+                                                                for m in ("none", "ngram", "eagle3 50%", "eagle3", "dflash")))
+    assert lines[2] == "engine settings: engine_env DRAFTSMITH_ENGINE_PROBE=stage 06, custom all-reduce on, KV cache auto"
 
 
 def test_with_no_crosscheck_the_stage_reports_and_plots_the_engines_numbers_alone(engine_only_report, custom_run):

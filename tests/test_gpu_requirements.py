@@ -100,7 +100,7 @@ def resolve(requirements: Path, report: Path) -> dict:
 
 def test_there_is_one_gpu_environment_per_engine():
     assert GPU_FILES == ["requirements/gpu-sglang.txt", "requirements/gpu-vllm.txt"], (
-        f"GPU requirements files: {GPU_FILES}; each engine has its own environment (docs/gpu.md)")
+        f"GPU requirements files: {GPU_FILES}; each engine has its own environment (docs/design/gpu.md)")
 
 
 @pytest.mark.parametrize("name", ["requirements.txt", *GPU_FILES])

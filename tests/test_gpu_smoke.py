@@ -1,7 +1,7 @@
 """bench/gpu_smoke.py's CPU path: the plan it would run on GPUs, checked by the CLI, and its refusal
 to run without them; its node preflight (`draftsmith.node_preflight`), each message with torch made
 to read as a GPU node, the all-reduce in real processes. (The GPU run itself is never part of CI:
-docs/gpu.md.)"""
+docs/gpu-runbook.md.)"""
 
 from __future__ import annotations
 
@@ -36,16 +36,58 @@ def test_dry_run_plans_every_stage_on_the_int4_target_in_vllm_with_tensor_parall
     done = smoke("--dry-run", "--tp", "2", "--run-name", "plan", "--outputs-dir", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
-    commands = [line.split(": ", 1)[1] for line in lines if line.startswith("  ")]
-    assert [c.split()[2] for c in commands] == ["01,02,03", "04", "05", "06"]
-    for c in commands:
+    commands = [line.split(": ", 1)[1] for line in lines if line.startswith("  ") and "draftsmith run" in line]
+    assert [c.split()[2] for c in commands] == ["01,02,03", "04", "04", "05", "06"]
+    for i, c in enumerate(commands):
         assert c.startswith("draftsmith run ") and " -f params/kimi-mini.yaml " in c
+        other = i == 2   # stage 04 again on the other model runner, in a run of its own
         for setting in ("-p target_model_path kimi-mini ", "-p target_backend vllm ", "-p tensor_parallel_size 2 ",
-                        "-p eval_backend vllm ", "-p eval_tensor_parallel 2 ", "-p verify_with_hf true ",
-                        "-p run_name plan ", f"-p outputs_dir {tmp_path}"):
+                        "-p eval_backend vllm ", "-p eval_tensor_parallel 2 ", f"-p outputs_dir {tmp_path}",
+                        f"-p verify_with_hf {'false' if other else 'true'} ",
+                        f"-p vllm_model_runner {'v2' if other else 'v1'} ", f"-p run_name {'plan-v2' if other else 'plan'} "):
             assert setting in c + " ", f"{setting!r} missing from {c}"
-    assert lines[-1] == ("parameters of 01_providers, 02_generate, 03_validate_tokens, 04_hidden_states, "
-                         "05_train_drafter, 06_evaluate: ok")
+    engines = lines[lines.index("vLLM engines it starts:") + 1:]
+    assert engines == ["  04: capture, model runner v1", "  04 v2: capture, model runner v2 (the comparison)",
+                       *(f"  06: {m}, model runner v1" for m in ("none", "ngram", "eagle3 50%", "eagle3", "dflash"))]
+    assert lines[lines.index("vLLM engines it starts:") - 1] == (
+        "parameters of 01_providers, 02_generate, 03_validate_tokens, 04_hidden_states, 05_train_drafter, "
+        "06_evaluate: ok")
+
+
+def test_the_runner_comparison_reads_two_stores_sample_by_sample(tmp_path):
+    """`compare_runners` on two real stage 04 stores of the same samples (transformers backend, one
+    with a sample's features perturbed): agreement within the bound, then a sample over it."""
+    import importlib.util
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from draftsmith.hidden.extract import extract
+    from draftsmith.targets.checkpoint import resolve_target
+    from test_hidden import write_tokens
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPT)
+    gpu_smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_smoke)
+
+    target = resolve_target("tiny-test")
+    tokens = tmp_path / "code.jsonl"
+    write_tokens(tokens, AutoTokenizer.from_pretrained(target), 6, 3, "code")
+    stores = []
+    for name in ("a", "b"):
+        extract(target, [tokens], tmp_path / name, target_backend="hf", check_samples=0, log=lambda m: None)
+        stores.append(tmp_path / name)
+    same = gpu_smoke.compare_runners(*stores)
+    assert same["agree"] and same["samples"] == 6 and same["missing"] == 0 and same["aux"] < 1e-6
+    shard = sorted(stores[1].glob("*.safetensors"))[0]
+    with safe_open(str(shard), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(shard)
+    tensors["last"] = tensors["last"] * 1.1
+    save_file(tensors, shard, metadata=meta)
+    off = gpu_smoke.compare_runners(*stores)
+    assert not off["agree"] and 0.08 < off["last"] < 0.12
 
 
 def test_the_smoke_plan_captures_both_drafters_layers_although_its_params_file_names_eagle3s():
@@ -172,20 +214,22 @@ def test_the_gpus_their_memory_and_the_peer_matrix(node):
     assert "gpu_memory_utilization" in busy.line and "nvidia-smi" in busy.line
 
     peer = npf.peer_finding()
-    assert peer.line.startswith("all 56 ordered pairs") and "NCCL_P2P_DISABLE=1" in peer.line
+    assert peer.line.startswith("all 56 ordered pairs") and "NCCL_P2P_DISABLE: \"1\"" in peer.line
     assert len(peer.detail) == 9 and peer.detail[1].split() == ["0", "-"] + ["Y"] * 7
     node(n=8, peer=lambda i, j: (i < 4) == (j < 4))                    # two switches, no path between
     peer = npf.peer_finding()
-    assert peer.line.startswith("24 of 56 ordered pairs") and "NCCL_P2P_DISABLE=1" in peer.line
+    assert peer.line.startswith("24 of 56 ordered pairs") and "NCCL_P2P_DISABLE: \"1\"" in peer.line
     assert peer.detail[1].split() == ["0", "-", "Y", "Y", "Y", "N", "N", "N", "N"]
     node(n=8, peer=lambda i, j: False)
     assert "host memory" in npf.peer_finding().line
 
 
 def test_a_real_all_reduce_over_gloo_processes_passes_with_checked_sums():
-    found = npf.all_reduce(2, timeout_s=240, backend="gloo", mib=4, slow_gbps=None)
+    found, latency = npf.all_reduce(2, timeout_s=240, backend="gloo", mib=4, slow_gbps=None, slow_us=None)
     assert found.status is npf.Status.OK, found.line
     assert found.line.startswith("2-rank gloo all-reduce of 4 MiB: ") and found.line.endswith("sums right")
+    assert latency.status is npf.Status.OK
+    assert latency.line.startswith("decode-sized all-reduces over 2 ranks: 16 KiB ") and ", 2 MiB " in latency.line
 
 
 def test_a_hung_all_reduce_is_killed_at_its_time_out_and_names_nccl_p2p_disable(tmp_path, monkeypatch):
@@ -193,10 +237,10 @@ def test_a_hung_all_reduce_is_killed_at_its_time_out_and_names_nccl_p2p_disable(
     pids.mkdir()
     hang = f"import os, time; open({str(pids)!r} + f'/{{os.getpid()}}', 'w'); time.sleep(600)"
     monkeypatch.setattr(npf, "rank_command", lambda *a: [sys.executable, "-c", hang])
-    found = npf.all_reduce(8, timeout_s=3, backend="gloo")
+    [found] = npf.all_reduce(8, timeout_s=3, backend="gloo")
     assert found.status is npf.Status.FAILED
     assert found.line.startswith("the 8-rank gloo all-reduce of 256 MiB did not finish in 3 s")
-    assert "NCCL_P2P_DISABLE=1" in found.line
+    assert "NCCL_P2P_DISABLE: \"1\"" in found.line
     for pid in pids.iterdir():  # every rank that started was killed (and reaped)
         with pytest.raises(ProcessLookupError):
             os.kill(int(pid.name), 0)
@@ -208,7 +252,7 @@ def test_a_failing_rank_wrong_sums_and_a_crawl_each_get_their_line(monkeypatch):
                             [sys.executable, "-c", script.format(rank=rank, out=str(out))])
 
     ranks("import sys, time\nif {rank} == 1: sys.exit('NCCL error: unhandled system error')\ntime.sleep(600)")
-    found = npf.all_reduce(2, timeout_s=120, backend="nccl")
+    [found] = npf.all_reduce(2, timeout_s=120, backend="nccl")
     assert found.status is npf.Status.FAILED
     assert "failed on rank 1 (exit 1: NCCL error: unhandled system error)" in found.line
     assert "NCCL_DEBUG=INFO" in found.line
@@ -216,16 +260,16 @@ def test_a_failing_rank_wrong_sums_and_a_crawl_each_get_their_line(monkeypatch):
     record = "import json, pathlib\nif {rank} == 0: pathlib.Path('{out}', 'rank0.json').write_text(json.dumps(" \
              "dict(ranks=8, backend='nccl', mib=256, seconds=%s, correct=%s)))"
     ranks(record % (0.5, True))                  # 256 MiB in 0.5 s over 8 ranks: 0.94 GB/s of bus bandwidth
-    found = npf.all_reduce(8, timeout_s=120)
+    found = npf.all_reduce(8, timeout_s=120)[0]
     assert found.status is npf.Status.FAILED and "crawls: 500.0 ms each, bus bandwidth 0.9 GB/s" in found.line
-    assert "NCCL_P2P_DISABLE=1" in found.line
+    assert "NCCL_P2P_DISABLE: \"1\"" in found.line
     ranks(record % (0.02, False))
-    found = npf.all_reduce(8, timeout_s=120)
+    [found] = npf.all_reduce(8, timeout_s=120)
     assert found.status is npf.Status.FAILED and "returned wrong sums" in found.line
     ranks(record % (0.02, True))
-    found = npf.all_reduce(8, timeout_s=120)
+    found = npf.all_reduce(8, timeout_s=120)[0]
     assert found.status is npf.Status.OK and "bus bandwidth 23.5 GB/s, sums right" in found.line
-    assert npf.all_reduce(1, timeout_s=120).status is npf.Status.SKIPPED
+    assert npf.all_reduce(1, timeout_s=120)[0].status is npf.Status.SKIPPED
 
 
 def run_values(tmp_path: Path, **more) -> dict:
@@ -273,18 +317,32 @@ def test_the_preflight_prints_one_line_per_check_and_fails_on_a_busy_gpu(node, t
     gpu_smoke = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_smoke)
     real = npf.all_reduce
-    monkeypatch.setattr(npf, "all_reduce", lambda ranks, timeout_s: real(ranks, timeout_s, backend="gloo", mib=4))
+    monkeypatch.setattr(npf, "all_reduce", lambda ranks, timeout_s, env: real(ranks, timeout_s, backend="gloo", mib=4,
+                                                                             slow_us=None, env=env))
     monkeypatch.setattr(npf, "DRIVER_FILE", driver_file(tmp_path, "580.95.05"))
+    monkeypatch.setattr(npf, "torch_nccl_version", lambda: "2.27.7")
+    monkeypatch.setattr(npf, "library_nccl_version", lambda name: "2.27.7")
+    monkeypatch.setattr(npf, "IOMMU_CLASS", tmp_path / "no-iommu")
+    monkeypatch.setattr(npf, "tool_output", lambda cmd, timeout_s=30.0: {
+        "nvidia-smi": (0, "GPU 00000000:41:00.0\n    Processes : None\nGPU 00000000:42:00.0\n    Processes : None\n"),
+        "dmesg": (0, ""), "lspci": (0, "41:00.0 VGA compatible controller: NVIDIA Corporation Device 2bb5\n")}[cmd[0]])
+    monkeypatch.setattr(npf, "SHM", tmp_path)
     overrides = [("run_name", "job"), ("outputs_dir", str(tmp_path)), ("target_model_path", "tiny-test"),
                  ("tensor_parallel_size", "2")]
     node(n=2)
     assert gpu_smoke.preflight(gpu_smoke.PARAMS, overrides, 240) == 1    # gloo over 4 MiB crawls: below 5 GB/s
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("node preflight, params/kimi-mini.yaml -p run_name job")
-    checks = [(line[2:10].strip(), line[10:22].strip()) for line in lines[1:] if line[2:3].strip()]
-    assert [c for _, c in checks] == ["driver", "GPUs", "peer access", "all-reduce", "disk"]
-    assert dict((c, s) for s, c in checks) == {"driver": "ok", "GPUs": "ok", "peer access": "ok",
-                                               "all-reduce": "FAILED", "disk": "ok"}
+    checks = [(line[2:10].strip(), line[10:22].strip()) for line in lines[1:]
+              if line[2:10].strip() in ("ok", "FAILED", "skipped")]
+    assert [c for _, c in checks] == ["driver", "GPUs", "GPU health", "NCCL", "IOMMU, ACS", "peer access",
+                                      "all-reduce", "latency", "/dev/shm", "disk"]
+    assert dict((c, s) for s, c in checks) == {"driver": "ok", "GPUs": "ok", "GPU health": "ok", "NCCL": "ok",
+                                               "IOMMU, ACS": "ok", "peer access": "ok", "all-reduce": "FAILED",
+                                               "latency": "ok", "/dev/shm": "ok", "disk": "ok"}
+    # the failure's fix as the params file's lines
+    assert lines[-2:] == ["  the params file's settings for the failures above (stages 04 and 06 pass them to "
+                          "every engine; run the preflight again with them):", '    engine_env: {"NCCL_P2P_DISABLE": "1"}']
     assert "NVIDIA 580.95.05; torch " in lines[1] and "needs 580 or newer" in lines[1]
     node(n=2, free_gib=[94.0, 40.0])
     assert gpu_smoke.preflight(gpu_smoke.PARAMS, overrides, 240) == 1

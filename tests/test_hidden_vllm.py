@@ -94,7 +94,14 @@ def killed_then_resumed(tiny_target, run_dir):
             offsets, rows = f.get_tensor("offsets"), f.get_tensor("aux").shape[0]
         killed["shards"][p.name] = (p.stat().st_mtime_ns, len(offsets) == n + 1 and int(offsets[-1]) == rows)
 
-    runner = [str(Path(sys.executable).with_name("draftsmith")), "run", "04", "-f", str(REPO / "params/smoke.yaml"),
+    # the resumed run's params file sets engine_env (read back in the engine's worker: check.json) and
+    # scratch_dir (the per-sample files go there, not beside the shards)
+    params = outputs / "smoke-vllm.yaml"
+    scratch = outputs / "local-nvme"
+    params.write_text((REPO / "params/smoke.yaml").read_text() +
+                      f"\nengine_env: {{DRAFTSMITH_ENGINE_PROBE: read back, NCCL_CUMEM_ENABLE: 0}}\n"
+                      f"scratch_dir: {scratch}\n")
+    runner = [str(Path(sys.executable).with_name("draftsmith")), "run", "04", "-f", str(params),
               "-p", "outputs_dir", str(outputs), "-p", "target_backend", "vllm"]
     resumed = subprocess.run(runner, cwd=REPO, capture_output=True, text=True, timeout=900)
     return out, killed, resumed
@@ -162,3 +169,21 @@ def test_vllm_features_equal_the_hf_backend_within_bf16_tolerance(killed_then_re
     shifted = errors(hs, reference, shift=1)
     print("  control, each aux layer against the next stored one:", {k: round(v[0], 4) for k, v in shifted.items()})
     assert all(rel > REL_TOL and rel > 2 * err[name][0] for name, (rel, _) in shifted.items()), shifted
+
+
+def test_the_params_files_engine_env_reaches_the_engine_and_is_recorded_in_check_json(killed_then_resumed):
+    """engine_env's variables as the engine's worker process read them (`vllm_capture.engine_record`),
+    in check.json and the index beside the runner that ran; the per-sample files went through
+    scratch_dir, and nothing of them is left there or beside the shards."""
+    out, _, resumed = killed_then_resumed
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    check = json.loads((out / shards.CHECK).read_text())
+    assert check["engine_env"] == {"DRAFTSMITH_ENGINE_PROBE": "read back", "NCCL_CUMEM_ENABLE": "0"}
+    # as the engine held it: vLLM turns its custom all-reduce off itself where the platform has none (the CPU)
+    assert check["disable_custom_all_reduce"] is True and check["kv_cache_dtype"] == "auto"
+    assert check["model_runner"] == "v1" and check["model_runner_class"]
+    assert HiddenShards(out).index["engine"]["engine_env"] == check["engine_env"]
+    scratch = out.parent.parent / "local-nvme"
+    logged = resumed.stdout + "".join(p.read_text(errors="replace") for p in (out.parent / "logs").glob("*"))
+    assert f"each batch's features pass through {scratch / resume.SCRATCH}/" in logged
+    assert not (scratch / resume.SCRATCH).exists() and not (out / resume.SCRATCH).exists()

@@ -161,7 +161,7 @@ def test_stage_04_vllm_on_two_nodes_writes_disjoint_shards_equal_to_one_node(tok
 def test_a_node_killed_mid_stage_04_and_started_again_gives_every_sample_once(token_run, one_node, tiny_target,
                                                                               tmp_path):
     """Node 2 dies (agent and worker) once shards appear; node 1's torchrun fails, starts again and
-    waits at the rendezvous; node 2 is started again then (as docs/gpu.md says) and only unfinished
+    waits at the rendezvous; node 2 is started again then (as docs/design/gpu.md says) and only unfinished
     shards are redone."""
     copy_tokens(token_run, tmp_path)
     hidden = Run(tmp_path, "r").dir("hidden")

@@ -194,7 +194,7 @@ def test_every_make_target_and_draftsmith_command_the_readme_names_exists():
 
 def test_every_relative_link_of_readme_contributing_changelog_and_docs_resolves():
     pages = {p.relative_to(REPO).as_posix() for p in link_pages(REPO)}
-    assert {"README.md", "CONTRIBUTING.md", "CHANGELOG.md", "docs/README.md", "docs/gpu.md"} <= pages, pages
+    assert {"README.md", "CONTRIBUTING.md", "CHANGELOG.md", "docs/README.md", "docs/gpu-runbook.md"} <= pages, pages
     assert link_problems(REPO) == []
 
 

@@ -13,7 +13,7 @@ not finish, or its own check says its output is unfit). The run's verdict is its
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
@@ -127,10 +127,23 @@ class DrafterNumbers:
 
 
 @dataclass
+class EngineRan:
+    method: str                         # the engine's method (none, ngram, an export)
+    prompt_sets: str                    # "held-out" or "benchmarks": each set of prompts has its engines
+    model_runner: str | None            # v1 or v2; where the engine did not start, the one asked for
+    model_runner_class: str | None      # the runner's class as the worker held it; None: it did not start
+    started: bool
+
+
+@dataclass
 class EvalNumbers:
     source: str                         # "vllm" (the engine's counters) or "decoder" (ours, eval_backend hf)
     drafter: str                        # the method measured as "the drafter"
     rows: list[Headline]                # the final drafter, n-gram and no drafter per prompt set and T
+    engines: list[EngineRan] = field(default_factory=list)  # every vLLM engine of the report (none: no vLLM)
+    engine_env: dict = field(default_factory=dict)          # the job's engine settings as the engines held them
+    disable_custom_all_reduce: bool | None = None
+    kv_cache_dtype: str | None = None
 
 
 @dataclass
@@ -385,7 +398,21 @@ def evaluate(run: Run, anchor: str):
 
     r = _read(run, read_eval_report, run)
     n = EvalNumbers("vllm" if r.get("engine") else "decoder", "eagle3", results.headlines(results.results(r)))
-    figures = [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_length(row.drafter)} vs ngram "
+    parts = [("held-out", r.get("engine")), ("benchmarks", (r.get("benchmarks") or {}).get("engine"))]
+    n.engines = [EngineRan(name, where, e.get("model_runner"), e.get("model_runner_class"), bool(e.get("started")))
+                 for where, part in parts if part for name, e in (part.get("engines") or {}).items()]
+    if r.get("engine"):
+        n.engine_env = r["engine"].get("engine_env") or {}
+        n.disable_custom_all_reduce = r["engine"].get("disable_custom_all_reduce")
+        n.kv_cache_dtype = r["engine"].get("kv_cache_dtype")
+    engines = ([Figure(f"vLLM engines ({where}): " + ", ".join(
+        f"{e.method} {e.model_runner or '?'} ({e.model_runner_class if e.started else 'did not start'})"
+        for e in n.engines if e.prompt_sets == where), anchor) for where in ("held-out", "benchmarks")
+        if any(e.prompt_sets == where for e in n.engines)] +
+        ([Figure(f"engine settings: engine_env {' '.join(f'{k}={v}' for k, v in n.engine_env.items()) or 'none'}, "
+                 f"custom all-reduce {'off' if n.disable_custom_all_reduce else 'on'}, KV cache {n.kv_cache_dtype}",
+                 anchor)] if n.kv_cache_dtype is not None else []))
+    figures = engines + [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_length(row.drafter)} vs ngram "
                       f"{_length(row.ngram)}, none {_length(row.no_drafter)}" + ("" if row.lossless is None else
                                                         ", lossless" if row.lossless else ", NOT lossless"), anchor)
                for row in n.rows]

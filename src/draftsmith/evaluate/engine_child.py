@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .. import events
+from ..targets.vllm_capture import engine_record
 from ..targets.vllm_fixes import apply_fixes
 from ..targets.vllm_limits import gpu_only_line
 from . import engine_batch
@@ -137,6 +138,10 @@ def run_job(job: dict, fixed: bool) -> None:
                   enforce_eager=eager, disable_log_stats=False, language_model_only=True, skip_tokenizer_init=True)
     if job["eval_tensor_parallel"] == 1:
         common["distributed_executor_backend"] = "uni"
+    if job.get("disable_custom_all_reduce"):
+        common["disable_custom_all_reduce"] = True
+    if job.get("kv_cache_dtype", "auto") != "auto":
+        common["kv_cache_dtype"] = job["kv_cache_dtype"]
     out = Path(job["out"])
     workloads = {m.name: Workload(_passes(job, _workload(job, m, done)), concurrency) for m in methods}
     estimated = False
@@ -168,10 +173,12 @@ def run_job(job: dict, fixed: bool) -> None:
         if line is not None:
             append_row(out, {"settings": job["settings"], "method": m.name, "method_fingerprint": m.fingerprint,
                              "kind": m.kind, "gpu_only": line, "temperature": None, "dataset": None,
-                             "sample_id": None})
+                             "sample_id": None, "engine": {"model_runner": job.get("vllm_model_runner", "v1"),
+                                                           "model_runner_class": None}})
             _say(f"engine {m.name!r}: {line}")
             continue
         startup = time.perf_counter() - t0
+        ran = engine_record(llm, env_keys=job.get("engine_env_keys", []))  # the runner that runs, the settings held
         live = gpu = None
         if m.kind in ("eagle3", "dflash"):
             # the layers the live engine captures, and the ids vLLM's GPU model runner (Model Runner
@@ -184,7 +191,8 @@ def run_job(job: dict, fixed: bool) -> None:
                     raise RuntimeError(f"{m.name}: {runner} captures target layers {ids} (input ids) but the "
                                        f"drafter was trained on {m.expect_layers}: the export's "
                                        f"eagle_aux_hidden_state_layer_ids are not where vLLM reads them")
-        _say(f"engine {m.name!r} up in {startup:.0f}s" + (f", captures layers {live}" if live else "")
+        _say(f"engine {m.name!r} up in {startup:.0f}s, model runner {ran['model_runner']} "
+             f"({ran['model_runner_class']})" + (f", captures layers {live}" if live else "")
              + (", eager" if eager else ", compiled with CUDA graphs"))
         first = job["prompts"][0]["ids"]
         llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -199,7 +207,8 @@ def run_job(job: dict, fixed: bool) -> None:
              f"{duration(w.seconds(probe))} ({probe.tokens_per_s:.0f} tok/s over {probe.requests} in the probe)")
         _decode(llm, job, m, _workload(job, m, done), follow,
                 {"aux_layers_engine": live, "aux_layers_gpu_runner": gpu, "startup_s": startup,
-                 "cpu_expand_kernel_replaced": fixed, "concurrency": concurrency, "enforce_eager": eager})
+                 "cpu_expand_kernel_replaced": fixed, "concurrency": concurrency, "enforce_eager": eager,
+                 "engine": ran})
         del llm
         gc.collect()
         gc.freeze()     # vLLM unfroze everything at its shutdown; what is left lives on

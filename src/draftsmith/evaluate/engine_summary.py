@@ -26,6 +26,13 @@ def acceptance(rows: list[dict], k: int) -> dict:
             "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
 
 
+def runner_of(row: dict) -> dict:
+    """The model runner a row's engine ran (v1/v2) and its class (None: the engine did not start,
+    or a row of a version that did not record it)."""
+    ran = row.get("engine") or {}
+    return {"model_runner": ran.get("model_runner"), "model_runner_class": ran.get("model_runner_class")}
+
+
 def summarize(rows: list[dict], methods: list[EngineMethod], draft_tokens: int, temperature: float) -> dict:
     """Per method at one temperature: acceptance overall and per dataset, tok/s and its ratio to
     no drafter, and (greedy) whether the outputs equal the no-drafter engine's token for token."""
@@ -45,7 +52,7 @@ def summarize(rows: list[dict], methods: list[EngineMethod], draft_tokens: int, 
              "per_dataset": {ds: acceptance([r for r in rs if r["dataset"] == ds], k)
                              for ds in sorted({r["dataset"] for r in rs})},
              "aux_layers_engine": rs[0].get("aux_layers_engine"), "aux_layers_gpu_runner": rs[0].get("aux_layers_gpu_runner"),
-             "startup_s": rs[0].get("startup_s")}
+             "startup_s": rs[0].get("startup_s"), **runner_of(rs[0])}
         mismatched = [r["sample_id"] for r in rs if temperature <= 0 and (r["dataset"], r["sample_id"]) in ref
                       and r["output"] != ref[(r["dataset"], r["sample_id"])]]
         s["lossless"] = (not mismatched) if temperature <= 0 and ref else None
@@ -103,7 +110,23 @@ def engine_report(rows: list[dict], methods: list[EngineMethod], hf_rows: list[d
             "enforce_eager": sorted({r.get("enforce_eager", True) for r in measured}),
             "cpu_expand_kernel_replaced": any(r.get("cpu_expand_kernel_replaced") for r in rows),
             "gpu_only": {r["method"]: r["gpu_only"] for r in rows if r.get("gpu_only")},
+            # every engine the rows came from: the runner that ran (the one asked for, where it did not start)
+            "engines": {r["method"]: {**runner_of(r), "started": not r.get("gpu_only")} for r in rows},
+            # the job's engine settings as the engines held them (one each, unless rows of other runs are summed)
+            "engine_env": _distinct(measured, "engine_env", {}),
+            "disable_custom_all_reduce": _distinct(measured, "disable_custom_all_reduce", None),
+            "kv_cache_dtype": _distinct(measured, "kv_cache_dtype", None),
             "temperatures": {
                 f"{float(t):g}": {"temperature": float(t), "methods": summarize(rows, methods, draft_tokens, float(t)),
                                   "vs_ours": compare(rows, hf_rows, methods, float(t)) if float(t) in ours_at else None}
                 for t in eval_temperatures}}
+
+
+def _distinct(rows: list[dict], key: str, default):
+    """The one value of `key` in the rows' engine records, or the distinct ones in order when they differ."""
+    seen = []
+    for r in rows:
+        v = (r.get("engine") or {}).get(key, default)
+        if v not in seen:
+            seen.append(v)
+    return seen[0] if len(seen) == 1 else default if not seen else seen

@@ -22,6 +22,7 @@ from ..config import EvaluateConfig
 from ..paths import Run
 from ..targets.checkpoint import load_target, resolve_target
 from ..targets.identity import target_identity
+from ..targets.vllm import engine_settings
 from . import benchmarks, engine, engine_summary, outputs
 from .measure import decoder_report, decoder_scope
 from .methods import engine_methods_for, methods_for, on_benchmarks
@@ -76,8 +77,11 @@ def run(run: Run, cfg: EvaluateConfig, *, log=print) -> dict:
                          "set eval_backend: vllm (or eval_hf_crosscheck: true)")
     ours = cfg.eval_backend == "hf" or cfg.eval_hf_crosscheck
     served = cfg.eval_backend == "vllm"
+    if served:
+        engine_settings(cfg.vllm_model_runner, cfg.engine_env, cfg.kv_cache_dtype)  # names a wrong setting
     # the engine process imports vLLM while the prompts and drafters are read (engine.engine_process)
-    with engine.engine_process(cfg.eval_tensor_parallel, start=served) as child:
+    with engine.engine_process(cfg.eval_tensor_parallel, start=served, vllm_model_runner=cfg.vllm_model_runner,
+                               engine_env=cfg.engine_env) as child:
         inputs = read_inputs(run, cfg, ours, log)
         vllm = measure_engine(run, cfg, inputs, child, log) if served else None
     scope = decoder_scope(cfg.eval_temperatures, eval_hf_crosscheck_all=cfg.eval_hf_crosscheck_all,
@@ -134,8 +138,10 @@ def measure_engine(run: Run, cfg: EvaluateConfig, inputs: Inputs, child, log) ->
         eval_max_new_tokens=cfg.eval_max_new_tokens, eval_temperatures=cfg.eval_temperatures, seed=cfg.seed,
         eval_engine_dtype=cfg.eval_engine_dtype, eval_tensor_parallel=cfg.eval_tensor_parallel,
         trust_remote_code=cfg.trust_remote_code, eval_engine_concurrency=cfg.eval_engine_concurrency,
-        settings=engine.settings_key(inputs.fingerprint, cfg.draft_tokens, new_tokens, cfg.seed, cfg.eval_engine_dtype),
-        log=log, proc=child)
+        settings=engine.settings_key(inputs.fingerprint, cfg.draft_tokens, new_tokens, cfg.seed, cfg.eval_engine_dtype,
+                                     cfg.vllm_model_runner, cfg.kv_cache_dtype),
+        log=log, proc=child, vllm_model_runner=cfg.vllm_model_runner, engine_env=cfg.engine_env,
+        disable_custom_all_reduce=cfg.disable_custom_all_reduce, kv_cache_dtype=cfg.kv_cache_dtype)
     names = {s.name for s in specs}
     bench_keys = {(p.dataset, p.sample_id) for p in inputs.bench}
     return Measured(rows=[r for r in rows if r["dataset"] not in names], methods=methods, all_rows=rows,

@@ -32,7 +32,7 @@ from ..files import write_json_atomic
 from ..progress import Progress
 from ..targets.checkpoint import final_norm, load_target
 from ..targets.hf import Capture
-from ..targets.vllm import MODEL_RUNNERS, VllmCapture
+from ..targets.vllm import VllmCapture, engine_settings
 from ..targets.identity import target_identity
 from ..tokens.outputs import Sample, read_tokens
 from .plan import ExtractionPlan
@@ -68,6 +68,7 @@ class Settings:
     target_backend: str = parameters.default_field("target_backend")      # hf or vllm
     check_samples: int = parameters.default_field("check_samples")        # stage 04's own check (check.py); 0: off
     check_answers: bool = parameters.default_field("check_answers")       # the check also holds the engine to the answers
+    scratch_dir: str = parameters.default_field("scratch_dir")            # vllm: the per-sample files; "": out_dir
     engine_options: dict = field(default_factory=dict)     # vllm: `VllmCapture`'s keyword arguments
 
     def check(self) -> None:
@@ -75,9 +76,8 @@ class Settings:
                                  "check_samples": self.check_samples})
         if self.target_backend not in BACKENDS:
             raise ValueError(f"target_backend must be one of {BACKENDS}, got {self.target_backend!r}")
-        runner = self.engine_options.get("vllm_model_runner", "v1")
-        if runner not in MODEL_RUNNERS:
-            raise ValueError(f"vllm_model_runner must be one of {MODEL_RUNNERS}, got {runner!r}")
+        o = self.engine_options
+        engine_settings(o.get("vllm_model_runner", "v1"), o.get("engine_env"), o.get("kv_cache_dtype", "auto"))
         if self.hidden_dtype not in outputs.DTYPES:
             raise ValueError(f"hidden_dtype must be one of {outputs.DTYPES}, got {self.hidden_dtype!r}")
 
@@ -170,7 +170,8 @@ def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Setting
     if capture is not None and getattr(capture, "ids", layer_ids) != layer_ids:
         raise ValueError(f"capture keeps layers {capture.ids}, this run wants {layer_ids}")
     work = dict(target=target, order=order, check_samples=s.check_samples, check_answers=s.check_answers,
-                layer_ids=layer_ids, dtype=s.hidden_dtype, settings=settings, out_dir=out_dir, desc=desc, log=log)
+                layer_ids=layer_ids, dtype=s.hidden_dtype, settings=settings, out_dir=out_dir, desc=desc, log=log,
+                scratch_dir=s.scratch_dir)
     if capture is not None or not mine:
         return _run_shards(capture, samples, mine, **work)
     opts = dict(s.engine_options)
@@ -187,7 +188,7 @@ def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Setting
 
 
 def _run_shards(capture, samples, mine, *, target, order, check_samples, check_answers, layer_ids, dtype, settings,
-                out_dir, desc, log) -> tuple[list, float, check.CheckRecord | None, dict | None]:
+                out_dir, desc, log, scratch_dir: str = "") -> tuple[list, float, check.CheckRecord | None, dict | None]:
     """Stage 04's own check, then this rank's shards (writing one overlaps computing the next);
     returns (shard entries, seconds, the check's record, what ran: `check.engine_of`)."""
     if not mine:
@@ -197,7 +198,8 @@ def _run_shards(capture, samples, mine, *, target, order, check_samples, check_a
     # one scratch folder per process: ranks on several nodes share out_dir, and each engine numbers
     # its feature files from 0 (a shared folder mixed two ranks' files, and one rank's cleanup
     # removed the files another was waiting for)
-    capture.scratch_dir = out_dir / SCRATCH / f"{socket.gethostname()}-{os.getpid()}"
+    # (`scratch_dir`: elsewhere than out_dir, e.g. local NVMe: every feature byte is written there first)
+    capture.scratch_dir = Path(scratch_dir or out_dir) / SCRATCH / f"{socket.gethostname()}-{os.getpid()}"
     norm_weight = final_norm(target)[0]
     total = sum(len(samples[i]) for _, plan in mine for b in plan for i in b)
     written, pending, checked = [], None, None
@@ -213,7 +215,9 @@ def _run_shards(capture, samples, mine, *, target, order, check_samples, check_a
         else:
             log("stage 04's own check is off (check_samples 0): nothing proves these features")
         log(f"extracting {total:,} tokens into {len(mine)} shard(s), layers {layer_ids} (output convention), "
-            f"{dtype}, on {capture.device}")
+            f"{dtype}, on {capture.device}" + (f"; each batch's features pass through {capture.scratch_dir} "
+                                              f"(written twice: there, then in the shard; scratch_dir)"
+                                              if capture.backend == "vllm" else ""))
         with ThreadPoolExecutor(max_workers=1) as writer, Progress(total=total, desc=desc, unit="tok") as bar:
             for name, plan in mine:
                 aux, last, order = [], [], []

@@ -44,7 +44,8 @@ def run(run: Run, cfg: HiddenConfig, *, log=print) -> dict:
         settings["engine_options"] = dict(
             tensor_parallel_size=cfg.tensor_parallel_size, trust_remote_code=cfg.trust_remote_code,
             gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            vllm_model_runner=cfg.vllm_model_runner)
+            vllm_model_runner=cfg.vllm_model_runner, engine_env=cfg.engine_env,
+            disable_custom_all_reduce=cfg.disable_custom_all_reduce, kv_cache_dtype=cfg.kv_cache_dtype)
     if cfg.nproc_per_node > 1 or cfg.nnodes > 1:
         summary = launch(cfg.nproc_per_node, target, files, out_dir, nnodes=cfg.nnodes,
                          rdzv_endpoint=cfg.rdzv_endpoint, log=log, **settings)

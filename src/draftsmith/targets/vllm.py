@@ -33,8 +33,31 @@ from .checkpoint import final_norm, target_config
 from .vllm_limits import GpuOnly
 
 # vLLM's model runners (`VLLM_USE_V2_MODEL_RUNNER`): v1 is the one vLLM's CPU build runs, so the one
-# the tests exercise; v2 (vLLM 0.32's default where Triton is present) needs Triton (docs/gpu.md)
+# the tests exercise; v2 (vLLM 0.32's default where Triton is present) needs Triton (docs/gpu-runbook.md)
 MODEL_RUNNERS = ("v1", "v2")
+# the `kv_cache_dtype` values vLLM 0.32 takes (`CacheDType`) that a drafter job uses
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def engine_settings(vllm_model_runner: str = "v1", engine_env: dict | None = None,
+                    kv_cache_dtype: str = "auto") -> dict[str, str]:
+    """The environment every engine of a job gets on top of `vllm_env`: `engine_env` (values as
+    strings) and `VLLM_USE_V2_MODEL_RUNNER` from `vllm_model_runner`. Raises ValueError naming the
+    setting that is wrong (`vllm_model_runner`, `kv_cache_dtype`, `engine_env`)."""
+    if vllm_model_runner not in MODEL_RUNNERS:
+        raise ValueError(f"vllm_model_runner must be one of {MODEL_RUNNERS}, got {vllm_model_runner!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if not isinstance(engine_env or {}, dict):
+        raise ValueError(f"engine_env must be a mapping of variable names to values, got {engine_env!r}")
+    env = {}
+    for k, v in (engine_env or {}).items():
+        if not isinstance(k, str) or not k or "=" in k or isinstance(v, (dict, list, tuple)) or v is None:
+            raise ValueError(f"engine_env: {k!r}: {v!r} is not a variable name and a string or number")
+        env[k] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+    if "VLLM_USE_V2_MODEL_RUNNER" in env:
+        raise ValueError("engine_env: set the model runner with vllm_model_runner, not VLLM_USE_V2_MODEL_RUNNER")
+    return {**env, "VLLM_USE_V2_MODEL_RUNNER": "1" if vllm_model_runner == "v2" else "0"}  # read by vLLM's config
 
 
 def vllm_env(kvcache_gib: float = 1.0, tensor_parallel_size: int = 1) -> dict[str, str]:
@@ -105,11 +128,11 @@ class VllmCapture:
                  trust_remote_code: bool = False, max_model_len: int = 4096,
                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
                  kvcache_gib: float = 1.0, log_file: str | os.PathLike | None = None, log=print,
-                 startup_timeout_s: float = 1200.0, vllm_model_runner: str = "v1"):
+                 startup_timeout_s: float = 1200.0, vllm_model_runner: str = "v1", engine_env: dict | None = None,
+                 disable_custom_all_reduce: bool = False, kv_cache_dtype: str = "auto"):
         from .vllm_capture import engine_kwargs
 
-        if vllm_model_runner not in MODEL_RUNNERS:
-            raise ValueError(f"vllm_model_runner must be one of {MODEL_RUNNERS}, got {vllm_model_runner!r}")
+        extra_env = engine_settings(vllm_model_runner, engine_env, kv_cache_dtype)
 
         self.target = Path(target)
         self.ids = list(layer_ids)
@@ -133,14 +156,16 @@ class VllmCapture:
         config = {"engine": engine_kwargs(str(self.target), self.vllm_ids, tensor_parallel_size=tensor_parallel_size,
                                           trust_remote_code=trust_remote_code, max_model_len=self.max_model_len,
                                           max_num_batched_tokens=max_num_batched_tokens,
-                                          gpu_memory_utilization=gpu_memory_utilization)}
+                                          gpu_memory_utilization=gpu_memory_utilization,
+                                          disable_custom_all_reduce=disable_custom_all_reduce,
+                                          kv_cache_dtype=kv_cache_dtype),
+                  "env_keys": sorted(engine_env or {})}  # read back in the engine (`engine_record`)
         if log_file is None:
             fd, log_file = tempfile.mkstemp(prefix="draftsmith-vllm-", suffix=".log")
             os.close(fd)
         self.log_file = Path(log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        env = vllm_env(kvcache_gib, self.tensor_parallel_size)
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if vllm_model_runner == "v2" else "0"  # read by vLLM's config
+        env = {**vllm_env(kvcache_gib, self.tensor_parallel_size), **extra_env}
         read_fd, write_fd = os.pipe()
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(

@@ -137,7 +137,8 @@ def __getattr__(name: str):
 def engine_kwargs(target: str, vllm_layer_ids: list[int], *, dtype: str = "bfloat16",
                   tensor_parallel_size: int = 1, trust_remote_code: bool = False, max_model_len: int = 4096,
                   max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
-                  enforce_eager: bool = True) -> dict:
+                  enforce_eager: bool = True, disable_custom_all_reduce: bool = False,
+                  kv_cache_dtype: str = "auto") -> dict:
     """Arguments of `vllm.LLM` for a capture engine on `target` keeping `vllm_layer_ids`.
 
     The `extract_hidden_states` speculative method makes the target keep, for every prompt token,
@@ -175,6 +176,10 @@ def engine_kwargs(target: str, vllm_layer_ids: list[int], *, dtype: str = "bfloa
         kw["max_num_batched_tokens"] = int(max_num_batched_tokens)
     if gpu_memory_utilization:
         kw["gpu_memory_utilization"] = float(gpu_memory_utilization)
+    if disable_custom_all_reduce:
+        kw["disable_custom_all_reduce"] = True
+    if kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = kv_cache_dtype
     return kw
 
 
@@ -232,7 +237,7 @@ def serve(config: dict, requests, replies) -> None:
         reply({"error": traceback.format_exc(limit=6)})
         raise
     reply({"ready": True, "startup_s": round(time.perf_counter() - t0, 1), "vllm": _vllm_version(),
-           "engine": engine_record(llm)})
+           "engine": engine_record(llm, env_keys=config.get("env_keys", ()))})
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     for line in requests:
         job = json.loads(line)
@@ -280,7 +285,7 @@ def _prompt_logprobs(entries, ids: list[int]) -> dict:
     return {"chosen": chosen, "top1": top1}
 
 
-def engine_record(llm) -> dict:
+def engine_record(llm, env_keys=()) -> dict:
     """What ran: vLLM's version, its model runner (v1: `v1/worker/gpu_model_runner.py` and the CPU
     runner built on it; v2: `v1/worker/gpu/`, vLLM 0.32's default where Triton is present), the
     runner's class, the attention backend(s) and MoE kernel(s) the model's layers were built with
@@ -302,7 +307,25 @@ def engine_record(llm) -> dict:
             "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
             "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
             "engine_core": "in process" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "own process",
-            "platform": str(getattr(current_platform, "device_name", "") or type(current_platform).__name__)}
+            "platform": str(getattr(current_platform, "device_name", "") or type(current_platform).__name__),
+            **engine_settings_record(llm, env_keys)}
+
+
+def engine_settings_record(llm, env_keys=()) -> dict:
+    """The job's engine settings as the engine holds them: `engine_env`'s variables as rank 0's
+    worker process sees them (None: unset there), `disable_custom_all_reduce` and the KV cache dtype.
+
+    vLLM internals: `parallel_config.disable_custom_all_reduce`, `cache_config.cache_dtype`,
+    `LLM.collective_rpc` with `args`."""
+    config = llm.llm_engine.vllm_config
+    env = llm.collective_rpc(_worker_env, args=(list(env_keys),))[0] if env_keys else {}
+    return {"engine_env": env, "disable_custom_all_reduce": bool(config.parallel_config.disable_custom_all_reduce),
+            "kv_cache_dtype": str(config.cache_config.cache_dtype)}
+
+
+def _worker_env(worker, keys: list[str]) -> dict:
+    """On a worker: the values of `keys` in its process's environment."""
+    return {k: os.environ.get(k) for k in keys}
 
 
 def _worker_kernels(worker) -> dict:
