@@ -51,6 +51,7 @@ import argparse
 import json
 import shlex
 import subprocess
+import os
 import sys
 import time
 from pathlib import Path
@@ -358,6 +359,8 @@ def main() -> int:
         if rc == 0:
             print("vLLM engines it starts:")
             print("\n".join(f"  {line}" for line in planned_engines(a.params, overrides, True)))
+            print(f"each engine's environment at tensor parallel {tp}, beyond this shell's:")
+            print("\n".join(f"  {line}" for line in engine_environment(tp)))
         return rc
     if not a.cpu and preflight(a.params, overrides, a.all_reduce_timeout):
         print("gpu_smoke: the node failed its preflight (above); no stage was run", file=sys.stderr)
@@ -367,6 +370,23 @@ def main() -> int:
     print(f"\nGPU smoke check, {a.target}, tensor parallel {tp} ({gpus()} GPUs visible), run {run.root}:")
     print(result.to_string(index=False))
     return 0 if all(s["rc"] == 0 for s in steps.values()) else 1
+
+
+def engine_environment(tp: int) -> list[str]:
+    """What `targets.vllm.vllm_env` adds to this shell's environment for an engine of `tp` ranks,
+    one `NAME=value  # why` a line, and where its engine core runs."""
+    from draftsmith.targets.vllm import vllm_env
+
+    why = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "collective_rpc carries stage 04's and 06's record functions",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "one rank: the engine core in the caller's process",
+           "VLLM_CPU_OMP_THREADS_BIND": "vLLM's CPU build: a core group a rank (not set on GPUs)",
+           "VLLM_CPU_KVCACHE_SPACE": "vLLM's CPU build: KV cache GiB (ignored on GPUs)",
+           "LD_PRELOAD": "vLLM's CPU build: Intel OpenMP (ignored on GPUs)",
+           "TOKENIZERS_PARALLELISM": "no tokenizer threads in the engine"}
+    env = vllm_env(tensor_parallel_size=tp)
+    lines = [f"{k}={env[k]}  # {why.get(k, '')}" for k in sorted(env) if os.environ.get(k) != env[k]]
+    core = "in the caller's process" if env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "in its own process"
+    return lines + [f"engine core {core}, {tp} worker rank(s)"]
 
 
 if __name__ == "__main__":

@@ -46,9 +46,15 @@ def test_dry_run_plans_every_stage_on_the_int4_target_in_vllm_with_tensor_parall
                         f"-p verify_with_hf {'false' if other else 'true'} ",
                         f"-p vllm_model_runner {'v2' if other else 'v1'} ", f"-p run_name {'plan-v2' if other else 'plan'} "):
             assert setting in c + " ", f"{setting!r} missing from {c}"
-    engines = lines[lines.index("vLLM engines it starts:") + 1:]
+    env_at = lines.index("each engine's environment at tensor parallel 2, beyond this shell's:")
+    engines = lines[lines.index("vLLM engines it starts:") + 1:env_at]
     assert engines == ["  04: capture, model runner v1", "  04 v2: capture, model runner v2 (the comparison)",
                        *(f"  06: {m}, model runner v1" for m in ("none", "ngram", "eagle3 50%", "eagle3", "dflash"))]
+    # what the node's engines get without the user exporting anything: the RPC permission, the engine
+    # core in its own process (and on this CPU box a core a rank)
+    env = lines[env_at + 1:]
+    assert any(line.startswith("  VLLM_ALLOW_INSECURE_SERIALIZATION=1") for line in env), env
+    assert env[-1] == "  engine core in its own process, 2 worker rank(s)", env
     assert lines[lines.index("vLLM engines it starts:") - 1] == (
         "parameters of 01_providers, 02_generate, 03_validate_tokens, 04_hidden_states, 05_train_drafter, "
         "06_evaluate: ok")
