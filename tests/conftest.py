@@ -71,6 +71,7 @@ TIERS = {
     "test_evaluate.py": "unit",
     "test_evaluate.py::test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report": "notebook",
     "test_evaluate.py::test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_held_out_prompts": "notebook",
+    "test_exit_codes.py": "notebook",
     "test_figure_rules.py": "unit",
     "test_notebook_words.py": "unit",
     "test_files.py": "unit",

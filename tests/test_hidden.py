@@ -355,3 +355,35 @@ def test_a_setting_outside_its_declared_bound_is_refused_by_stage_run_and_by_ext
     with pytest.raises(ValueError, match=r"max_tokens_per_batch must be at least 1"):
         extract(tiny_target, files, tmp_path / "x", max_tokens_per_batch=0)
     assert not (tmp_path / "x").exists() and not (tmp_path / "r" / "hidden").exists()
+
+
+def test_broken_shards_are_found_from_sizes_and_headers_alone(tmp_path):
+    """`outputs.broken_shards`: what stage 05 and the preflight check before training. A shard cut
+    anywhere (in its header or its data), one deleted and one with a garbled header are named with
+    their samples; the whole ones are not; no index, nothing to check."""
+    assert shards.broken_shards(tmp_path) == []
+    entries = []
+    for i in range(6):
+        n = 5 + i
+        f = shards.shard_name(i)
+        size = shards.write_shard(tmp_path / f, torch.randn(n, 6), torch.randn(n, 2), torch.arange(n),
+                                  torch.ones(n), torch.tensor([0, 2, n]))
+        entries.append({"file": f, "bytes": size, "samples": [{"sample_id": f"s{i}a"}, {"sample_id": f"s{i}b"}]})
+    shards.write_index(tmp_path, {"shards": entries})
+    assert shards.broken_shards(tmp_path) == []
+    data = (tmp_path / entries[0]["file"]).read_bytes()
+    (tmp_path / entries[0]["file"]).write_bytes(data[:-7])                   # a copy that did not finish
+    (tmp_path / entries[1]["file"]).write_bytes(data[:20])                   # ... in the header
+    (tmp_path / entries[2]["file"]).unlink()
+    header = int.from_bytes(data[:8], "little")
+    (tmp_path / entries[3]["file"]).write_bytes(data[:8] + b"{" * header + data[8 + header:])
+    broken = shards.broken_shards(tmp_path)
+    assert [(b.file, b.samples) for b in broken] == [(e["file"], 2) for e in entries[:4]]
+    assert broken[0].problem == f"cut short: {len(data) - 7:,} bytes, its header says {len(data):,}"
+    assert broken[1].problem.startswith("cut short: 20 bytes, too few for its header")
+    assert broken[2].problem == "missing"
+    assert broken[3].problem.startswith("its header does not parse")
+    text = shards.broken_shards_message(tmp_path, broken, "draftsmith run 04 -f p.yaml", shown=2)
+    assert f"4 shard(s) listed in {tmp_path / INDEX} are broken (8 samples)" in text
+    assert f"{tmp_path / entries[0]['file']}: cut short" in text and "... and 2 more" in text
+    assert "repair: draftsmith run 04 -f p.yaml" in text

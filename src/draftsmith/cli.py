@@ -2,8 +2,11 @@
 `draftsmith import-sglang IN OUT [--source NAME]` (SGLang `/generate` answers as an import file).
 
 Every user error ends in one line naming the file, line or field and a non-zero exit, never a
-Python traceback: 2 for parameters (nothing was run), 1 for a failed stage (its traceback is in
-the log the message names), 130 for Ctrl-C.
+Python traceback: 2 for parameters (nothing was run), 1 for a stage that raised (its traceback is in
+the log the message names), 130 for Ctrl-C. A stage that runs to its end but whose verdict is
+failed ends the chain there and exits 3 (the summary printed last says why, and which stages did
+not run); `--keep-going` runs the later stages anyway and still exits 3; `--strict` treats a
+warning as failed. Otherwise 0.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="check the parameters and read the prompt files, print every value the stages "
                         "would get and where it comes from, run nothing")
     r.add_argument("--list", action="store_true", help="list the stages and their parameters")
+    r.add_argument("--keep-going", action="store_true",
+                   help="run the later stages even after a stage's verdict is failed (the exit code is still 3)")
+    r.add_argument("--strict", action="store_true",
+                   help="a stage's verdict warning counts as failed: the chain ends there, exit code 3")
     g = sub.add_parser("import-sglang", help="convert answers saved from SGLang's /generate into an import "
                        "file (docs/sources.md)")
     g.add_argument("input", help="JSONL: the prompt (messages, optional id, input_ids) and SGLang's answer")
@@ -67,10 +74,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {name} = {values[name]!r}  # {sources[name]}")
             print(f"parameters of {', '.join(s.title for s in chosen)}: ok")
             return 0
-        runner.run_stages(chosen, values)   # ends by printing the run summary and where the outputs are
+        # ends by printing the run summary and where the outputs are
+        runner.run_stages(chosen, values, keep_going=args.keep_going, strict=args.strict)
     except parameters.ParamError as e:
         print(f"draftsmith: parameter error: {e}", file=sys.stderr)
         return 2
+    except runner.VerdictFailed as e:   # the summary, printed last, says which stage and why
+        return e.exit_code
     except runner.Interrupted as e:
         print(f"draftsmith: {e}", file=sys.stderr)
         return e.exit_code

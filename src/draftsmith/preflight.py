@@ -5,7 +5,8 @@ that must be positive, run and dataset names that are safe as folder names, prom
 and hold at least one usable prompt, import files that exist and hold at least one usable answer,
 the API key each api_base needs (a key file given with `api_base: local` is read too), a target
 that exists and whose tokenizer loads (one shipped as code only with trust_remote_code), an
-outputs folder that can be written. Only the parameters the selected stages
+outputs folder that can be written, and (for stages 05 and 06 run without 04) stage 04's shards
+whole on disk. Only the parameters the selected stages
 declare are checked, and each problem is one line naming where the value came from (the params
 file, `-p KEY`, or a stage's default). `prepare` gives a run its values with every check made;
 `warnings` names what is allowed but likely a mistake.
@@ -37,6 +38,9 @@ def prepare(stages_all: list[parameters.Stage], chosen: list[parameters.Stage], 
     problems = check(chosen, values, sources)
     if not problems:
         problem = check_outputs(values, sources.get("outputs_dir", "outputs_dir"))
+        problems = [problem] if problem else []
+    if not problems:
+        problem = check_shards(chosen, values, repair_command(file, overrides))
         problems = [problem] if problem else []
     if problems:
         raise parameters.ParamError("\n  ".join([f"{len(problems)} problem(s), nothing was run:"] + problems))
@@ -103,6 +107,28 @@ def dataset_summaries(values: dict) -> list[str]:
     except ValueError as e:
         out.append(f"saved answers not compared with the prompt files: {e}")
     return out
+
+
+def check_shards(stages, values: dict, repair: str) -> str | None:
+    """When the stages read stage 04's features (05, 06) and stage 04 is not among them, every shard
+    hidden/index.json lists must be there and whole (`hidden.outputs.broken_shards`: sizes and
+    headers, no tensor read). The problem, naming the shards and `repair`, or None."""
+    numbers = {s.number for s in stages}
+    if "04" in numbers or not numbers & {"05", "06"}:
+        return None
+    from .hidden import outputs as hidden_outputs
+
+    folder = Run(values["outputs_dir"], values["run_name"]).root / "hidden"
+    broken = hidden_outputs.broken_shards(folder)
+    return hidden_outputs.broken_shards_message(folder, broken, repair) if broken else None
+
+
+def repair_command(file: str | None, overrides: list[tuple[str, str]]) -> str:
+    """`draftsmith run 04` with the same params file and -p overrides as this command."""
+    import shlex
+
+    return " ".join(["draftsmith run 04", f"-f {shlex.quote(file)}" if file else "--defaults"]
+                    + [f"-p {shlex.quote(k)} {shlex.quote(str(v))}" for k, v in overrides])
 
 
 def check_outputs(values: dict, source: str) -> str | None:

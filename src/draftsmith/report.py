@@ -50,7 +50,8 @@ def write_report(run: Run, summary: Summary | None = None) -> Path | None:
     import nbformat     # here, not at the top: its import costs a second that every command would pay
     from nbconvert import HTMLExporter
 
-    notebooks = run.executed_notebooks()
+    skipped = {n.title for n in summary.not_run} if summary else set()   # an earlier run's, not this chain's
+    notebooks = [p for p in run.executed_notebooks() if p.stem.split("@")[0] not in skipped]
     if not notebooks:
         return None
     merged = nbformat.v4.new_notebook()
@@ -86,13 +87,16 @@ def write_report(run: Run, summary: Summary | None = None) -> Path | None:
 
 def summary_html(summary: Summary) -> str:
     """The summary as the top of the page: the run's verdict, one row per stage (its verdict, time,
-    figures each linking to the stage's section, its log), then why each stage that is not ok is not."""
+    figures each linking to the stage's section, its log), one per stage that did not run and why, then
+    why each stage that is not ok is not."""
     rows = []
     for s in summary.stages:
         figures = "<br>".join(f"<a href='#{escape(f.section)}'>{escape(f.text)}</a>" for f in s.figures)
         rows.append(f"<tr><td><a href='#{escape(s.section)}'>{escape(s.title)}"
                     f"</a></td><td class='{s.verdict.value}'>{s.verdict.value}</td><td>{escape(duration(s.seconds))}</td>"
                     f"<td>{figures}</td><td><a href='{escape(s.log)}'>log</a></td></tr>")
+    rows += [f"<tr><td>{escape(n.title)}</td><td class='failed'>not run</td><td>-</td><td>{escape(n.reason)}</td>"
+             f"<td></td></tr>" for n in summary.not_run]
     notes = "".join(f"<li><span class='{s.verdict.value}'>{escape(s.title)}</span>: {escape(n)}</li>"
                     for s in summary.stages for n in s.notes)
     return (f"<div class='ds-summary'>\n<p><strong>Run summary: <span class='{summary.verdict.value}'>"

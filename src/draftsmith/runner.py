@@ -40,6 +40,14 @@ class StageFailed(RuntimeError):
     pass
 
 
+class VerdictFailed(StageFailed):
+    """Every stage ran without an error, but one's verdict is failed (or warning, under `strict`):
+    the CLI's exit code `EXIT_CODE`. The printed summary already says which and why."""
+
+    EXIT_CODE = 3
+    exit_code = EXIT_CODE
+
+
 class Interrupted(StageFailed):
     """Ctrl-C, SIGINT or SIGTERM during a stage; `exit_code` is the shell's 128 + signal number."""
 
@@ -76,21 +84,29 @@ def node_title(stage: Stage, values: dict) -> str:
     return stage.title
 
 
-def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
+def run_stages(stages: list[Stage], values: dict, echo=True, keep_going: bool = False, strict: bool = False) -> Run:
     """Execute the stages in order, then (re)write the run's summary.json and report.html from every
     executed notebook of the run and the stages' files, also when a stage failed, and print the
-    summary. Raise StageFailed naming the notebook and cell."""
+    summary. A stage whose verdict is failed (with `strict`, also warning) ends the chain there,
+    unless `keep_going`; either way VerdictFailed is raised once the summary is written. The stages
+    that did not start are in the summary with the cause. Raise StageFailed naming the notebook and
+    cell when a stage raises."""
     run = Run(values["outputs_dir"], values["run_name"])
+    stops = {run_summary.Verdict.FAILED} | ({run_summary.Verdict.WARNING} if strict else set())
+    not_run: list[run_summary.NotRun] = []
     try:
-        _run_stages(run, stages, values, echo)
+        ran = _run_stages(run, stages, values, echo, stops, keep_going, not_run)
     finally:
-        done = run_summary.build(run)
+        done = run_summary.build(run, not_run)
         if done.stages:   # none when refused before the first stage (another process writing the run)
             run_summary.write(run, done)
             write_report(run, done)
             if echo:
                 print(f"draftsmith: outputs in {run.root}: report.html, summary.json, logs/", file=sys.stderr, flush=True)
                 print("\n".join(run_summary.lines(done)), file=sys.stderr, flush=True)
+    bad = [s for s in ran if s.verdict in stops]
+    if bad:
+        raise VerdictFailed(", ".join(f"{s.title} {s.verdict.value}" for s in bad))
     return run
 
 
@@ -106,68 +122,92 @@ def _check_no_other_writer(run: Run) -> None:
         raise StageFailed(f"stage 02 not started: {e}") from None
 
 
-def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool) -> None:
+def _run_stages(run: Run, stages: list[Stage], values: dict, echo: bool, stops: set, keep_going: bool,
+                not_run: list) -> list[run_summary.StageSummary]:
+    """Run the stages; the summary of each that ran, in order. The stages after one whose verdict is
+    in `stops` (unless `keep_going`), or after one that raised, are appended to `not_run`."""
+    if any(stage.name == "generate" for stage in stages):
+        _check_no_other_writer(run)
+    ran: list[run_summary.StageSummary] = []
+    for i, stage in enumerate(stages):
+        try:
+            done = _run_stage(run, stage, values, echo, first=i == 0, count=len(stages))
+        except BaseException as e:
+            cause = (run_summary.StopCause.INTERRUPTED if isinstance(e, (Interrupted, KeyboardInterrupt))
+                     else run_summary.StopCause.DID_NOT_FINISH)
+            not_run += [run_summary.NotRun(s.title, stage.title, cause) for s in stages[i + 1:]]
+            raise
+        ran.append(done)
+        if done.verdict in stops and not keep_going:
+            cause = run_summary.StopCause(done.verdict.value)
+            not_run += [run_summary.NotRun(s.title, stage.title, cause) for s in stages[i + 1:]]
+            break
+    return ran
+
+
+def _run_stage(run: Run, stage: Stage, values: dict, echo: bool, first: bool, count: int) -> run_summary.StageSummary:
+    """Execute one stage's notebook (the first also checks the run and sets the kernels up); its summary."""
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
-    if any(stage.name == "generate" for stage in stages):
-        _check_no_other_writer(run)
     nb_dir = run.dir(EXECUTED)
-    write_text_atomic(run.root / "run_params.yaml", yaml.safe_dump(values, sort_keys=False, allow_unicode=True))
-    _kernel_env()
     logger = logging.getLogger("papermill")
-    logger.setLevel(logging.INFO)
-    logger.propagate = False    # what the notebooks print goes to their logs, not to the terminal
-    if echo:
-        print(f"draftsmith: run {run.name}, {len(stages)} stage{'s' * (len(stages) > 1)}; what each prints goes to "
-              f"{run.root / 'logs'}/", file=sys.stderr, flush=True)
-    for stage in stages:
-        params = {k: v for k, v in values.items() if k in stage.params}
-        title = node_title(stage, values)
-        out_nb, log_path = nb_dir / f"{title}.ipynb", stage_log(run, title)
-        log_path.write_text("")  # every writer below appends: papermill, the kernel, the failure
-        handlers = [logging.FileHandler(log_path, mode="a", encoding="utf-8")]
-        if echo and sys.stderr.isatty():
-            handlers.append(_StatusLine(stage.title))
-        injected = parameters_cell(read_notebook(stage.path)) + 1
-        for h in handlers:
-            h.setFormatter(logging.Formatter("%(message)s"))
-            h.addFilter(_CellNumbers(injected))
-            logger.addHandler(h)
-        stop = _Stop()
-        try:
-            stop.install()
-            events.note("papermill run")
-            pm.execute_notebook(str(stage.path), str(out_nb), parameters=params, kernel_name="python3",
-                                log_output=True, progress_bar=False, cwd=str(run.root),
-                                kernel_manager_class=_kernel_manager(log_path, stop))
-        except PapermillExecutionError as e:
-            cell = e.cell_index + (e.cell_index < injected)  # 1-based, as the notebook shows its cells
-            _append(log_path, f"== {stage.title} failed in cell {cell}:\n" + _plain("\n".join(e.traceback)))
-            if e.ename == "KeyboardInterrupt" or stop.name:  # e.g. stage 02's GenerationStopped after a clean stop
-                said = "" if e.ename == "KeyboardInterrupt" else f" ({_first_line(e.evalue)})"
-                raise Interrupted(f"{stop.what} in {stage.title}, cell {cell}{said}; what was written is kept, "
-                                  f"re-run the same command to resume\n  log: {log_path}", stop.name or "SIGINT") from None
-            raise StageFailed(
-                f"stage {stage.title} failed in cell {cell}: {e.ename}: {_first_line(e.evalue)}\n"
-                f"  traceback: {log_path}\n  executed notebook: {out_nb}") from None
-        except KeyboardInterrupt:
-            raise Interrupted(f"{stop.what} in {stage.title}; what was written is kept, re-run the same "
-                              f"command to resume\n  log: {log_path}", stop.name) from None
-        except Exception as e:  # kernel died, notebook unreadable, ...
-            _append(log_path, f"== {stage.title} could not run:\n" + traceback.format_exc())
-            raise StageFailed(f"stage {stage.title} could not run: {type(e).__name__}: {_first_line(e)}\n"
-                              f"  log: {log_path}") from None
-        finally:
-            stop.uninstall()
-            for h in handlers:
-                logger.removeHandler(h)
-                h.close()
-        if stop.name:  # the stage's cells ended cleanly after the interrupt (stage 02 saves its work and returns)
-            raise Interrupted(f"{stop.what} in {stage.title}; the stage stopped cleanly and what was written is "
-                              f"kept, re-run the same command to resume\n  log: {log_path}", stop.name)
+    if first:
+        write_text_atomic(run.root / "run_params.yaml", yaml.safe_dump(values, sort_keys=False, allow_unicode=True))
+        _kernel_env()
+        logger.setLevel(logging.INFO)
+        logger.propagate = False    # what the notebooks print goes to their logs, not to the terminal
         if echo:
-            print(run_summary.stage_line(run_summary.stage(run, [out_nb]), STAGE_WIDTH), file=sys.stderr, flush=True)
+            print(f"draftsmith: run {run.name}, {count} stage{'s' * (count > 1)}; what each prints goes to "
+                  f"{run.root / 'logs'}/", file=sys.stderr, flush=True)
+    params = {k: v for k, v in values.items() if k in stage.params}
+    title = node_title(stage, values)
+    out_nb, log_path = nb_dir / f"{title}.ipynb", stage_log(run, title)
+    log_path.write_text("")  # every writer below appends: papermill, the kernel, the failure
+    handlers = [logging.FileHandler(log_path, mode="a", encoding="utf-8")]
+    if echo and sys.stderr.isatty():
+        handlers.append(_StatusLine(stage.title))
+    injected = parameters_cell(read_notebook(stage.path)) + 1
+    for h in handlers:
+        h.setFormatter(logging.Formatter("%(message)s"))
+        h.addFilter(_CellNumbers(injected))
+        logger.addHandler(h)
+    stop = _Stop()
+    try:
+        stop.install()
+        events.note("papermill run")
+        pm.execute_notebook(str(stage.path), str(out_nb), parameters=params, kernel_name="python3",
+                            log_output=True, progress_bar=False, cwd=str(run.root),
+                            kernel_manager_class=_kernel_manager(log_path, stop))
+    except PapermillExecutionError as e:
+        cell = e.cell_index + (e.cell_index < injected)  # 1-based, as the notebook shows its cells
+        _append(log_path, f"== {stage.title} failed in cell {cell}:\n" + _plain("\n".join(e.traceback)))
+        if e.ename == "KeyboardInterrupt" or stop.name:  # e.g. stage 02's GenerationStopped after a clean stop
+            said = "" if e.ename == "KeyboardInterrupt" else f" ({_first_line(e.evalue)})"
+            raise Interrupted(f"{stop.what} in {stage.title}, cell {cell}{said}; what was written is kept, "
+                              f"re-run the same command to resume\n  log: {log_path}", stop.name or "SIGINT") from None
+        raise StageFailed(
+            f"stage {stage.title} failed in cell {cell}: {e.ename}: {_first_line(e.evalue)}\n"
+            f"  traceback: {log_path}\n  executed notebook: {out_nb}") from None
+    except KeyboardInterrupt:
+        raise Interrupted(f"{stop.what} in {stage.title}; what was written is kept, re-run the same "
+                          f"command to resume\n  log: {log_path}", stop.name) from None
+    except Exception as e:  # kernel died, notebook unreadable, ...
+        _append(log_path, f"== {stage.title} could not run:\n" + traceback.format_exc())
+        raise StageFailed(f"stage {stage.title} could not run: {type(e).__name__}: {_first_line(e)}\n"
+                          f"  log: {log_path}") from None
+    finally:
+        stop.uninstall()
+        for h in handlers:
+            logger.removeHandler(h)
+            h.close()
+    if stop.name:  # the stage's cells ended cleanly after the interrupt (stage 02 saves its work and returns)
+        raise Interrupted(f"{stop.what} in {stage.title}; the stage stopped cleanly and what was written is "
+                          f"kept, re-run the same command to resume\n  log: {log_path}", stop.name)
+    done = run_summary.stage(run, [out_nb])
+    if echo:
+        print(run_summary.stage_line(done, STAGE_WIDTH), file=sys.stderr, flush=True)
+    return done
 
 
 class _Stop:

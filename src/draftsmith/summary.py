@@ -8,6 +8,8 @@ they stand. `build(run)` returns a `Summary`; `write(run, summary)` saves `<run>
 
 Verdicts: ok; warning (the output is usable, something in it needs a look); failed (the stage did
 not finish, or its own check says its output is unfit). The run's verdict is its worst stage's.
+A stage of the chain that did not start (an earlier one failed, `runner.run_stages`) is a `NotRun`
+beside them, with its cause; an executed notebook it left from an earlier run is not summed up.
 """
 
 from __future__ import annotations
@@ -33,6 +35,30 @@ class Verdict(str, Enum):
     def worst(verdicts) -> "Verdict":
         order = [Verdict.OK, Verdict.WARNING, Verdict.FAILED]
         return max(verdicts, key=order.index, default=Verdict.OK)
+
+
+class StopCause(str, Enum):
+    """Why the chain stopped before a stage: the stage before it ..."""
+    FAILED = "failed"              # ... ended with the verdict failed
+    WARNING = "warning"            # ... ended with the verdict warning, and --strict stops at one
+    DID_NOT_FINISH = "did_not_finish"   # ... raised, or its notebook could not run
+    INTERRUPTED = "interrupted"    # ... was interrupted (Ctrl-C, SIGTERM)
+
+
+@dataclass(frozen=True)
+class NotRun:
+    """A stage of the chain that did not start: `after` is the stage that stopped the chain."""
+
+    title: str
+    after: str
+    cause: StopCause
+
+    @property
+    def reason(self) -> str:
+        return {StopCause.FAILED: f"{self.after} failed; the chain stops at a failed stage (--keep-going runs on)",
+                StopCause.WARNING: f"{self.after} warning, and --strict stops at a warning",
+                StopCause.DID_NOT_FINISH: f"{self.after} did not finish",
+                StopCause.INTERRUPTED: f"the run was interrupted in {self.after}"}[self.cause]
 
 
 @dataclass(frozen=True)
@@ -163,10 +189,13 @@ class Summary:
     run: str
     verdict: Verdict
     stages: list[StageSummary]
+    not_run: list[NotRun] = field(default_factory=list)   # the chain's stages that did not start
 
     def to_json(self) -> dict:
         return {"run": self.run, "verdict": self.verdict.value,
-                "stages": [{**asdict(s), "verdict": s.verdict.value} for s in self.stages]}
+                "stages": [{**asdict(s), "verdict": s.verdict.value} for s in self.stages],
+                "not_run": [{"title": n.title, "after": n.after, "cause": n.cause.value, "reason": n.reason}
+                            for n in self.not_run]}
 
 
 # ---- reading each stage ------------------------------------------------------------------------
@@ -232,6 +261,7 @@ _GENERATE_FAILED = ("fatal", "write_error", "no_room", "killed")
 def generate(run: Run, anchor: str):
     from .generate import outputs
 
+    from .generate import prompt_edits
     from .generate.outputs import read_manifest
 
     m = _read(run, read_manifest, run)
@@ -249,6 +279,9 @@ def generate(run: Run, anchor: str):
                       anchor)]
     figures += [Figure(f"{d.name} {d.output_tokens:,}" + (f" / {d.budget:,}" if d.budget else "") + " tokens"
                        + (" (its prompts ran out)" if ran_out and d in short else ""), anchor) for d in n.datasets]
+    edits = prompt_edits.stage_line(prompt_edits.from_record(last.get("prompt_edits")))
+    if edits:   # the prompt files changed since the answers were saved (its last session's comparison)
+        figures.append(Figure(edits, anchor))
     notes = []
     if not ran_out:
         notes.append(f"its last session ended {n.status}" + (f": {n.message}" if n.message else "")
@@ -476,13 +509,16 @@ def stage(run: Run, paths: list[Path]) -> StageSummary:
     return StageSummary(anchor.split("@")[0], anchor, verdict, seconds, f"logs/{anchor}.log", figures, notes, numbers)
 
 
-def build(run: Run) -> Summary:
-    """The summary of every stage with an executed notebook in `run`, one line per stage number."""
+def build(run: Run, not_run: list[NotRun] | tuple = ()) -> Summary:
+    """The summary of every stage with an executed notebook in `run`, one line per stage number,
+    but those of `not_run` (the chain stopped before them), which are listed as such."""
+    skipped = {n.title for n in not_run}
     by_number: dict[str, list[Path]] = {}
     for p in run.executed_notebooks():
-        by_number.setdefault(p.stem[:2], []).append(p)
+        if p.stem.split("@")[0] not in skipped:
+            by_number.setdefault(p.stem[:2], []).append(p)
     stages = [stage(run, paths) for _, paths in sorted(by_number.items())]
-    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages)
+    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages, list(not_run))
 
 
 def write(run: Run, summary: Summary) -> Path:
@@ -513,13 +549,20 @@ def stage_line(s: StageSummary, width: int = 0) -> str:
 def headline(summary: Summary) -> str:
     bad = [s for s in summary.stages if s.verdict != Verdict.OK]
     return (f"run {summary.run}: {summary.verdict.value}"
-            + (" (" + ", ".join(f"{s.title} {s.verdict.value}" for s in bad) + ")" if bad else ""))
+            + (" (" + ", ".join(f"{s.title} {s.verdict.value}" for s in bad) + ")" if bad else "")
+            + ("; not run: " + ", ".join(n.title for n in summary.not_run) if summary.not_run else ""))
+
+
+def not_run_line(n: NotRun, width: int = 0) -> str:
+    """`04_hidden_states    not run  03_validate_tokens failed; ...`"""
+    return f"{n.title:<{width or len(n.title)}}  not run  {n.reason}"
 
 
 def lines(summary: Summary) -> list[str]:
-    """The summary as `draftsmith run` prints it last: the verdict, one line per stage, then why
-    each stage that is not ok is not."""
-    width = max((len(s.title) for s in summary.stages), default=0)
+    """The summary as `draftsmith run` prints it last: the verdict, one line per stage, one per stage
+    that did not run and why, then why each stage that is not ok is not."""
+    width = max((len(s.title) for s in [*summary.stages, *summary.not_run]), default=0)
     out = [headline(summary)] + ["  " + stage_line(s, width) for s in summary.stages]
+    out += ["  " + not_run_line(n, width) for n in summary.not_run]
     out += [f"  ! {s.title}: {note}" for s in summary.stages for note in s.notes]
     return out

@@ -10,7 +10,7 @@ node or several).
 from __future__ import annotations
 
 from .. import parameters
-from ..hidden.outputs import hidden_dir
+from ..hidden.outputs import broken_shards, broken_shards_message, hidden_dir
 from ..config import DrafterConfig, split
 from ..paths import Run
 from ..targets.checkpoint import resolve_target
@@ -20,11 +20,15 @@ from .config import TrainConfig
 
 def run(run: Run, cfg: DrafterConfig, *, log=print) -> dict[str, dict]:
     """Train each kind of `cfg.drafter_kinds` (resuming from its latest checkpoint when `train_resume`),
-    export, and return the summaries by kind (`outputs.write_summary`)."""
+    export, and return the summaries by kind (`outputs.write_summary`). A shard of stage 04's that is
+    missing or cut short is a ValueError naming it, before anything is set up."""
     parameters.check(cfg)
     kinds = cfg.drafter_kinds
     if not kinds or len(set(kinds)) != len(kinds) or not set(kinds) <= set(outputs.KINDS):
         raise ValueError(f"drafter_kinds must list distinct kinds of {outputs.KINDS}, got {kinds!r}")
+    broken = broken_shards(hidden_dir(run))   # sizes and headers: seconds for thousands of shards
+    if broken:
+        raise ValueError(broken_shards_message(hidden_dir(run), broken, "re-run stage 04 on this run"))
     shared = split(TrainConfig, vars(cfg))[0]
     trains = [TrainConfig(**shared, hidden_dir=str(hidden_dir(run)), out_dir=str(outputs.drafter_dir(run, kind)),
                           target_path=str(resolve_target(cfg.target_model_path)), drafter_kind=kind)

@@ -153,6 +153,75 @@ def remove_summary(directory: str | os.PathLike) -> None:
 
 
 @dataclass(frozen=True)
+class BrokenShard:
+    """A shard `index.json` lists that a reader would fail on, and why (one line)."""
+
+    file: str
+    problem: str
+    samples: int        # the samples it holds, which a re-run of stage 04 captures again
+
+
+def shard_problem(path: Path, listed_bytes: int | None = None) -> str | None:
+    """What is wrong with one shard file from its size and its safetensors header alone (8 bytes of
+    header length, the header's JSON, whose tensors' data must end exactly at the end of the file),
+    no tensor read; None when it is whole."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or 8 + n > size:
+                return f"cut short: {size:,} bytes, too few for its header" + (
+                    f" (written as {listed_bytes:,})" if listed_bytes else "")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"cannot be read: {e.strerror or e}"
+    except ValueError as e:   # bad JSON, bytes that are not UTF-8
+        return f"its header does not parse: {e}"
+    try:
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError, AttributeError):
+        return "its header does not parse: not a safetensors header"
+    if 8 + n + end != size:
+        return (f"{'cut short' if size < 8 + n + end else 'longer than its header says'}: {size:,} bytes, its header "
+                f"says {8 + n + end:,}")
+    if listed_bytes is not None and size != listed_bytes:
+        return f"{size:,} bytes, index.json says {listed_bytes:,}: not the file stage 04 wrote"
+    return None
+
+
+def broken_shards(directory: str | os.PathLike) -> list[BrokenShard]:
+    """Every shard `index.json` lists that is missing, cut short or unreadable (`shard_problem`), in
+    index order; empty when every one is whole or there is no index (nothing to read yet)."""
+    directory = Path(directory)
+    try:
+        index = json.loads((directory / INDEX).read_text())
+    except FileNotFoundError:
+        return []
+    out = []
+    for entry in index.get("shards", []):
+        problem = shard_problem(directory / entry["file"], entry.get("bytes"))
+        if problem:
+            out.append(BrokenShard(entry["file"], problem, len(entry.get("samples", []))))
+    return out
+
+
+def broken_shards_message(directory: str | os.PathLike, broken: list[BrokenShard], repair: str,
+                          shown: int = 20) -> str:
+    """The broken shards, one line each (the first `shown`), and the command that re-captures them."""
+    directory = Path(directory)
+    lines = [f"{len(broken)} shard(s) listed in {directory / INDEX} are broken ({sum(b.samples for b in broken):,} "
+             f"samples), training would stop on them:"]
+    lines += [f"    {directory / b.file}: {b.problem}" for b in broken[:shown]]
+    if len(broken) > shown:
+        lines.append(f"    ... and {len(broken) - shown} more")
+    lines.append(f"  repair: {repair}   (stage 04 keeps every whole shard and re-captures only these samples)")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
 class SampleRef:
     sample_id: str
     dataset: str

@@ -33,16 +33,20 @@ def shard_entry(file: str, samples: list[dict], size: int, health: dict | None =
             "health": health}
 
 
-def scan_shards(out_dir: Path, settings: dict, by_key: dict[tuple[str, str], Sample]) -> tuple[list[dict], list[Path]]:
-    """(entries of whole shards to keep, stale shard files). A shard is stale when one of its samples
-    is gone, excluded, changed, or already held by an earlier shard. Shards made with other settings
-    are an error: mixing them would give the drafter inconsistent features."""
+def scan_shards(out_dir: Path, settings: dict, by_key: dict[tuple[str, str], Sample]) -> tuple[list[dict], list[tuple[Path, str]]]:
+    """(entries of whole shards to keep, stale shard files with why). A shard is stale when it is cut
+    short or unreadable, or one of its samples is gone, excluded, changed, or already held by an
+    earlier shard. Shards made with other settings are an error: mixing them would give the drafter
+    inconsistent features."""
     keep, stale, done = [], [], set()
     for path in outputs.shard_files(out_dir):
+        problem = outputs.shard_problem(path)
         try:
-            meta = outputs.read_header(path)
-        except Exception:  # unreadable (not one of ours, or a damaged disk): re-extract its samples
-            stale.append(path)
+            meta = None if problem else outputs.read_header(path)
+        except Exception as e:  # unreadable (not one of ours, or a damaged disk): re-extract its samples
+            problem = f"unreadable ({type(e).__name__})"
+        if problem:
+            stale.append((path, problem))
             continue
         old = json.loads(meta.get("settings", "{}"))
         if old != settings:
@@ -53,7 +57,7 @@ def scan_shards(out_dir: Path, settings: dict, by_key: dict[tuple[str, str], Sam
         keys = [(d, s) for d, s, _, _ in rows]
         unchanged = all(k in by_key and by_key[k].digest == row[3] for k, row in zip(keys, rows))
         if not unchanged or done.intersection(keys) or len(set(keys)) != len(keys):
-            stale.append(path)
+            stale.append((path, "its samples changed since it was written"))
             continue
         done.update(keys)
         samples, off = [], 0
@@ -78,8 +82,8 @@ def prepare(out_dir: Path, samples: list[Sample], identity: dict, layer_ids: lis
     by_key = {s.key: s for s in samples}
     keep, stale = scan_shards(out_dir, settings, by_key)
     numbers = [outputs.shard_number(p) for p in outputs.shard_files(out_dir)]
-    for p in stale:
-        log(f"{p.name}: its samples changed since it was written; re-extracting them")
+    for p, why in stale:
+        log(f"{p.name}: {why}; re-extracting its samples")
         p.unlink()
     outputs.remove_index(out_dir)  # rewritten when every shard is whole again
     done = {(s["dataset"], s["sample_id"]) for e in keep for s in e["samples"]}
