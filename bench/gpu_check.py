@@ -152,7 +152,7 @@ def row(stage, setting, result, seconds=None, tokens_per_s=None, acceptance=None
 
 
 def markdown(rows: list[dict]) -> str:
-    """The rows as a Markdown table (what docs/gpu-runbook.md quotes)."""
+    """The rows as a Markdown table (what docs/gpu-sizing.md quotes)."""
     cols = list(rows[0])
     lines = [cols, ["---"] * len(cols)] + [[str(r[c]) for c in cols] for r in rows]
     return "\n".join("| " + " | ".join(line) + " |" for line in lines)

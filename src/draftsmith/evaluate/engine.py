@@ -5,7 +5,7 @@ kernels, draft-vocab mapping and layer-id handling; our decoder over transformer
 cross-check. `measure` decodes every held-out prompt with each method (`none`, `ngram`, each export)
 in a vLLM engine in a child process (`engine_child`), one row per prompt in the engine's rounds
 file, keyed by the settings, so a re-run starts no engine whose rows are all there. On GPUs with
-the real target: docs/gpu-runbook.md, "Stage 06 on GPUs"."""
+the real target: docs/design/gpu.md, "Stage 06 on GPUs"."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class Tolerance:
 # rounds the state itself to 3 significant bits (0.04-0.10 nat mean error in the teacher's logprobs
 # from an fp8 `last`): its stored figures are looser, and the captured ones prove the capture. On
 # the built-in targets a clean capture sits at a third or less of each bound; the planted faults,
-# and a known subtle capture fault (mean 0.11, top-1 0.96), fall outside it (docs/gpu-runbook.md, "Stage
+# and a known subtle capture fault (mean 0.11, top-1 0.96), fall outside it (docs/design/gpu.md, "Stage
 # 04's own check").
 TOLERANCE = {
     ("captured", "float32"): Tolerance(0.01, 0.1, 0.99),
@@ -84,7 +84,7 @@ class AnswerBounds:
 
 
 # Set from the built-in targets on their own answers, sampled at temperature 1 (bench/gate_figures.py;
-# docs/gpu-runbook.md, "Stage 04's own check"). The toy targets barely use their context, yet read 1.4 nat
+# docs/design/gpu.md, "Stage 04's own check"). The toy targets barely use their context, yet read 1.4 nat
 # or more under the NLL bound and 4x or more over the argmax bound; a copy with one attention or MLP
 # projection perturbed (noise of 30x its RMS) reads 8-13 nat. A real target on its own answers reads
 # far inside both bounds; the argmax bound catches a forward pass whose argmax has nothing to do

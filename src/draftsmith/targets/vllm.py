@@ -33,7 +33,7 @@ from .checkpoint import final_norm, target_config
 from .vllm_limits import GpuOnly
 
 # vLLM's model runners (`VLLM_USE_V2_MODEL_RUNNER`): v1 is the one vLLM's CPU build runs, so the one
-# the tests exercise; v2 (vLLM 0.32's default where Triton is present) needs Triton (docs/gpu-runbook.md)
+# the tests exercise; v2 (vLLM 0.32's default where Triton is present) needs Triton (docs/design/gpu.md)
 MODEL_RUNNERS = ("v1", "v2")
 # the `kv_cache_dtype` values vLLM 0.32 takes (`CacheDType`) that a drafter job uses
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
