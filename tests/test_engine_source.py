@@ -194,8 +194,13 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
     datasets = code + chat + [{"name": "legacy", "path": str(legacy)}]
     params.write_text(yaml.safe_dump({"run_name": "mixed", "outputs_dir": str(root), "target_model_path": "tiny-test",
                                       "datasets": datasets, "imports": [{"name": "legacy", "path": str(legacy)}]}))
-    assert cli.main(["run", "03", "-f", str(params)]) == 0
+    # exit 3: the verdict is failed, as it should be: this test's hand-written import texts never
+    # start with the whitespace the emulator's providers show, so stage 03 flags both import
+    # sources (stripped_whitespace) and, with exclude_flagged off, keeps their samples
+    assert cli.main(["run", "03", "-f", str(params)]) == 3
     report = json.loads((run.root / "tokens" / "report.json").read_text())
+    assert {p: f["cause"] for p, f in report["flagged_providers"].items() if p in ("vllm", "sglang-h100")} == {
+        "vllm": "stripped_whitespace", "sglang-h100": "stripped_whitespace"}
     src = report["sources"]
     assert set(src) == {"openrouter", "vllm", "sglang-h100"}
     assert src["openrouter"]["billing"]["samples"] == src["openrouter"]["samples"] > 0

@@ -220,7 +220,8 @@ def test_every_engine_row_of_the_report_and_the_summary_names_the_runner_that_ra
     lines = [f.text for f in figures]
     assert lines[0] == ("vLLM engines (held-out): " + ", ".join(f"{m} v1 ({next(iter(classes))})"
                                                                 for m in ("none", "ngram", "eagle3 50%", "eagle3", "dflash")))
-    assert lines[2] == "engine settings: engine_env DRAFTSMITH_ENGINE_PROBE=stage 06, custom all-reduce on, KV cache auto"
+    # as the engines held it: vLLM's CPU build turns the custom all-reduce off itself
+    assert lines[2] == "engine settings: engine_env DRAFTSMITH_ENGINE_PROBE=stage 06, custom all-reduce off, KV cache auto"
 
 
 def test_with_no_crosscheck_the_stage_reports_and_plots_the_engines_numbers_alone(engine_only_report, custom_run):

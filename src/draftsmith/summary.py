@@ -340,11 +340,14 @@ def tokens(run: Run, anchor: str):
 def hidden(run: Run, anchor: str):
     from .hidden import outputs as hidden_outputs
 
-    c = _read(run, hidden_outputs.read_check, run.root / "hidden")
     try:
         s = hidden_outputs.read_summary(run.root / "hidden")
     except FileNotFoundError:
         s = {}
+    if s.get("gpu_only"):  # no engine ran, so no check: nothing to train on from this machine
+        raise Unreadable(f"no features: {s['gpu_only']} (vLLM's CPU build cannot run this target; run stage 04 on "
+                         f"GPUs, docs/gpu-runbook.md)")
+    c = _read(run, hidden_outputs.read_check, run.root / "hidden")
     engine = (f"vllm {c.ran['vllm']}, model runner {c.ran.get('model_runner') or '-'}" if c.ran.get("vllm")
               else c.engine)
     answers = c.answers or {}
