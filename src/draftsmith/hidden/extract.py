@@ -34,6 +34,7 @@ from ..targets.checkpoint import final_norm, load_target
 from ..targets.hf import Capture
 from ..targets.vllm import MODEL_RUNNERS, VllmCapture
 from ..targets.identity import target_identity
+from ..providers.logprobs import read_reference
 from ..tokens.outputs import Sample, read_tokens
 from .plan import ExtractionPlan
 from .resume import SCRATCH, fingerprint_samples, lock, prepare, shard_entry
@@ -69,6 +70,7 @@ class Settings:
     check_samples: int = parameters.default_field("check_samples")        # stage 04's own check (check.py); 0: off
     check_answers: bool = parameters.default_field("check_answers")       # the check also holds the engine to the answers
     engine_options: dict = field(default_factory=dict)     # vllm: `VllmCapture`'s keyword arguments
+    reference_logprobs: str | None = None  # stage 01's logprobs.jsonl: the check holds the engine to it (check.py)
 
     def check(self) -> None:
         parameters.check_bounds({"max_tokens_per_batch": self.max_tokens_per_batch, "shard_mb": self.shard_mb,
@@ -169,8 +171,10 @@ def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Setting
     stage 04's own check on the same engine (`check_samples` of the samples in extraction `order`)."""
     if capture is not None and getattr(capture, "ids", layer_ids) != layer_ids:
         raise ValueError(f"capture keeps layers {capture.ids}, this run wants {layer_ids}")
+    reference = read_reference(s.reference_logprobs) if s.reference_logprobs and s.check_samples > 0 else []
     work = dict(target=target, order=order, check_samples=s.check_samples, check_answers=s.check_answers,
-                layer_ids=layer_ids, dtype=s.hidden_dtype, settings=settings, out_dir=out_dir, desc=desc, log=log)
+                reference=reference, layer_ids=layer_ids, dtype=s.hidden_dtype, settings=settings, out_dir=out_dir,
+                desc=desc, log=log)
     if capture is not None or not mine:
         return _run_shards(capture, samples, mine, **work)
     opts = dict(s.engine_options)
@@ -178,6 +182,7 @@ def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Setting
         # the check may take any sample of the run (the first in `order`, and the longest), not only this rank's
         longest = max(len(samples[i]) for i in ([i for _, p in mine for b in p for i in b] +
                                                  (list(order) if s.check_samples > 0 else [])))
+        longest = max([longest] + [len(r["prompt_ids"]) + len(r["output_ids"]) for r in reference])
         opts = {"max_model_len": longest + 1, "log_file": engine_log, **opts}
     opened = open_capture(s.target_backend, target, layer_ids, device=s.device, log=log, **opts)
     try:
@@ -186,8 +191,8 @@ def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Setting
         opened.close()
 
 
-def _run_shards(capture, samples, mine, *, target, order, check_samples, check_answers, layer_ids, dtype, settings,
-                out_dir, desc, log) -> tuple[list, float, check.CheckRecord | None, dict | None]:
+def _run_shards(capture, samples, mine, *, target, order, check_samples, check_answers, reference, layer_ids, dtype,
+                settings, out_dir, desc, log) -> tuple[list, float, check.CheckRecord | None, dict | None]:
     """Stage 04's own check, then this rank's shards (writing one overlaps computing the next);
     returns (shard entries, seconds, the check's record, what ran: `check.engine_of`)."""
     if not mine:
@@ -204,7 +209,8 @@ def _run_shards(capture, samples, mine, *, target, order, check_samples, check_a
     try:
         if to_check:
             checked = check.run_check(capture, to_check, target=target, layer_ids=layer_ids, dtype=dtype,
-                                      work_dir=capture.scratch_dir, check_answers=check_answers, log=log)
+                                      work_dir=capture.scratch_dir, check_answers=check_answers,
+                                      reference=reference, log=log)
             if not checked.passed:
                 raise check.CheckFailed(check.failure_line(checked), checked)
             log(check.passed_line(checked))
