@@ -149,3 +149,21 @@ def test_without_a_usable_reference_the_check_says_so_and_falls_back(probed, tmp
     line = [m for m in said if "no independent reference" in m]
     assert len(line) == 1 and f"mean NLL <= {check.ANSWERS.max_nll}" in line[0]
     assert summary["check"]["answers"]["gated"] and "reference" not in summary["check"]
+
+
+def test_one_provider_apart_from_the_others_is_named_not_the_engine(probed, tmp_path):
+    """A provider whose logprobs disagree while the others agree serves something else: the cause names it."""
+    run, _, _ = probed
+    _tokens_file(run)
+    rows = logprobs.read_reference(outputs.logprobs_file(run))
+    odd = sorted({r["provider"] for r in rows})[0]
+    assert len({r["provider"] for r in rows}) > 1
+    shifted = [{**r, "logprobs": [x - 0.5 for x in r["logprobs"]]} if r["provider"] == odd else r for r in rows]
+    path = tmp_path / "logprobs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in shifted))
+    with pytest.raises(check.CheckFailed) as failed:
+        extract(resolve_target(TARGET, log=lambda *a: None), [run.root / "tokens" / "chat.jsonl"], tmp_path / "h",
+                target_backend="hf", device="cpu", shard_mb=1.0, reference_logprobs=str(path), log=lambda m: None)
+    r = failed.value.record
+    assert r.reference["per_provider"][odd] > check.REFERENCE.mean_abs
+    assert r.cause.startswith(odd) and "serves other weights" in r.cause

@@ -58,8 +58,11 @@ WHY = {Verdict.ABSENT: "no logprobs in its answers although it lists them",
 
 
 def judge(answers: list[list[float] | None]) -> Verdict:
-    """The verdict on one endpoint's logprobs, `answers` being each answer's values (None: none came)."""
-    flat = [x for a in answers if a for x in a]
+    """The verdict on one endpoint's logprobs, `answers` being each answer's values (None: none came; an
+    answer with a value that is not a number counts as none)."""
+    answers = [a if a and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in a) else None
+               for a in answers]
+    flat = [float(x) for a in answers if a for x in a]
     if not flat:
         return Verdict.ABSENT
     if len(set(flat)) == 1 or all(x in PLACEHOLDERS or x > 0 for x in flat):
