@@ -109,6 +109,7 @@ TIERS = {
     "test_kimi_vllm.py": "engine",
     "test_lab.py": "notebook",
     "test_logprob_gate.py": "emulator",
+    "test_logprob_gate.py::test_vllms_bf16_engine_passes_the_reference_gate_on_the_clean_target": "engine",
     "test_multinode.py": "engine",
     "test_openrouter_conformance.py": "emulator",
     "test_ownership.py": "unit",

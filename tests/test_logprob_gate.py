@@ -55,6 +55,17 @@ def test_the_probe_names_and_sets_aside_absent_rounded_and_placeholder_logprobs(
     assert json.loads((run.root / "providers" / "spend.json").read_text())["steps"]["logprob_probe"] > 0
 
 
+def test_the_verdicts_on_logprob_values():
+    V = logprobs.Verdict
+    exact = [[-0.123456, -2.5049871], [-0.00012345]]
+    assert logprobs.judge(exact) is V.USABLE
+    assert logprobs.judge([[round(x, 3) for x in a] for a in exact] + [[-1.2345]]) is V.USABLE  # 3 decimals: fine
+    assert logprobs.judge([[round(x, 2) for x in a] for a in exact]) is V.ROUNDED
+    assert logprobs.judge([[0.0, 0.0], [0.0]]) is V.PLACEHOLDER
+    assert logprobs.judge([[-9999.0, -9999.0], [-9999.0]]) is V.PLACEHOLDER
+    assert logprobs.judge([None, None]) is V.ABSENT and logprobs.judge([[None, "x"]]) is V.ABSENT
+
+
 def test_an_answer_whose_rebuilt_ids_are_not_its_tokens_is_left_out(probed):
     """A provider splitting a token its own way returns logprobs of other ids: left out."""
     run, _, _ = probed
@@ -167,3 +178,16 @@ def test_one_provider_apart_from_the_others_is_named_not_the_engine(probed, tmp_
     r = failed.value.record
     assert r.reference["per_provider"][odd] > check.REFERENCE.mean_abs
     assert r.cause.startswith(odd) and "serves other weights" in r.cause
+
+
+def test_vllms_bf16_engine_passes_the_reference_gate_on_the_clean_target(probed, tmp_path):
+    """The engine the gate is for: vLLM's CPU build in bf16, its prompt logprobs on the probe's ids,
+    against the emulator's float32 logprobs: inside the bounds, yet not equal (a real comparison)."""
+    run, _, _ = probed
+    _tokens_file(run)
+    summary = extract(resolve_target(TARGET, log=lambda *a: None), [run.root / "tokens" / "chat.jsonl"], tmp_path,
+                      target_backend="vllm", shard_mb=1.0, reference_logprobs=str(outputs.logprobs_file(run)),
+                      log=lambda m: None)
+    ref = summary["check"]["reference"]
+    assert summary["check"]["passed"] and ref["tokens"] >= check.REFERENCE.min_tokens, summary["check"]
+    assert 1e-4 < ref["mean_abs_diff"] <= check.REFERENCE.mean_abs and ref["p95_abs_diff"] <= check.REFERENCE.p95_abs

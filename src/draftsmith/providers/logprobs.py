@@ -7,9 +7,10 @@ prompts, pinned (`order` + `allow_fallbacks: false`), at temperature 1 and top_p
 and top-p (vLLM's default, `raw_logprobs`; OpenAI's are the same), and stage 04 reads its engine's
 `prompt_logprobs`, also before any sampling setting: at temperature 1 and top_p 1 the tokens are
 also drawn from that very distribution, so both sides describe the same thing whatever a provider
-does. An endpoint whose answers carry no logprobs (`absent`), values on a 0.001 grid or coarser
-(`rounded`: they hide the 0.003-nat noise floor the gate works at) or the same value for every
-token, or 0 / -9999 (`placeholder`), is named and set aside: never the reference.
+does. An endpoint whose answers carry no logprobs (`absent`), values on a 0.01 grid or coarser
+(`rounded`: up to 0.005 nat off per token, half the gate's mean bound, as much as the bf16 noise it
+works at; three decimals stay usable) or the same value for every token, or 0 / -9999
+(`placeholder`), is named and set aside: never the reference.
 
 The answers of the usable ones go to `providers/logprobs.jsonl`, one line each: the endpoint, the
 prompt messages, the returned tokens and logprobs, and the ids they are, rebuilt from the answer's
@@ -38,7 +39,7 @@ from ..tokens.responses import Response
 from . import outputs
 from .probe import shortest_prompts
 
-GRID = 1e-3          # values all on this grid (or a coarser one) are rounded
+GRID = 1e-2          # values all on this grid (or a coarser one) are rounded
 PLACEHOLDERS = (0.0, -9999.0)
 PARAMETER = "logprobs"
 
