@@ -191,3 +191,17 @@ def test_vllms_bf16_engine_passes_the_reference_gate_on_the_clean_target(probed,
     ref = summary["check"]["reference"]
     assert summary["check"]["passed"] and ref["tokens"] >= check.REFERENCE.min_tokens, summary["check"]
     assert 1e-4 < ref["mean_abs_diff"] <= check.REFERENCE.mean_abs and ref["p95_abs_diff"] <= check.REFERENCE.p95_abs
+
+
+def test_a_malformed_reference_line_or_an_id_outside_the_vocabulary_names_the_file_and_line(tmp_path):
+    path = tmp_path / "logprobs.jsonl"
+    good = {"provider": "p/int4", "messages": [], "tokens": ["a"], "logprobs": [-1.0], "prompt_ids": [1, 2],
+            "output_ids": [3]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "logprobs": []}) + "\n")
+    with pytest.raises(ValueError, match=r"logprobs.jsonl:2: expected"):
+        logprobs.read_reference(path)
+    path.write_text(json.dumps(good) + "\n")
+    assert logprobs.read_reference(path, vocab_size=4) == [good]
+    with pytest.raises(ValueError, match=r"logprobs.jsonl:1: token ids outside the target's vocabulary of 3"):
+        logprobs.read_reference(path, vocab_size=3)
+    assert logprobs.read_reference(tmp_path / "absent.jsonl") == []

@@ -121,6 +121,8 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
                                    "out_dir": str(out_dir), **asdict(s)})
         layer_ids = s.layer_ids_of(identity["num_hidden_layers"])
         samples = read_tokens(token_files, identity["vocab_size"])
+        reference = read_reference(s.reference_logprobs, identity["vocab_size"]) \
+            if s.reference_logprobs and s.check_samples > 0 else []
         plan = None
         if d.main:
             try:
@@ -141,7 +143,8 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         # every rank checks its own engine on the same first samples, before any shard
         try:
             written, seconds, checked, engine = _capture_shards(
-                target, capture, samples, mine, plan.order(), layer_ids, s, plan.settings, out_dir, engine_log,
+                target, capture, samples, reference, mine, plan.order(), layer_ids, s, plan.settings, out_dir,
+                engine_log,
                 f"hidden {d.rank}/{d.world}" if d.world > 1 else "hidden", say)
         except check.CheckFailed as e:
             if d.main:
@@ -165,13 +168,12 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         d.close()
 
 
-def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Settings, settings, out_dir, engine_log,
-                    desc, log):
+def _capture_shards(target, capture, samples, reference, mine, order, layer_ids, s: Settings, settings, out_dir,
+                    engine_log, desc, log):
     """This rank's shards through `capture`, or through one opened here (and closed) for them, after
     stage 04's own check on the same engine (`check_samples` of the samples in extraction `order`)."""
     if capture is not None and getattr(capture, "ids", layer_ids) != layer_ids:
         raise ValueError(f"capture keeps layers {capture.ids}, this run wants {layer_ids}")
-    reference = read_reference(s.reference_logprobs) if s.reference_logprobs and s.check_samples > 0 else []
     work = dict(target=target, order=order, check_samples=s.check_samples, check_answers=s.check_answers,
                 reference=reference, layer_ids=layer_ids, dtype=s.hidden_dtype, settings=settings, out_dir=out_dir,
                 desc=desc, log=log)

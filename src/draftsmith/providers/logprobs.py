@@ -177,9 +177,9 @@ def verdict_line(table: pd.DataFrame) -> str:
     return said + (f"; set aside: {'; '.join(aside)}" if aside else "")
 
 
-def read_reference(path) -> list[dict]:
-    """logprobs.jsonl's answers (none when the file is absent or empty); a malformed line is an
-    error naming the file and line."""
+def read_reference(path, vocab_size: int | None = None) -> list[dict]:
+    """logprobs.jsonl's answers (none when the file is absent or empty); a malformed line, or an id
+    outside the target's `vocab_size`, is an error naming the file and line."""
     from pathlib import Path
 
     path = Path(path)
@@ -198,5 +198,9 @@ def read_reference(path) -> list[dict]:
         if not ok:
             raise ValueError(f"{path}:{n}: expected {{provider, messages, tokens, logprobs, prompt_ids, output_ids}} "
                              f"with one logprob per output id")
+        if vocab_size is not None and not all(isinstance(i, int) and 0 <= i < vocab_size
+                                              for i in row["prompt_ids"] + row["output_ids"]):
+            raise ValueError(f"{path}:{n}: token ids outside the target's vocabulary of {vocab_size}: stage 01 "
+                             f"rebuilt them with another tokenizer (run it with this target_model_path)")
         out.append(row)
     return out
