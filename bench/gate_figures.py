@@ -33,8 +33,9 @@ from draftsmith.hidden.extract import extract
 from draftsmith.targets.checkpoint import load_target, load_tokenizer, resolve_target, target_config
 
 REPO = Path(__file__).resolve().parents[1]
-# target -> backend (vLLM's CPU build runs the tiny targets in bf16: the engine the gate judges)
-TARGETS = {"tiny": "vllm", "tiny-test": "vllm", "kimi-mini-bf16": "vllm"}
+# target -> backend (vLLM's CPU build runs the tiny targets in bf16: the engine the gate judges; the kimi-mini
+# targets' middle layer is an MoE layer, with no dense MLP to plant these faults in)
+TARGETS = {"tiny": "vllm", "tiny-test": "vllm"}
 FAULTS = {"as built": None, "middle-layer MLP zeroed": 0.0, "middle-layer MLP output x 0.85": 0.85}
 OLD = check.AnswerBounds(max_nll=7.0, min_agreement=0.01, min_tokens=32)  # the bounds before issue 51
 ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
@@ -117,8 +118,8 @@ def measure(target: Path, backend: str, tokens: Path, reference: Path | None, ou
     try:
         summary = extract(target, [tokens], out, target_backend=backend, layer_ids=layers.default_layer_ids(n_layers),
                           max_tokens_per_batch=4096, shard_mb=1.0, check_samples=samples, check_answers=True,
-                          reference_logprobs=str(reference) if reference else None, engine_options={"trust_remote_code": True},
-                          device="cpu", log=lambda m: None)
+                          reference_logprobs=str(reference) if reference else None,
+                          engine_options={"trust_remote_code": True}, device="cpu", log=lambda m: None)
         return check.CheckRecord.from_dict(summary["check"])
     except check.CheckFailed as failed:
         return failed.record
@@ -133,8 +134,8 @@ def row(name: str, what: str, r: check.CheckRecord) -> str:
     old = a["mean_nll"] <= OLD.max_nll and a["argmax_agreement"] >= OLD.min_agreement
     fallback = a["mean_nll"] <= check.ANSWERS.max_nll and a["argmax_agreement"] >= check.ANSWERS.min_agreement
     self_ok = not [p for p in r.problems if p not in check.reference_problems(ref) + check.answer_problems(a)]
-    return (f"| {name} | {what} | {verdict(self_ok)} | {a['tokens']} | {a['mean_nll']:.3f} | {a['argmax_agreement']:.3f} "
-            f"| {verdict(old)} | {verdict(fallback)} | {ref['tokens']} | {ref['mean_abs_diff']:.4f} "
+    return (f"| {name} | {what} | {verdict(self_ok)} | {a['tokens']} | {a['mean_nll']:.3f} "
+            f"| {a['argmax_agreement']:.3f} | {verdict(old)} | {verdict(fallback)} | {ref['tokens']} | {ref['mean_abs_diff']:.4f} "
             f"| {ref['p95_abs_diff']:.4f} | {verdict(not check.reference_problems(ref))} |")
 
 

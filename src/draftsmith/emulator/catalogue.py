@@ -162,10 +162,11 @@ def default_catalogue() -> list[Endpoint]:
     LP = SUPPORTED_PARAMETERS + LOGPROB_PARAMETERS
     return [
         E(slug="moonshotai", name="Moonshot AI", quantization="int4", prompt_price=0.60, completion_price=2.50,
-          supported_parameters=LP, latency_s=Dist(median=1.4), tokens_per_s=Dist(median=35), capacity=400, retry_after_s=2,
-          faults=_BACKGROUND),
+          supported_parameters=LP, latency_s=Dist(median=1.4), tokens_per_s=Dist(median=35), capacity=400,
+          retry_after_s=2, faults=_BACKGROUND),
         E(slug="deepinfra", name="DeepInfra", quantization="int4", prompt_price=0.45, completion_price=2.25,
-          supported_parameters=LP, latency_s=Dist(median=0.8), tokens_per_s=Dist(median=45), capacity=500, faults=_BACKGROUND),
+          supported_parameters=LP, latency_s=Dist(median=0.8), tokens_per_s=Dist(median=45), capacity=500,
+          faults=_BACKGROUND),
         E(slug="deepinfra", name="DeepInfra", quantization="fp4", prompt_price=0.40, completion_price=1.90,
           latency_s=Dist(median=0.7), tokens_per_s=Dist(median=70), capacity=400, faults=_BACKGROUND),
         E(slug="parasail", name="Parasail", quantization="int4", prompt_price=0.50, completion_price=2.20,

@@ -19,7 +19,8 @@ PLACEHOLDER = 0.0      # the `placeholder` quirk: every token and alternative
 
 
 @torch.inference_mode()
-def model_logprobs(model, prompt_ids: list[int], ids: list[int], top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+def model_logprobs(model, prompt_ids: list[int], ids: list[int],
+                   top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Per id of `ids` (served after `prompt_ids`): its logprob under `model`, and the `top` most
     likely ids with theirs."""
     if not ids:
