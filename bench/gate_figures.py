@@ -1,18 +1,19 @@
-"""The absolute gate of stage 04's own check (`check.ANSWERS`): the engine on the target's own answers.
+"""Stage 04's answer gates on faults planted inside the engine: the old bounds, the new reference gate, its floor.
 
-For each built-in target, its own answers are sampled first (transformers, temperature 1, top_p 1:
-stage 02's defaults) to prompts of the demo's chat data, and written as a stage-03 tokens file. Then
-stage 04 runs on them the way a user runs it (`extract`, its check on, `check_answers` on): on the
-target itself, and on a copy of its folder with one weight perturbed (Gaussian noise of `--scale`
-times that weight's RMS, a stand-in for a kernel that computes one projection wrongly), on the same
-answers. The table has what the check measured: its self-consistency verdict (the perturbed copy
-agrees with itself too: same engine, same weights), the response tokens judged, the engine's mean
-NLL of them and how often its argmax is the sampled token, and the verdict with the gate.
+For each built-in target, its own answers are sampled first (transformers, temperature 1, top_p 1) to
+prompts of the demo's chat data and written as a stage-03 tokens file; their per-token logprobs are
+computed by float32 transformers on the clean target, as the emulator's providers return them
+(`emulator.logprobs`), and written as stage 01's logprobs.jsonl. Then stage 04 runs on them the way a
+user runs it (`extract`, the check on, `check_answers` on, the reference given) on three copies of
+the target's folder: as built, its middle layer's MLP zeroed (down_proj weight x 0), and a 15% error
+in that MLP's output (down_proj x 0.85). Each row: what the old bounds (mean NLL <= 7 nat, argmax
+agreement >= 0.01) say, what the fallback (`check.ANSWERS`) says, and the reference gate's mean and
+p95 |engine - reference| against `check.REFERENCE`. The clean row is the gate's noise floor (the
+engine's bf16 against float32).
 
-`kimi-mini` (INT4 experts) runs through `hf`: vLLM's CPU build has no INT4 MoE kernel.
-
-    .venv/bin/python bench/gate_figures.py                 # tiny (the demo target), kimi-mini, kimi-mini-bf16
-    .venv/bin/python bench/gate_figures.py --targets tiny-test --scale 30
+    .venv/bin/python bench/gate_figures.py                      # tiny-test and tiny (the demo's), vLLM
+    .venv/bin/python bench/gate_figures.py --targets tiny-test --samples 4
+    .venv/bin/python bench/gate_figures.py --check-time --targets tiny   # the seconds the reference adds
 """
 
 from __future__ import annotations
@@ -32,14 +33,11 @@ from draftsmith.hidden.extract import extract
 from draftsmith.targets.checkpoint import load_target, load_tokenizer, resolve_target, target_config
 
 REPO = Path(__file__).resolve().parents[1]
-# target -> (backend, the weight a perturbed copy gets noise on, whether vLLM prefills it in chunks:
-# its CPU build turns chunked prefill off for MLA, and a prompt longer than a step then never runs)
-TARGETS = {
-    "tiny": ("vllm", "model.layers.0.mlp.down_proj.weight", True),
-    "tiny-test": ("vllm", "model.layers.0.mlp.down_proj.weight", True),
-    "kimi-mini": ("hf", "language_model.model.layers.0.self_attn.o_proj.weight", False),
-    "kimi-mini-bf16": ("vllm", "language_model.model.layers.0.self_attn.o_proj.weight", False),
-}
+# target -> backend (vLLM's CPU build runs the tiny targets in bf16: the engine the gate judges; the kimi-mini
+# targets' middle layer is an MoE layer, with no dense MLP to plant these faults in)
+TARGETS = {"tiny": "vllm", "tiny-test": "vllm"}
+FAULTS = {"as built": None, "middle-layer MLP zeroed": 0.0, "middle-layer MLP output x 0.85": 0.85}
+OLD = check.AnswerBounds(max_nll=7.0, min_agreement=0.01, min_tokens=32)  # the bounds before issue 51
 ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -57,13 +55,17 @@ def prompts(n: int) -> list[list[dict]]:
     return out
 
 
-def own_answers(target: Path, path: Path, n: int, max_new_tokens: int, seed: int) -> int:
-    """Sample the target's own answers to `n` prompts into a stage-03 tokens file; returns the
-    number of response tokens."""
+def own_answers(target: Path, tokens: Path, reference: Path, n: int, max_new_tokens: int, seed: int) -> int:
+    """Sample the target's own answers to `n` prompts into a stage-03 tokens file, and their float32
+    logprobs (the emulator's providers') into a logprobs.jsonl; returns the response tokens."""
+    from draftsmith.emulator.logprobs import model_logprobs
+    from draftsmith.encoding import Encoding
+
     tok = load_tokenizer(target, trust_remote_code=True)
+    enc = Encoding(tok)
     model = load_target(target, "cpu", True)
     torch.manual_seed(seed)
-    rows = []
+    rows, refs = [], []
     for i, turns in enumerate(prompts(n)):
         ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
@@ -73,12 +75,24 @@ def own_answers(target: Path, path: Path, n: int, max_new_tokens: int, seed: int
         resp = out[0, len(ids):].tolist()
         rows.append({"sample_id": f"chat-{i}", "dataset": "chat", "provider": "self", "input_ids": ids + resp,
                      "loss_mask": [0] * len(ids) + [1] * len(resp), "output_ids": resp, "excluded": False})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        refs.append({"provider": "float32 transformers", "messages": turns, "tokens": enc.decode_each(resp),
+                     "logprobs": model_logprobs(model, ids, resp, 0)[0], "prompt_ids": ids, "output_ids": resp})
+    tokens.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reference.write_text("".join(json.dumps(r) + "\n" for r in refs))
     return sum(len(r["output_ids"]) for r in rows)
 
 
-def perturbed_copy(target: Path, weight: str, scale: float, into: Path, seed: int = 1) -> Path:
-    """A copy of the target's folder with Gaussian noise of `scale` x RMS added to `weight`."""
+def middle_mlp(target: Path) -> str:
+    """The down projection of the middle layer's MLP (a dense layer's)."""
+    cfg = target_config(target)
+    text = cfg.get("text_config") or cfg
+    prefix = "language_model.model" if "text_config" in cfg else "model"
+    layer = int(text["num_hidden_layers"]) // 2
+    return f"{prefix}.layers.{layer}.mlp.down_proj.weight"
+
+
+def planted_copy(target: Path, weight: str, factor: float, into: Path) -> Path:
+    """A copy of the target's folder with `weight` multiplied by `factor` (0: zeroed)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -90,73 +104,92 @@ def perturbed_copy(target: Path, weight: str, scale: float, into: Path, seed: in
                 continue
             meta = h.metadata()
             tensors = {k: h.get_tensor(k) for k in h.keys()}
-        w = tensors[weight]
-        g = torch.Generator().manual_seed(seed)
-        rms = w.float().pow(2).mean().sqrt()
-        tensors[weight] = (w.float() + scale * rms * torch.randn(w.shape, generator=g)).to(w.dtype)
+        tensors[weight] = (tensors[weight].float() * factor).to(tensors[weight].dtype)
         save_file(tensors, str(f), metadata=meta)
         return into
     raise KeyError(f"{weight} is in none of {[f.name for f in files]}")
 
 
-def measure(target: Path, backend: str, tokens: Path, out: Path, samples: int,
-            step_tokens: int | None) -> check.CheckRecord:
-    """Stage 04 on `tokens` with the check and the gate on: the check's record (passed or not)."""
+def measure(target: Path, backend: str, tokens: Path, reference: Path | None, out: Path,
+            samples: int) -> check.CheckRecord:
+    """Stage 04 on `tokens` with the check, `check_answers` and the reference (None: without): the check's record."""
     cfg = target_config(target)
     n_layers = int((cfg.get("text_config") or cfg)["num_hidden_layers"])
-    options = {"trust_remote_code": True}
-    if backend == "vllm" and step_tokens:
-        options["max_num_batched_tokens"] = step_tokens
     try:
         summary = extract(target, [tokens], out, target_backend=backend, layer_ids=layers.default_layer_ids(n_layers),
                           max_tokens_per_batch=4096, shard_mb=1.0, check_samples=samples, check_answers=True,
-                          engine_options=options, device="cpu", log=lambda m: None)
+                          reference_logprobs=str(reference) if reference else None,
+                          engine_options={"trust_remote_code": True}, device="cpu", log=lambda m: None)
         return check.CheckRecord.from_dict(summary["check"])
     except check.CheckFailed as failed:
         return failed.record
 
 
+def verdict(ok: bool) -> str:
+    return "passes" if ok else "FAILS"
+
+
 def row(name: str, what: str, r: check.CheckRecord) -> str:
-    a = r.answers
-    self_ok = not [p for p in r.problems if p not in check.answer_problems(a)]
-    gate = "passes" if not check.answer_problems(a) else "FAILS"
-    return (f"| {name} | {what} | {r.engine} | {'passes' if self_ok else 'FAILS'} "
-            f"({r.logprob_mean_abs_err:.3f}) | {a['tokens']} | {a['mean_nll']:.2f} | {a['argmax_agreement']:.3f} "
-            f"| {gate} |")
+    a, ref = r.answers, r.reference
+    old = a["mean_nll"] <= OLD.max_nll and a["argmax_agreement"] >= OLD.min_agreement
+    fallback = a["mean_nll"] <= check.ANSWERS.max_nll and a["argmax_agreement"] >= check.ANSWERS.min_agreement
+    self_ok = not [p for p in r.problems if p not in check.reference_problems(ref) + check.answer_problems(a)]
+    return (f"| {name} | {what} | {verdict(self_ok)} | {a['tokens']} | {a['mean_nll']:.3f} "
+            f"| {a['argmax_agreement']:.3f} | {verdict(old)} | {verdict(fallback)} | {ref['tokens']} | {ref['mean_abs_diff']:.4f} "
+            f"| {ref['p95_abs_diff']:.4f} | {verdict(not check.reference_problems(ref))} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--targets", nargs="+", default=["tiny", "kimi-mini", "kimi-mini-bf16"], choices=sorted(TARGETS))
-    ap.add_argument("--samples", type=int, default=6, help="answers sampled and checked per target")
+    ap.add_argument("--targets", nargs="+", default=["tiny-test", "tiny"], choices=sorted(TARGETS))
+    ap.add_argument("--samples", type=int, default=6, help="answers sampled per target (all in the reference)")
+    ap.add_argument("--check-samples", type=int, default=2, help="stage 04's check_samples (the own-answer figures)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--scale", type=float, default=30.0, help="noise on the perturbed weight, times its RMS")
-    ap.add_argument("--weight", help="the weight to perturb instead of the target's own choice (TARGETS)")
-    ap.add_argument("--step-tokens", type=int, default=64,
-                    help="vLLM's max_num_batched_tokens where it prefills in chunks (tiny)")
+    ap.add_argument("--check-time", action="store_true",
+                    help="instead: the check's seconds on the clean target without and with the reference")
     args = ap.parse_args(argv)
-    b = check.ANSWERS
-    print(f"gate: mean NLL <= {b.max_nll} nat, argmax agreement >= {b.min_agreement}, >= {b.min_tokens} tokens; "
-          f"perturbed: noise {args.scale:g} x RMS on one weight")
-    print("| target | weights | engine | self-consistency (mean error) | answer tokens | mean NLL (nat) | "
-          "argmax agreement | gate |")
-    print("|---|---|---|---|---|---|---|---|")
+    if args.check_time:
+        return check_time(args)
+    b, ref = check.ANSWERS, check.REFERENCE
+    print(f"old bounds: mean NLL <= {OLD.max_nll} nat, argmax agreement >= {OLD.min_agreement}; fallback "
+          f"(check.ANSWERS): <= {b.max_nll} nat, >= {b.min_agreement}; reference gate (check.REFERENCE): mean "
+          f"|engine - float32 reference| <= {ref.mean_abs} nat, p95 <= {ref.p95_abs}. The clean rows are the floor.")
+    print("| target | engine weights | agrees with itself | answer tokens | mean NLL (nat) | argmax agreement | "
+          "old bounds | fallback | reference tokens | mean abs diff (nat) | p95 abs diff (nat) | reference gate |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="gate-figures-") as tmp:
         tmp = Path(tmp)
         for name in args.targets:
-            backend, weight, chunked = TARGETS[name]
-            step = args.step_tokens if chunked else None
-            weight = args.weight or weight
             target = resolve_target(name, log=lambda m: None)
-            tokens = tmp / name / "chat.jsonl"
-            tokens.parent.mkdir(parents=True)
-            own_answers(target, tokens, args.samples, args.max_new_tokens, seed=0)
-            clean = measure(target, backend, tokens, tmp / name / "clean", args.samples, step)
-            print(row(name, "as built", clean), flush=True)
-            copy = perturbed_copy(target, weight, args.scale, tmp / name / "perturbed-target")
-            bad = measure(copy, backend, tokens, tmp / name / "perturbed", args.samples, step)
-            print(row(name, f"{weight.split('model.', 1)[-1]} + noise", bad), flush=True)
-            shutil.rmtree(tmp / name)
+            here = tmp / name
+            here.mkdir(parents=True)
+            tokens, reference = here / "chat.jsonl", here / "logprobs.jsonl"
+            own_answers(target, tokens, reference, args.samples, args.max_new_tokens, seed=0)
+            weight = middle_mlp(target)
+            for what, factor in FAULTS.items():
+                copy = target if factor is None else planted_copy(target, weight, factor, here / f"copy-{factor}")
+                r = measure(copy, TARGETS[name], tokens, reference, here / f"out-{factor}", args.check_samples)
+                print(row(name, what if factor is None else f"{what} ({weight.split('model.', 1)[-1]})", r), flush=True)
+            shutil.rmtree(here)
+    return 0
+
+
+def check_time(args) -> int:
+    """The time the reference adds to stage 04's check: the check's own seconds on the clean target,
+    without the reference and with it, in one run."""
+    print("| target | check without reference (s) | with reference (s) | reference tokens | ratio |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="gate-time-") as tmp:
+        for name in args.targets:
+            target = resolve_target(name, log=lambda m: None)
+            here = Path(tmp) / name
+            here.mkdir(parents=True)
+            tokens, reference = here / "chat.jsonl", here / "logprobs.jsonl"
+            own_answers(target, tokens, reference, args.samples, args.max_new_tokens, seed=0)
+            without = measure(target, TARGETS[name], tokens, None, here / "without", args.check_samples)
+            held = measure(target, TARGETS[name], tokens, reference, here / "with", args.check_samples)
+            print(f"| {name} | {without.seconds:.2f} | {held.seconds:.2f} | {held.reference['tokens']} | "
+                  f"{held.seconds / without.seconds:.2f}x |", flush=True)
     return 0
 
 

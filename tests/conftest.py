@@ -110,6 +110,8 @@ TIERS = {
     "test_kimi_tokenizer.py::test_emulator_bills_with_a_tiktoken_tokenizer_and_stage_03_rebuilds_its_ids": "emulator",
     "test_kimi_vllm.py": "engine",
     "test_lab.py": "notebook",
+    "test_logprob_gate.py": "emulator",
+    "test_logprob_gate.py::test_vllms_bf16_engine_passes_the_reference_gate_on_the_clean_target": "engine",
     "test_multinode.py": "engine",
     "test_openrouter_conformance.py": "emulator",
     "test_ownership.py": "unit",

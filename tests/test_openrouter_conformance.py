@@ -325,3 +325,80 @@ def test_strict_validation_catches_a_missing_or_mistyped_field(client):
     key["data"]["usage"] = "0.1"
     with pytest.raises(ValidationError):
         conforms(operations.GetCurrentKeyResponse, json.dumps(key))
+
+
+# ---- logprobs (the model backend computes them) ----------------------------------------------------
+
+LOGPROB_PROVIDERS = [
+    _ep("deepinfra", "DeepInfra", supported_parameters=["max_tokens", "temperature", "top_p", "seed", "logprobs",
+                                                        "top_logprobs"]),
+    _ep("novita", "Novita", supported_parameters=["max_tokens", "temperature", "logprobs", "top_logprobs"],
+        quirks={"logprobs": "absent"}),
+    _ep("parasail", "Parasail", supported_parameters=["max_tokens", "temperature", "logprobs", "top_logprobs"],
+        quirks={"logprobs": "rounded"}),
+    _ep("siliconflow", "SiliconFlow", supported_parameters=["max_tokens", "temperature", "logprobs", "top_logprobs"],
+        quirks={"logprobs": "placeholder"}),
+    _ep("fireworks", "Fireworks"),  # does not list logprobs
+]
+
+
+@pytest.fixture(scope="module")
+def model_client(tmp_path_factory):
+    cfg = {"providers": LOGPROB_PROVIDERS, "backend": "model", "target_model_path": "tiny-test",
+           "generation_delay_s": 0.0}
+    with running(cfg, state_dir=tmp_path_factory.mktemp("emu-model")) as e, \
+            httpx.Client(base_url=e.base_url, headers=e.key.header(), timeout=120) as c:
+        yield c
+
+
+def test_logprobs_conform_and_are_the_served_models_own(model_client):
+    """Bodies and stream chunks with logprobs validate; the values are log_softmax of the target's own
+    float32 logits at each id served (before temperature), with the requested alternatives."""
+    import torch
+
+    from draftsmith.emulator.logprobs import model_logprobs
+    from draftsmith.targets.checkpoint import load_target, load_tokenizer, resolve_target
+
+    r = model_client.post("/chat/completions", json=pinned("deepinfra", logprobs=True, top_logprobs=3,
+                                                           temperature=0.7))
+    res = conforms(components.ChatResult, r.content)
+    content = res.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+    path = resolve_target("tiny-test", log=lambda *a: None)
+    tok = load_tokenizer(path)
+    prompt = tok.apply_chat_template(body()["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+    vocab = tok.get_vocab()
+    from draftsmith.encoding import Encoding
+    enc = Encoding(tok)
+    ids = []
+    for t in content:  # the ids served, read back from each token's bytes
+        match = [i for i in {vocab.get(t.token), *enc.template([t.token])[0][:1]} if i is not None
+                 and enc.token_bytes([i])[0] == bytes(t.bytes_)]
+        ids.append(match[0])
+    expected, _ = model_logprobs(load_target(path, "cpu"), list(prompt), ids, 0)
+    assert [t.logprob for t in content] == pytest.approx(expected, abs=1e-4)
+    assert [bytes(t.bytes_) for t in content] == enc.token_bytes(ids)
+    s = model_client.post("/chat/completions", json=pinned("deepinfra", stream=True, logprobs=True))
+    parsed = [conforms(components.ChatStreamChunk, c) for c in chunks(s)]
+    finish = [c for c in parsed if c.choices and c.choices[0].finish_reason in ("stop", "length")][0]
+    assert len(finish.choices[0].logprobs.content) == parsed[-1].usage.completion_tokens
+
+
+def test_logprob_quirks_and_endpoints_that_do_not_list_them(model_client):
+    """absent: null although listed; rounded: two decimals; placeholder: 0 for every token; an endpoint
+    that does not list logprobs drops the parameter (null), as OpenRouter does; bad values are a 400."""
+    def lp(slug):
+        r = model_client.post("/chat/completions", json=pinned(slug, logprobs=True, top_logprobs=1))
+        res = conforms(components.ChatResult, r.content)
+        return res.choices[0].logprobs and res.choices[0].logprobs.content
+
+    assert lp("novita") is None and lp("fireworks") is None
+    rounded = [t.logprob for t in lp("parasail")]
+    assert rounded and all(x == round(x, 2) for x in rounded) and len(set(rounded)) > 1
+    assert {t.logprob for t in lp("siliconflow")} == {0.0}
+    eps = model_client.get(f"/models/{MODEL}/endpoints").json()["data"]["endpoints"]
+    assert {e["tag"].split("/")[0] for e in eps if "logprobs" in e["supported_parameters"]} == \
+        {"deepinfra", "novita", "parasail", "siliconflow"}
+    for bad in ({"logprobs": "yes"}, {"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}):
+        error_conforms(model_client.post("/chat/completions", json=pinned("deepinfra", **bad)), 400)

@@ -86,6 +86,8 @@ class ProvidersConfig:
     probe_min_agreement: float = setting(0.5, 'flag an endpoint whose median prefix agreement with the reference is lower')
     probe_reference: str = setting("", "provider slug the probe compares with; empty: the model's author (first party)")
     exclude_probe_outliers: bool = setting(True, 'drop flagged endpoints from the routing')
+    logprob_prompts: int = setting(24, "logprob probe: prompts asked, at temperature 1 and top_p 1, of each allowed endpoint listing logprobs; its usable answers are stage 04's reference (0: no probe)", bound='[0, inf)')
+    logprob_max_tokens: int = setting(48, 'logprob probe: tokens per answer', bound='[1, inf)')
     refresh_providers: bool = setting(False, 'redo the paid pilot and probe even if an earlier run of this stage saved them')
 
 @dataclass

@@ -111,6 +111,23 @@ def _tiktoken_encoding(tokenizer):
     return model if isinstance(model, tiktoken.Encoding) else None
 
 
+def _byte_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a vocabulary string."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_OF = _byte_table()
+
+
 class Encoding:
     """Batched encode/decode for one tokenizer; `kind` is one of:
 
@@ -265,6 +282,24 @@ class Encoding:
         if self.kind == "tiktoken":
             return self._tiktoken.decode_batch([[i] for i in ids])
         return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """The bytes of each id on its own (byte-level BPE: half of a multi-byte character is its
+        half, not U+FFFD), as OpenAI-style logprobs return them in `bytes`; added tokens: their string."""
+        if self.kind == "tiktoken":
+            return [self._tiktoken.decode_single_token_bytes(i) for i in ids]
+        names = {i: t for t, i in self.added.items()}
+        out = []
+        for i in ids:
+            piece = names.get(i)
+            if piece is None and self.kind == "fast":
+                piece = self.token(i)
+                if all(c in _BYTE_OF for c in piece):
+                    out.append(bytes(_BYTE_OF[c] for c in piece))
+                    continue
+                piece = None
+            out.append((piece if piece is not None else self.decode([i])).encode("utf-8"))
+        return out
 
     def token(self, i: int) -> str:
         """The vocabulary string of id `i` (byte-level BPE: 'Ġ' for a space), "" when none."""

@@ -37,7 +37,8 @@ class ResponseCache:
     def key(req: dict) -> str:
         """What makes two requests the same to the cache: the prompt and every sampling setting."""
         return "|".join(str(req[k]) for k in ("prompt_key", "max_tokens", "temperature", "top_p", "seed", "stop",
-                                              "think", "exclude_reasoning", "reasoning_max_tokens"))
+                                              "think", "exclude_reasoning", "reasoning_max_tokens", "logprobs",
+                                              "top_logprobs"))
 
     def get(self, req: dict, headers):
         """The cached answer to this request, or None (not cached, expired, or caching off for it)."""

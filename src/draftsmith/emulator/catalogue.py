@@ -8,7 +8,8 @@ provider may have that the stages must catch).
 
 The default catalogue imitates Kimi-K2.5 on OpenRouter in 2026: several int4 endpoints at
 different prices (one of them cheap and secretly serving a perturbed model), two `unknown`, one
-nvfp4, one fp4 that is up and one fp4 that is down.
+nvfp4, one fp4 that is up and one fp4 that is down. Six of the int4 endpoints list `logprobs`: two
+return them exactly, one with its token splits quirk, and one each none, rounded and placeholders.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 QUANTIZATIONS = ("int4", "int8", "fp4", "mxfp4", "nvfp4", "fp6", "fp8", "mxfp8", "fp16", "bf16", "fp32", "unknown")
 SUPPORTED_PARAMETERS = ["max_tokens", "temperature", "top_p", "seed", "stop", "reasoning", "include_reasoning"]
+LOGPROB_PARAMETERS = ["logprobs", "top_logprobs"]  # listed by the endpoints that return logprobs
 
 
 class Strict(BaseModel):
@@ -75,7 +77,10 @@ class Quirks(Strict):
     completion_tokens still billed in full); the draws follow each other evenly, so an endpoint's
     responses, however few or reordered, carry the rate give or take two.
     `perturbed_model`: serves the target with Gaussian noise of this relative size added to its
-    weights (as an undeclared quantization would); 0 = the real weights."""
+    weights (as an undeclared quantization would); 0 = the real weights.
+    `logprobs`, for an endpoint that lists `logprobs`: `exact` returns the logprobs of the model it
+    serves; `absent` returns none (null) although it lists them; `rounded` returns them rounded to
+    two decimals; `placeholder` returns 0 for every token and alternative, as some APIs do."""
 
     noncanonical_rate: float = 0.0
     billing_tokenizer: Literal["target", "merges-dropped"] = "target"
@@ -83,6 +88,7 @@ class Quirks(Strict):
     reasoning_truncate_rate: float = 0.0
     reasoning_drop_rate: float = 0.0
     perturbed_model: float = 0.0
+    logprobs: Literal["exact", "absent", "rounded", "placeholder"] = "exact"
 
 
 class PriceOverride(Strict):
@@ -153,26 +159,30 @@ _BACKGROUND = Faults(rate_limit=0.01, bad_gateway=0.004, unavailable=0.004, time
 def default_catalogue() -> list[Endpoint]:
     """Kimi-K2.5 as OpenRouter listed it in 2026 (provider names and prices approximate)."""
     E = Endpoint
+    LP = SUPPORTED_PARAMETERS + LOGPROB_PARAMETERS
     return [
         E(slug="moonshotai", name="Moonshot AI", quantization="int4", prompt_price=0.60, completion_price=2.50,
-          latency_s=Dist(median=1.4), tokens_per_s=Dist(median=35), capacity=400, retry_after_s=2,
-          faults=_BACKGROUND),
+          supported_parameters=LP, latency_s=Dist(median=1.4), tokens_per_s=Dist(median=35), capacity=400,
+          retry_after_s=2, faults=_BACKGROUND),
         E(slug="deepinfra", name="DeepInfra", quantization="int4", prompt_price=0.45, completion_price=2.25,
-          latency_s=Dist(median=0.8), tokens_per_s=Dist(median=45), capacity=500, faults=_BACKGROUND),
+          supported_parameters=LP, latency_s=Dist(median=0.8), tokens_per_s=Dist(median=45), capacity=500,
+          faults=_BACKGROUND),
         E(slug="deepinfra", name="DeepInfra", quantization="fp4", prompt_price=0.40, completion_price=1.90,
           latency_s=Dist(median=0.7), tokens_per_s=Dist(median=70), capacity=400, faults=_BACKGROUND),
         E(slug="parasail", name="Parasail", quantization="int4", prompt_price=0.50, completion_price=2.20,
           latency_s=Dist(median=1.0), tokens_per_s=Dist(median=50), capacity=300, retry_after_s=1,
-          faults=_BACKGROUND, quirks=Quirks(strip_whitespace=True)),
+          faults=_BACKGROUND, supported_parameters=LP, quirks=Quirks(strip_whitespace=True, logprobs="rounded")),
         E(slug="novita", name="Novita", quantization="int4", prompt_price=0.55, completion_price=2.40,
           latency_s=Dist(median=1.5), tokens_per_s=Dist(median=30), capacity=300,
-          faults=_BACKGROUND, quirks=Quirks(billing_tokenizer="merges-dropped")),
+          faults=_BACKGROUND, supported_parameters=LP,
+          quirks=Quirks(billing_tokenizer="merges-dropped", logprobs="absent")),
         E(slug="together", name="Together", quantization="int4", prompt_price=0.50, completion_price=2.30,
           latency_s=Dist(median=0.9), tokens_per_s=Dist(median=55), capacity=400,
-          faults=_BACKGROUND, quirks=Quirks(noncanonical_rate=0.01)),
+          faults=_BACKGROUND, supported_parameters=LP, quirks=Quirks(noncanonical_rate=0.01)),
         E(slug="siliconflow", name="SiliconFlow", quantization="int4", prompt_price=0.50, completion_price=2.20,
           latency_s=Dist(median=2.0), tokens_per_s=Dist(median=25), capacity=200,
-          faults=_BACKGROUND, quirks=Quirks(reasoning_truncate_rate=0.2, reasoning_drop_rate=0.1)),
+          faults=_BACKGROUND, supported_parameters=LP,
+          quirks=Quirks(reasoning_truncate_rate=0.2, reasoning_drop_rate=0.1, logprobs="placeholder")),
         E(slug="chutes", name="Chutes", quantization="int4", prompt_price=0.38, completion_price=1.80,
           latency_s=Dist(median=2.5, sigma=0.6), tokens_per_s=Dist(median=25), capacity=600,
           uptime_last_30m=97.0, faults=_BACKGROUND.scaled(2), quirks=Quirks(perturbed_model=0.5)),

@@ -378,6 +378,13 @@ class ModelBackend:
                 self.engines[perturbed] = Engine(model, self.vocab, self.max_batch, self.canonical)
             return self.engines[perturbed]
 
+    def logprobs(self, prompt_ids: list[int], ids: list[int], perturbed: float, top: int):
+        """`logprobs.model_logprobs` of `ids` under the weights that served them (thread-safe: a plain
+        forward of the same modules, beside the step loop's own cache)."""
+        from .logprobs import model_logprobs
+
+        return model_logprobs(self.engine(perturbed).model, prompt_ids, ids, top)
+
     async def stream(self, job: Job):
         """Async iterator of (id, text) for `job`, as the worker samples them."""
         loop = asyncio.get_running_loop()

@@ -58,6 +58,7 @@ class Output:
         if q.perturbed_model:
             self.quirks.append(f"perturbed:{q.perturbed_model}")
         self._raw_content = ""  # content before stripping, for stop strings
+        self.logprobs: list[dict] | None = None  # `choices[0].logprobs.content`, when returned (logprobs.py)
 
     def extend(self, ids: list[int], texts: list[str]) -> int:
         """Add ids (and the text each adds) until the response ends; returns how many were taken.
@@ -159,7 +160,7 @@ class Output:
         if self.reasoning:
             msg["reasoning_details"] = [{"type": "reasoning.text", "text": self.reasoning, "format": "unknown",
                                          "index": 0}]
-        choice = {"logprobs": None, "index": 0, "finish_reason": finish,
+        choice = {"logprobs": self._logprobs(), "index": 0, "finish_reason": finish,
                   "native_finish_reason": finish, "message": msg}
         if error is not None:
             choice["error"] = error
@@ -174,11 +175,16 @@ class Output:
                                              "index": 0}]}
         else:
             delta["reasoning"] = None
+        # a stream's logprobs come whole with its finish chunk (they are computed once the ids are all in)
+        logprobs = self._logprobs() if finish is not None and finish != "error" else None
         c = self._head("chat.completion.chunk") | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                                                "native_finish_reason": finish, "logprobs": None}]}
+                                                                "native_finish_reason": finish, "logprobs": logprobs}]}
         if error is not None:
             c["error"] = error
         return c
+
+    def _logprobs(self) -> dict | None:
+        return None if self.logprobs is None else {"content": self.logprobs, "refusal": None}
 
     def usage_chunk(self, usage: dict, finish: str | None) -> dict:
         """The last chunk: the usage, and a choice with an empty delta repeating `finish`."""

@@ -12,7 +12,9 @@ from collections import OrderedDict
 from ..datasets import stable_id
 from .backends import Vocab
 
-SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "stop", "reasoning", "include_reasoning")
+SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "stop", "reasoning", "include_reasoning", "logprobs",
+                   "top_logprobs")
+MAX_TOP_LOGPROBS = 20
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _SUMMARIES = ("auto", "concise", "detailed")
 _REMEMBERED = 50_000  # prompts whose ids are kept
@@ -69,9 +71,20 @@ def parse(body, model: str, default_max_tokens: int) -> dict:
     rmax = reasoning.get("max_tokens")
     if rmax is not None and (isinstance(rmax, bool) or not isinstance(rmax, int) or rmax < 0):
         raise BadRequest("reasoning.max_tokens: expected a non-negative integer")
+    logprobs = body.get("logprobs", False)
+    if logprobs is None:
+        logprobs = False
+    if not isinstance(logprobs, bool):
+        raise BadRequest("logprobs: expected a boolean")
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise BadRequest(f"top_logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if top and not logprobs:
+        raise BadRequest("top_logprobs: needs logprobs true")
     return {"messages": messages, "max_tokens": max_tokens, "temperature": float(temperature),
             "top_p": float(top_p), "seed": seed, "stop": stop, "stream": stream, "think": think,
-            "exclude_reasoning": exclude, "reasoning_max_tokens": rmax, "prompt_key": stable_id(messages)}
+            "exclude_reasoning": exclude, "reasoning_max_tokens": rmax, "logprobs": logprobs,
+            "top_logprobs": top or 0, "prompt_key": stable_id(messages)}
 
 
 class PromptIds:

@@ -25,6 +25,7 @@ from .backends import Job, Vocab
 from .cache import STATUS_HEADER, ResponseCache
 from .catalogue import Endpoint
 from .config import EmulatorConfig
+from . import logprobs
 from .faults import uniform
 from .ledger import Ledger
 from .output import Output
@@ -106,6 +107,8 @@ class Responses:
         writer.spoil = how.spoil
         sender = Sender(writer, out, req["stream"], how.cut_at, ep.supports_cancellation)
         t_first = await self._produce(self._job(req, prompt_ids, ep, nth), out, pace, how.stop_after, sender)
+        if fault is None or fault in ("bad_bytes", "cut_after_billing"):
+            await self._logprobs(req, ep, prompt_ids, out)
         writer.stop_keepalive()
         cancelled = not sender.going
         if cancelled:
@@ -123,6 +126,17 @@ class Responses:
             return await how.end(writer, out, functools.partial(out.usage, self.billing(ep), prompt_ids))
         except ConnectionResetError:  # gone at the very end: billed in full, it was all generated
             return writer.resp or web.Response(status=499)
+
+    async def _logprobs(self, req, ep: Endpoint, prompt_ids, out: Output) -> None:
+        """`out.logprobs` when the request asked for them and `ep` lists them (else dropped, as
+        OpenRouter drops a parameter the endpoint does not support), after `ep`'s quirk."""
+        if not req["logprobs"] or "logprobs" not in ep.supported_parameters or not out.ids \
+                or isinstance(self.backend, SyntheticBackend):
+            return
+        top = req["top_logprobs"] if "top_logprobs" in ep.supported_parameters else 0
+        chosen, tops = await asyncio.to_thread(self.backend.logprobs, prompt_ids, out.ids, ep.quirks.perturbed_model,
+                                               top)
+        out.logprobs = logprobs.content(self.vocab.encoding, out.ids, chosen, tops, ep.quirks.logprobs)
 
     def _writer(self, request, stream: bool, gen_id: str, caching: bool) -> SSEWriter | JSONWriter:
         """A stream's writer or a JSON body's, with the generation id (and a cache MISS when asked)."""

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from .accounts import Accounts
 from .backends import Vocab
+from .catalogue import LOGPROB_PARAMETERS
 from .chat import Chat
 from .config import EmulatorConfig
 from .ledger import Ledger
@@ -56,6 +57,10 @@ class Emulator:
             raise ValueError("the emulator needs an API key to accept")
         self.cfg = config
         endpoints = config.endpoints()
+        if config.backend == "synthetic":  # no model to compute logprobs with: no endpoint lists them
+            endpoints = [e.model_copy(update={"supported_parameters": [p for p in e.supported_parameters
+                                                                        if p not in LOGPROB_PARAMETERS]})
+                         for e in endpoints]
         self.ledger = Ledger(state_dir, config.credits)
         self.state_dir = Path(state_dir)
         self.vocab = _vocab(config.target_model_path)

@@ -34,6 +34,7 @@ from ..targets.checkpoint import final_norm, load_target
 from ..targets.hf import Capture
 from ..targets.vllm import VllmCapture, engine_settings
 from ..targets.identity import target_identity
+from ..providers.logprobs import read_reference
 from ..tokens.outputs import Sample, read_tokens
 from .plan import ExtractionPlan
 from .resume import SCRATCH, fingerprint_samples, lock, prepare, shard_entry
@@ -70,6 +71,7 @@ class Settings:
     check_answers: bool = parameters.default_field("check_answers")       # the check also holds the engine to the answers
     scratch_dir: str = parameters.default_field("scratch_dir")            # vllm: the per-sample files; "": out_dir
     engine_options: dict = field(default_factory=dict)     # vllm: `VllmCapture`'s keyword arguments
+    reference_logprobs: str | None = None  # stage 01's logprobs.jsonl: the check holds the engine to it (check.py)
 
     def check(self) -> None:
         parameters.check_bounds({"max_tokens_per_batch": self.max_tokens_per_batch, "shard_mb": self.shard_mb,
@@ -119,6 +121,8 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
                                    "out_dir": str(out_dir), **asdict(s)})
         layer_ids = s.layer_ids_of(identity["num_hidden_layers"])
         samples = read_tokens(token_files, identity["vocab_size"])
+        reference = read_reference(s.reference_logprobs, identity["vocab_size"]) \
+            if s.reference_logprobs and s.check_samples > 0 else []
         plan = None
         if d.main:
             try:
@@ -139,7 +143,8 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         # every rank checks its own engine on the same first samples, before any shard
         try:
             written, seconds, checked, engine = _capture_shards(
-                target, capture, samples, mine, plan.order(), layer_ids, s, plan.settings, out_dir, engine_log,
+                target, capture, samples, reference, mine, plan.order(), layer_ids, s, plan.settings, out_dir,
+                engine_log,
                 f"hidden {d.rank}/{d.world}" if d.world > 1 else "hidden", say)
         except check.CheckFailed as e:
             if d.main:
@@ -163,15 +168,15 @@ def extract(target: str | os.PathLike, token_files: list[str | os.PathLike], out
         d.close()
 
 
-def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Settings, settings, out_dir, engine_log,
-                    desc, log):
+def _capture_shards(target, capture, samples, reference, mine, order, layer_ids, s: Settings, settings, out_dir,
+                    engine_log, desc, log):
     """This rank's shards through `capture`, or through one opened here (and closed) for them, after
     stage 04's own check on the same engine (`check_samples` of the samples in extraction `order`)."""
     if capture is not None and getattr(capture, "ids", layer_ids) != layer_ids:
         raise ValueError(f"capture keeps layers {capture.ids}, this run wants {layer_ids}")
     work = dict(target=target, order=order, check_samples=s.check_samples, check_answers=s.check_answers,
-                layer_ids=layer_ids, dtype=s.hidden_dtype, settings=settings, out_dir=out_dir, desc=desc, log=log,
-                scratch_dir=s.scratch_dir)
+                reference=reference, layer_ids=layer_ids, dtype=s.hidden_dtype, settings=settings, out_dir=out_dir,
+                desc=desc, log=log, scratch_dir=s.scratch_dir)
     if capture is not None or not mine:
         return _run_shards(capture, samples, mine, **work)
     opts = dict(s.engine_options)
@@ -179,6 +184,7 @@ def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Setting
         # the check may take any sample of the run (the first in `order`, and the longest), not only this rank's
         longest = max(len(samples[i]) for i in ([i for _, p in mine for b in p for i in b] +
                                                  (list(order) if s.check_samples > 0 else [])))
+        longest = max([longest] + [len(r["prompt_ids"]) + len(r["output_ids"]) for r in reference])
         opts = {"max_model_len": longest + 1, "log_file": engine_log, **opts}
     opened = open_capture(s.target_backend, target, layer_ids, device=s.device, log=log, **opts)
     try:
@@ -187,8 +193,9 @@ def _capture_shards(target, capture, samples, mine, order, layer_ids, s: Setting
         opened.close()
 
 
-def _run_shards(capture, samples, mine, *, target, order, check_samples, check_answers, layer_ids, dtype, settings,
-                out_dir, desc, log, scratch_dir: str = "") -> tuple[list, float, check.CheckRecord | None, dict | None]:
+def _run_shards(capture, samples, mine, *, target, order, check_samples, check_answers, reference, layer_ids, dtype,
+                settings, out_dir, desc, log, scratch_dir: str = "") -> tuple[list, float, check.CheckRecord | None,
+                                                                               dict | None]:
     """Stage 04's own check, then this rank's shards (writing one overlaps computing the next);
     returns (shard entries, seconds, the check's record, what ran: `check.engine_of`)."""
     if not mine:
@@ -208,7 +215,7 @@ def _run_shards(capture, samples, mine, *, target, order, check_samples, check_a
         if to_check:
             checked = check.run_check(capture, to_check, target=target, layer_ids=layer_ids, dtype=dtype,
                                       work_dir=capture.scratch_dir, check_answers=check_answers,
-                                      crossing_sample=crossing, log=log)
+                                      crossing_sample=crossing, reference=reference, log=log)
             if not checked.passed:
                 raise check.CheckFailed(check.failure_line(checked), checked)
             log(check.passed_line(checked))

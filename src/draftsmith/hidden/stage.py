@@ -19,6 +19,7 @@ from . import outputs, verify
 from ..files import write_json_atomic
 from ..config import HiddenConfig, split
 from ..paths import Run
+from ..providers.outputs import logprobs_file
 from ..tokens.outputs import token_files
 from ..targets.checkpoint import resolve_target
 from ..targets.identity import target_identity
@@ -40,6 +41,8 @@ def run(run: Run, cfg: HiddenConfig, *, log=print) -> dict:
     files = token_files(run, cfg.datasets)
     out_dir = outputs.hidden_dir(run)
     settings = split(Settings, vars(cfg))[0]      # the vLLM ones travel as `engine_options`
+    reference = logprobs_file(run)                # stage 01's logprob probe: the check's independent reference
+    settings["reference_logprobs"] = str(reference) if reference.is_file() else None
     if cfg.target_backend == "vllm":
         settings["engine_options"] = dict(
             tensor_parallel_size=cfg.tensor_parallel_size, trust_remote_code=cfg.trust_remote_code,

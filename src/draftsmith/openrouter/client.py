@@ -37,6 +37,7 @@ class Reply:
     usage: dict
     output_ids: list[int] | None = None  # the ids the engine sampled (a bare vLLM server, `return_token_ids`)
     prompt_ids: list[int] | None = None
+    logprobs: list[dict] | None = None  # `choices[0].logprobs.content` as returned (None: none came)
 
 
 class Action(StrEnum):
@@ -278,6 +279,8 @@ def parse_completion(raw: bytes) -> Reply | Failure:
                  choice.get("finish_reason"), choice.get("native_finish_reason"), obj.get("usage"), choice.get("error"))
     if isinstance(res, Reply):
         res.output_ids, res.prompt_ids = _ids(choice.get("token_ids")), _ids(obj.get("prompt_token_ids"))
+        content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+        res.logprobs = content if isinstance(content, list) else None
     return res
 
 

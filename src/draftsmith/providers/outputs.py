@@ -4,8 +4,9 @@ or not at all) and reads them back for the other stages, the report and the benc
     endpoints.csv   every endpoint with its prices, the policy's `allowed` and `reason`
     routing.json    the `provider` object stage 02 sends, and every exclusion with its reason
     cost_plan.csv   the planned cost of each dataset's output budget
-    pilot.csv       the pilot's replies, probe.csv the probe's answers: paid for, so reused by a
-                    re-run unless `refresh_providers`
+    pilot.csv       the pilot's replies, probe.csv the probe's answers, logprob_probe.csv the logprob
+                    probe's verdict per endpoint: paid for, so reused by a re-run unless `refresh_providers`
+    logprobs.jsonl  the logprob probe's usable answers with their logprobs and ids (stage 04's reference)
     spend.json      what the pilot and the probe cost (stage 02 counts it in the run's spend)
     summary.json    the stage's figures in one place
 """
@@ -50,6 +51,11 @@ def read_routing_record(run: Run) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no routing (run stage 01 first)")
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def logprobs_file(run: Run) -> Path:
+    """The logprob probe's usable answers (`providers.logprobs`): stage 04's independent reference."""
+    return run.root / STAGE / "logprobs.jsonl"
 
 
 def read_summary(run: Run) -> dict:

@@ -1,7 +1,7 @@
 """Stage 01's one entry point: `run(run, cfg)` with notebook 01's settings (`ProvidersConfig`), in the order the
 notebook tells it: the model's endpoints, the precision policy, the balance and the cost plan (a
-paid pilot measures the response length unless it is given), the paid fidelity probe, and the
-routing stage 02 sends. It writes `<run>/providers/` (outputs.py) and returns what the notebook's
+paid pilot measures the response length unless it is given), the paid fidelity probe, the paid logprob
+probe (stage 04's independent reference, `logprobs`), and the routing stage 02 sends. It writes `<run>/providers/` (outputs.py) and returns what the notebook's
 tables and figures show."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from ..openrouter.api import Api
 from ..config import ProvidersConfig
 from ..paths import Run
 from ..targets.checkpoint import load_tokenizer
-from . import cost_plan, outputs, pilot, probe
+from . import cost_plan, logprobs, outputs, pilot, probe
 
 
 def run(run: Run, cfg: ProvidersConfig) -> dict:
     """Stage 01 over `run`; returns summary.json's figures and the tables behind them: `endpoints`
     (as listed), `policy` (the precision policy's verdicts), `policy_after_probe` (as endpoints.csv),
-    `plan`, `pilot` and `probe` (None when not run), `routing` and `balance` (USD, source)."""
+    `plan`, `pilot`, `probe` and `logprob_probe` (None when not run), `routing` and `balance` (USD, source)."""
     parameters.check(cfg)
     specs = parse_datasets(cfg.datasets)
     with open_api(cfg.api_base, cfg.api_key_file, run, cfg.target_model_path, cfg.emulator,
@@ -51,9 +51,14 @@ def run(run: Run, cfg: ProvidersConfig) -> dict:
         probe_summary = probe.run_probe(api, run, cfg.model, policy, specs, tokenizer, cfg.probe_prompts,
                                         cfg.probe_max_tokens, cfg.seed, reference, cfg.probe_min_agreement,
                                         cfg.spend_limit_usd, cfg.refresh_providers)
-    final = probe.apply_probe(policy, probe_summary, cfg.exclude_probe_outliers, cfg.probe_min_agreement, reference)
+        final = probe.apply_probe(policy, probe_summary, cfg.exclude_probe_outliers, cfg.probe_min_agreement,
+                                  reference)
+        logprob_table = logprobs.run_logprob_probe(api, run, cfg.model, final, specs, tokenizer, cfg.logprob_prompts,
+                                                   cfg.logprob_max_tokens, cfg.seed, cfg.reasoning,
+                                                   cfg.spend_limit_usd, cfg.refresh_providers)
     routing = endpoints.routing_object(final, cfg.native_precision, cfg.allow_unknown_quantization)
     summary = outputs.stage_summary(run, balance, per_sample, routing, plan, probe.outliers(probe_summary))
     outputs.write_outputs(run, cfg.model, cfg.native_precision, final, routing, plan, summary)
     return {**summary, "endpoints": table, "policy": policy, "policy_after_probe": final, "plan": plan,
-            "pilot": pilot_table, "probe": probe_summary, "routing": routing, "balance": balance}
+            "pilot": pilot_table, "probe": probe_summary, "logprob_probe": logprob_table, "routing": routing,
+            "balance": balance}
