@@ -205,3 +205,23 @@ def test_a_malformed_reference_line_or_an_id_outside_the_vocabulary_names_the_fi
     with pytest.raises(ValueError, match=r"logprobs.jsonl:1: token ids outside the target's vocabulary of 3"):
         logprobs.read_reference(path, vocab_size=3)
     assert logprobs.read_reference(tmp_path / "absent.jsonl") == []
+
+
+def test_an_endpoint_that_never_answers_is_set_aside_as_unavailable_and_the_probe_goes_on(tmp_path):
+    """The emulator with every answer a 429 (past every retry, as a rate-limited provider under the
+    demo's load): the probe records each endpoint as unavailable instead of stopping stage 01."""
+    from draftsmith.emulator import running
+    from draftsmith.openrouter.api import Api
+    from draftsmith.tokens.rebuild import Reconstructor
+    from draftsmith.targets.checkpoint import load_tokenizer
+
+    prompts = [[{"role": "user", "content": "Say one word."}]]
+    tags = ["moonshotai/int4", "parasail/int4"]
+    with running({"faults": {"rate_limit": 1.0}, "time_scale": 0.0}, state_dir=tmp_path / "emu") as emu:
+        api = Api(emu.base_url, emu.key, attempts=2)
+        replies = logprobs.ask(api, "moonshotai/kimi-k2.5", tags, prompts, 8, 0, {})
+    assert all(isinstance(r, Exception) and "429" in str(r) for r in replies.values()), replies
+    table, lines = logprobs.judge_replies(replies, tags, prompts,
+                                          Reconstructor(load_tokenizer(resolve_target(TARGET)), source="target"))
+    assert list(table["verdict"]) == ["unavailable", "unavailable"] and list(table["failed"]) == [1, 1] and not lines
+    assert "no answer came" in logprobs.verdict_line(table)

@@ -77,14 +77,20 @@ class Api:
         ApiError on what must not be retried or after the last attempt."""
         return self._blocking(lambda session: self._chat(session, body))
 
-    def chat_all(self, bodies: list[bytes], desc: str) -> list[Reply]:
-        """The replies to `bodies`, in their order, `IN_FLIGHT` at a time, with a progress bar."""
+    def chat_all(self, bodies: list[bytes], desc: str, failures: bool = False) -> list[Reply]:
+        """The replies to `bodies`, in their order, `IN_FLIGHT` at a time, with a progress bar;
+        `failures`: an ApiError in place of each request that failed, instead of raising the first."""
         async def work(session: aiohttp.ClientSession) -> list[Reply]:
             gate = asyncio.Semaphore(IN_FLIGHT)
 
-            async def one(body: bytes) -> Reply:
+            async def one(body: bytes) -> Reply | ApiError:
                 async with gate:
-                    reply = await self._chat(session, body)
+                    try:
+                        reply = await self._chat(session, body)
+                    except ApiError as e:
+                        if not failures:
+                            raise
+                        reply = e
                 bar.update()
                 return reply
             return list(await asyncio.gather(*map(one, bodies)))

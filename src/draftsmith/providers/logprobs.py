@@ -51,11 +51,13 @@ class Verdict(StrEnum):
     ABSENT = "absent"
     ROUNDED = "rounded"
     PLACEHOLDER = "placeholder"
+    UNAVAILABLE = "unavailable"
 
 
 WHY = {Verdict.ABSENT: "no logprobs in its answers although it lists them",
        Verdict.ROUNDED: f"every logprob on a {GRID:g} grid or coarser (rounded)",
-       Verdict.PLACEHOLDER: "the same placeholder logprob for every token (e.g. 0 or -9999)"}
+       Verdict.PLACEHOLDER: "the same placeholder logprob for every token (e.g. 0 or -9999)",
+       Verdict.UNAVAILABLE: "no answer came, after every retry (rate limits, errors)"}
 
 
 def judge(answers: list[list[float] | None]) -> Verdict:
@@ -106,7 +108,8 @@ def ask(api: Api, model: str, tags: list[str], prompts: list[list[dict]], max_to
                                     reasoning)
         pinned = BodyMaker({**settings, "logprobs": True})
         bodies += [pinned.body(messages_json(m)) for m in prompts]
-    replies = iter(api.chat_all(bodies, "logprob probe"))
+    # an endpoint that keeps failing (429s past every retry) is no reference, not a reason to stop stage 01
+    replies = iter(api.chat_all(bodies, "logprob probe", failures=True))
     return {(tag, i): next(replies) for tag in tags for i in range(len(prompts))}
 
 
@@ -116,11 +119,13 @@ def judge_replies(replies: dict, tags: list[str], prompts: list[list[dict]],
     logprobs.jsonl from the usable endpoints)."""
     rows, lines = [], []
     for tag in tags:
-        got = [replies[tag, i] for i in range(len(prompts))]
-        verdict = judge([[e.get("logprob") for e in r.logprobs] if r.logprobs else None for r in got])
+        answered = {i: replies[tag, i] for i in range(len(prompts)) if not isinstance(replies[tag, i], Exception)}
+        got = list(answered.values())
+        verdict = (judge([[e.get("logprob") for e in r.logprobs] if r.logprobs else None for r in got]) if got
+                   else Verdict.UNAVAILABLE)
         kept = []
         if verdict is Verdict.USABLE:
-            for i, reply in enumerate(got):
+            for i, reply in answered.items():
                 ids = rebuild(rebuilder, prompts[i], reply) if reply.logprobs else None
                 if ids is not None:
                     kept.append({"provider": tag, "messages": prompts[i],
@@ -128,7 +133,7 @@ def judge_replies(replies: dict, tags: list[str], prompts: list[list[dict]],
                                  "logprobs": [float(e["logprob"]) for e in reply.logprobs],
                                  "prompt_ids": ids[0], "output_ids": ids[1]})
         lines += kept
-        rows.append({"tag": tag, "verdict": verdict.value, "answers": len(got),
+        rows.append({"tag": tag, "verdict": verdict.value, "answers": len(got), "failed": len(prompts) - len(got),
                      "with_logprobs": sum(1 for r in got if r.logprobs), "kept": len(kept),
                      "kept_tokens": sum(len(k["output_ids"]) for k in kept),
                      "cost": sum(r.usage.get("cost") or 0.0 for r in got)})
