@@ -314,21 +314,21 @@ def check_samples_of(samples: list, order: list[int], check_samples: int) -> lis
     return fits + [_cut(s, CHECK_MAX_TOKENS) for s in long[:check_samples - len(fits)]]
 
 
-def crossing_window(step_tokens: int) -> int:
-    """Tokens of the step-crossing sample in its first step (the rest of that step is the fillers'):
-    odd below CROSSING_WINDOW, so never a multiple of a KV block."""
-    return min(CROSSING_WINDOW, step_tokens // 2 + 1)
+def crossing_window(step_tokens: int, length: int | None = None) -> int:
+    """Tokens of the step-crossing sample of `length` tokens in its first step (the rest of that
+    step is the fillers'): CROSSING_WINDOW, or odd below it, so never a multiple of a KV block, and
+    within the sample, so that a sample shorter than a step crosses one too."""
+    return min(CROSSING_WINDOW, step_tokens // 2 + 1, (length // 2) | 1 if length else CROSSING_WINDOW)
 
 
 def crossing_sample_of(samples: list, order: list[int], step_tokens: int | None):
     """The sample the check splits across engine steps (`run_crossing`): the longest, cut to what
     three steps need (`crossing_window` + a step + CHECK_TOKENS); None when the engine does not
-    prefill in steps or no sample is longer than its first step's share."""
+    prefill in steps or no sample has tokens to split."""
     if not step_tokens or not order:
         return None
     s = samples[max(order, key=lambda i: len(samples[i]))]
-    window = crossing_window(step_tokens)
-    return _cut(s, min(len(s), window + step_tokens + CHECK_TOKENS)) if len(s) > window else None
+    return _cut(s, min(len(s), crossing_window(step_tokens) + step_tokens + CHECK_TOKENS)) if len(s) > 2 else None
 
 
 def chunks_of(scheduled: list[int], length: int) -> list[list[int]]:
@@ -354,8 +354,8 @@ def run_crossing(capture, sample, *, head, rounding) -> dict:
     boundary moves other positions in the two, so it shows; no prompt logprobs, so no logits.
     Costs two steps of fillers and two prefills of the sample."""
     step = int(capture.step_tokens)
-    window = crossing_window(step)
     n = len(sample)
+    window = crossing_window(step, n)
     # the fillers fill one whole step and the next but `window` tokens: an engine core in its own
     # process (tensor parallel > 1) may run its first step before the last request reaches it, but
     # not its second
