@@ -12,6 +12,7 @@ from draftsmith import summary
 from draftsmith.paths import Run
 from draftsmith.report import write_report
 from draftsmith.summary import Verdict
+from draftsmith.evaluate import results
 
 TITLES = ["01_providers", "02_generate", "03_validate_tokens", "04_hidden_states", "05_train_drafter", "06_evaluate"]
 
@@ -194,20 +195,69 @@ def test_a_drafter_whose_greedy_outputs_differ_from_no_drafter_fails_stage_06(ru
     assert "differ from no drafter's at T=0" in e.notes[0]
 
 
-def test_with_the_engine_the_acceptance_lengths_are_vllms_on_every_prompt_set_and_a_weaker_drafter_is_a_warning(run):
-    def engine(by_set_drafter):
-        return {"version": "0.32.0", "temperatures": {"0": {"temperature": 0.0, "methods": {
-            "none": method("none", {k: 1.0 for k in by_set_drafter}, True, key="acceptance_length"),
-            "ngram": method("ngram", {k: 1.3 for k in by_set_drafter}, True, key="acceptance_length"),
-            "eagle3": method("eagle3", by_set_drafter, True, final=True, key="acceptance_length")}}}}
+def engine_part(by_set_drafter, ngram=1.3, se=None, prompts=None):
+    """vLLM's part of a stage 06 report at T = 0: the final drafter's figures by set (or (length, se))
+    against ngram's `ngram` (or (length, se)), each counted over `prompts`."""
+    def m(kind, by_set, final=None):
+        out = method(kind, {}, True, final=final)
+        for ds, v in by_set.items():
+            length, e = v if isinstance(v, tuple) else (v, se)
+            out["per_dataset"][ds] = {"acceptance_length": length, "acceptance_length_se": e, "prompts": prompts}
+        return out
 
-    put(run, "eval/report.json", {"engine": engine({"code": 1.8, "chat": 1.2}), "temperatures": decoder_temperatures(),
-                                  "benchmarks": {"engine": engine({"mt_bench": 1.25}), "temperatures": {}}})
+    return {"version": "0.32.0", "temperatures": {"0": {"temperature": 0.0, "methods": {
+        "none": m("none", {k: (1.0, 0.0) for k in by_set_drafter}),
+        "ngram": m("ngram", {k: ngram for k in by_set_drafter}),
+        "eagle3": m("eagle3", by_set_drafter, final=True)}}}}
+
+
+def test_with_the_engine_the_acceptance_lengths_are_vllms_on_every_prompt_set_and_a_weaker_drafter_is_a_warning(run):
+    put(run, "eval/report.json", {"engine": engine_part({"code": 1.8, "chat": 1.2}, se=0.02, prompts=4),
+                                  "temperatures": decoder_temperatures(),
+                                  "benchmarks": {"engine": engine_part({"mt_bench": 1.25}, se=0.02, prompts=4),
+                                                 "temperatures": {}}})
     e = stage(summary.build(run), "06_evaluate")
     assert e.numbers.source == "vllm"
-    assert [(r.prompt_set, r.drafter, r.ngram) for r in e.numbers.rows] == [
-        ("held-out chat", 1.2, 1.3), ("held-out code", 1.8, 1.3), ("MT-bench", 1.25, 1.3)]
-    assert e.verdict == Verdict.WARNING and e.notes == ["the drafter is below ngram on 2 of 3 prompt sets x temperatures"]
+    assert [(r.prompt_set, r.drafter, r.ngram, r.drafter_se, r.drafter_prompts) for r in e.numbers.rows] == [
+        ("held-out chat", 1.2, 1.3, 0.02, 4), ("held-out code", 1.8, 1.3, 0.02, 4), ("MT-bench", 1.25, 1.3, 0.02, 4)]
+    assert "held-out chat T=0: acceptance 1.20 ± 0.02 (4 prompts) vs ngram 1.30 ± 0.02" in summary.stage_line(e)
+    # chat: a gap of -0.10 against 2 SE of the difference 0.057: beyond noise; MT-bench: -0.05, within it
+    assert e.verdict == Verdict.WARNING and e.notes == [
+        "the drafter is below ngram beyond noise on held-out chat T=0: 1.20 vs 1.30, gap -0.10 (beyond 2 standard "
+        "errors of the difference, 0.06)"]
+
+
+def test_a_drafter_below_ngram_by_less_than_the_noise_is_no_warning(run):
+    """The issue's case: held-out code at T = 0, 1.76 against 1.78 on 3 prompts, each figure +-0.1."""
+    put(run, "eval/report.json", {"engine": engine_part({"code": (1.76, 0.1), "chat": (1.9, 0.1)}, ngram=(1.78, 0.08),
+                                                        prompts=3), "temperatures": decoder_temperatures()})
+    e = stage(summary.build(run), "06_evaluate")
+    assert e.verdict == Verdict.OK and e.notes == []
+    code = next(r for r in e.numbers.rows if r.prompt_set == "held-out code")
+    assert code.versus_ngram()[0] == results.Versus.WITHIN_NOISE
+    # the same gap measured tightly is beyond noise: the margin, not the sign, decides
+    put(run, "eval/report.json", {"engine": engine_part({"code": (1.76, 0.004), "chat": (1.9, 0.004)},
+                                                        ngram=(1.78, 0.004), prompts=300),
+                                  "temperatures": decoder_temperatures()})
+    e = stage(summary.build(run), "06_evaluate")
+    assert e.verdict == Verdict.WARNING and len(e.notes) == 1
+    assert "held-out code T=0: 1.76 vs 1.78, gap -0.02" in e.notes[0]
+
+
+def test_the_standard_error_over_prompts_is_one_definition_for_vllms_counters_and_our_decoder():
+    from draftsmith.evaluate import engine_summary, metrics
+
+    # per prompt: accepted 2 of 2 drafts and 4 of 2 -> r = 1.5; residuals -1, +1; sqrt(2 * 2) / 4
+    assert metrics.acceptance_se([2, 4], [2, 2]) == pytest.approx(0.5)
+    assert metrics.acceptance_se([3], [2]) is None and metrics.acceptance_se([0, 0], [0, 0]) == 0.0
+    engine_rows = [{"counters": {"drafts": d, "accepted": a, "draft_tokens": 3 * d, "per_pos": [0, 0, 0]},
+                    "output": [1] * 5, "seconds": 1.0} for a, d in ((2, 2), (4, 2), (1, 3))]
+    decoder_rounds = [{"drafted": [3] * d + [0], "accepted": [a] + [0] * d, "produced": [1] * (d + 1),
+                       "top_prob": [1.0] * (d + 1)} for a, d in ((2, 2), (4, 2), (1, 3))]
+    e, o = engine_summary.acceptance(engine_rows, 3), metrics.acceptance(decoder_rounds, 3)
+    assert e["acceptance_length"] == pytest.approx(o["acceptance_length"]) == pytest.approx(1 + 7 / 7)
+    assert e["acceptance_length_se"] == pytest.approx(o["acceptance_length_se"]) and o["acceptance_length_se"] > 0
+    assert e["prompts"] == o["prompts"] == 3
 
 
 def test_a_stage_that_stopped_in_a_cell_or_left_no_output_is_failed_naming_why(run):

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from .evaluate.results import Headline
+from .evaluate.results import Headline, Versus
 from .files import write_json_atomic
 from .paths import Run
 
@@ -388,6 +388,15 @@ def drafter(run: Run, anchor: str):
     return n, Verdict.WARNING if notes else Verdict.OK, figures, notes
 
 
+def _pm(x: float | None, se: float | None) -> str:
+    """An acceptance length with its standard error: `1.76 ± 0.05`."""
+    return _length(x) + ("" if x is None or se is None else f" ± {se:.2f}")
+
+
+def _count(prompts: int | None) -> str:
+    return "" if prompts is None else f" ({prompts} prompt{'s' * (prompts != 1)})"
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
@@ -412,18 +421,24 @@ def evaluate(run: Run, anchor: str):
         ([Figure(f"engine settings: engine_env {' '.join(f'{k}={v}' for k, v in n.engine_env.items()) or 'none'}, "
                  f"custom all-reduce {'off' if n.disable_custom_all_reduce else 'on'}, KV cache {n.kv_cache_dtype}",
                  anchor)] if n.kv_cache_dtype is not None else []))
-    figures = engines + [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_length(row.drafter)} vs ngram "
-                      f"{_length(row.ngram)}, none {_length(row.no_drafter)}" + ("" if row.lossless is None else
-                                                        ", lossless" if row.lossless else ", NOT lossless"), anchor)
-               for row in n.rows]
+    figures = engines + [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_pm(row.drafter, row.drafter_se)}"
+                                f"{_count(row.drafter_prompts)} vs ngram {_pm(row.ngram, row.ngram_se)}, none "
+                                f"{_length(row.no_drafter)}" + ("" if row.lossless is None else
+                                                             ", lossless" if row.lossless else ", NOT lossless"), anchor)
+                         for row in n.rows]
     notes = []
     lossy = sorted({f"T={row.temperature:g}" for row in n.rows if row.lossless is False})
     if lossy:
         notes.append(f"the drafter's outputs differ from no drafter's at {', '.join(lossy)}: speculative decoding "
                      f"must not change greedy outputs")
-    below = [row for row in n.rows if row.drafter is not None and row.ngram is not None and row.drafter < row.ngram]
-    if below:
-        notes.append(f"the drafter is below ngram on {len(below)} of {len(n.rows)} prompt sets x temperatures")
+    for row in n.rows:
+        v = row.versus_ngram()
+        if v and v[0] == Versus.BELOW:
+            gap, margin = v[1], v[2]
+            notes.append(f"the drafter is below ngram beyond noise on {row.prompt_set} T={row.temperature:g}: "
+                         f"{_length(row.drafter)} vs {_length(row.ngram)}, gap {gap:+.2f}"
+                         + (f" (beyond 2 standard errors of the difference, {margin:.2f})" if margin is not None
+                            else " (no standard error recorded: any gap counts)"))
     if not n.rows:
         notes.append("no acceptance length was measured")
     verdict = Verdict.FAILED if lossy or not n.rows else Verdict.WARNING if notes else Verdict.OK

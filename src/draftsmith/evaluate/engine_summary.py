@@ -8,10 +8,12 @@ Counting, vLLM's own: per request, its verify steps summed as vLLM sums its coun
 from __future__ import annotations
 
 from .engine import VLLM_VERSION, EngineMethod
+from .metrics import acceptance_se
 
 
 def acceptance(rows: list[dict], k: int) -> dict:
-    """vLLM's acceptance over a set of decodes, from its counters: 1 + accepted / drafts, per
+    """vLLM's acceptance over a set of decodes (one per prompt), from its counters: 1 + accepted /
+    drafts and its standard error over the prompts (`metrics.acceptance_se`), per
     position j = 1..k accepted at j / drafts; output tokens per second per request (its tokens over
     the seconds from its request's add to its end, summed: at the rows' `concurrency`)."""
     drafts = sum(r["counters"]["drafts"] for r in rows)
@@ -21,6 +23,8 @@ def acceptance(rows: list[dict], k: int) -> dict:
     tokens, seconds = sum(len(r["output"]) for r in rows), sum(r["seconds"] for r in rows)
     return {"prompts": len(rows), "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
             "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "acceptance_length_se": acceptance_se([r["counters"]["accepted"] for r in rows],
+                                                  [r["counters"]["drafts"] for r in rows]),
             "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
             "position_acceptance": [a / drafts for a in per_pos] if drafts else [None] * k,
             "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}

@@ -15,6 +15,20 @@ from __future__ import annotations
 LOOP_NGRAM = 4   # a token whose preceding 4-gram already occurred starts "repeating" text
 
 
+def acceptance_se(accepted: list[float], drafts: list[float]) -> float | None:
+    """Standard error over prompts of an acceptance length 1 + sum(accepted) / sum(drafts), from each
+    prompt's accepted and drafts (the ratio estimator's, delta method): prompts are the sample, the
+    steps within one prompt are not independent. 0 where nothing drafted (the length is 1 exactly);
+    None with fewer than two prompts (no spread to measure)."""
+    n, total = len(drafts), sum(drafts)
+    if n < 2:
+        return None
+    if not total:
+        return 0.0
+    r = sum(accepted) / total
+    return (n / (n - 1) * sum((a - r * d) ** 2 for a, d in zip(accepted, drafts))) ** 0.5 / total
+
+
 def repeat_start(context: list[int], output: list[int], n: int = LOOP_NGRAM) -> int:
     """Index of the first output token whose n-gram (ending at it) already occurred earlier in
     prompt + output; len(output) when none does. From there on the text repeats itself."""
@@ -29,8 +43,9 @@ def repeat_start(context: list[int], output: list[int], n: int = LOOP_NGRAM) -> 
 
 
 def acceptance(rounds: list[dict], k: int) -> dict:
-    """Acceptance of a set of decodes (their `Decoded.rounds()`): the field's acceptance length
-    (1 + accepted / drafts, as vLLM and SGLang count it), tokens per verification round, and per
+    """Acceptance of a set of decodes (their `Decoded.rounds()`, one per prompt): the field's acceptance
+    length (1 + accepted / drafts, as vLLM and SGLang count it) and its standard error over the
+    prompts (`acceptance_se`), tokens per verification round, and per
     draft position j = 1..k the unconditional and conditional acceptance rate."""
     n_rounds = produced = drafting = acc = drafted_tokens = 0
     top = 0.0
@@ -55,8 +70,10 @@ def acceptance(rounds: list[dict], k: int) -> dict:
 
     return {
         "rounds": n_rounds, "tokens": produced, "draft_tokens": drafted_tokens, "accepted_tokens": acc,
-        "drafts": drafting,
+        "drafts": drafting, "prompts": len(rounds),
         "acceptance_length": 1 + ratio(acc, drafting) if drafting else 1.0,
+        "acceptance_length_se": acceptance_se([sum(r["accepted"]) for r in rounds],
+                                              [sum(d > 0 for d in r["drafted"]) for r in rounds]),
         "tokens_per_round": ratio(produced, n_rounds),
         "draft_acceptance_rate": ratio(acc, drafted_tokens),
         "position_acceptance": [ratio(pos_accepted[j], pos_drafted[j]) for j in range(k)],

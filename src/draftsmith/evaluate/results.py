@@ -20,6 +20,7 @@ import math
 import re
 import sys
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 
 import pandas as pd
@@ -51,10 +52,22 @@ class Result:
     tokens_per_s_vs_none: float | None
     ours: float | None                  # our decoder's acceptance length on the same prompts
     ours_agrees: bool | None
+    prompts: int | None = None          # the prompts measured: the sample the standard error is over
+    acceptance_length_se: float | None = None   # over the prompts; None: one prompt, or an older report
+    k: int | None = None                # drafts per verification step
+
+    @property
+    def se(self) -> float | None:
+        """The acceptance length's standard error: over prompts where the report has it, else the
+        bound `noise` (a report written before it), None where neither can be had."""
+        if self.acceptance_length_se is not None:
+            return self.acceptance_length_se
+        return noise(self.drafts, self.k) if self.drafts and self.k else None
 
 
 def noise(drafts: int | None, k: int) -> float:
-    """A bound on one acceptance length's standard error: accepted per step lies in [0, k]."""
+    """A bound on one acceptance length's standard error: accepted per step lies in [0, k] (steps
+    taken as independent; `Result.se` uses it only where a report has no standard error over prompts)."""
     return k / (2 * math.sqrt(drafts)) if drafts else math.inf
 
 
@@ -97,7 +110,8 @@ def _part(temps: dict, ours_temps: dict, source: str, held_out: bool, draft_toke
                     s.get("lossless") if temperature <= 0 else None,
                     p.get("tokens_per_s"), _ratio(p.get("tokens_per_s"), none.get("per_dataset", {}).get(ds, {})),
                     mine["acceptance_length"] if mine else None,
-                    agrees(p, mine, temperature, k) if mine else None))
+                    agrees(p, mine, temperature, k) if mine else None,
+                    p.get("prompts"), p.get("acceptance_length_se"), k))
     return out
 
 
@@ -163,7 +177,9 @@ def tables(report: dict) -> dict[str, pd.DataFrame]:
     for r in rows:
         key = f"{mode(r.temperature)} · {r.prompt_set}"
         row = {"method": r.method + (" (final)" if r.final else ""), "measured in": r.measured_in,
-               "acceptance length": r.acceptance_length, "draft acceptance rate": r.draft_acceptance_rate}
+               "acceptance length": r.acceptance_length,
+               "± (standard error over prompts)": r.acceptance_length_se, "prompts": r.prompts,
+               "draft acceptance rate": r.draft_acceptance_rate}
         row |= {f"P(draft {j + 1})": p for j, p in enumerate(r.position_acceptance)}
         if r.temperature <= 0:
             row["lossless"] = r.lossless
@@ -182,10 +198,33 @@ def tables(report: dict) -> dict[str, pd.DataFrame]:
     return frames
 
 
+MARGIN_SE = 2.0   # a gap counts beyond noise past this many standard errors of the difference
+
+
+class Versus(str, Enum):
+    """The final drafter against a baseline on one prompt set at one temperature."""
+    ABOVE = "above"                     # higher by more than MARGIN_SE standard errors of the difference
+    WITHIN_NOISE = "within noise"
+    BELOW = "below"                     # lower by more than that
+
+
+def versus(a: float, a_se: float | None, b: float, b_se: float | None) -> tuple[Versus, float, float | None]:
+    """(the verdict, the gap a - b, the margin: MARGIN_SE standard errors of the difference). Where
+    neither figure has a standard error the margin is None and any gap decides."""
+    gap = a - b
+    margin = None if a_se is None and b_se is None else MARGIN_SE * math.hypot(a_se or 0.0, b_se or 0.0)
+    if gap > (margin or 0.0):
+        return Versus.ABOVE, gap, margin
+    if gap < -(margin or 0.0):
+        return Versus.BELOW, gap, margin
+    return Versus.WITHIN_NOISE, gap, margin
+
+
 @dataclass
 class Headline:
-    """One prompt set at one temperature: the final drafter, the n-gram baseline and no drafter;
-    `lossless`: at T = 0, whether the drafter's outputs equal no drafter's (None where not compared)."""
+    """One prompt set at one temperature: the final drafter, the n-gram baseline and no drafter, each
+    with its standard error over prompts and the prompts counted; `lossless`: at T = 0, whether the
+    drafter's outputs equal no drafter's (None where not compared)."""
 
     prompt_set: str
     temperature: float
@@ -193,6 +232,16 @@ class Headline:
     ngram: float | None = None
     no_drafter: float | None = None
     lossless: bool | None = None
+    drafter_se: float | None = None
+    ngram_se: float | None = None
+    drafter_prompts: int | None = None
+    ngram_prompts: int | None = None
+
+    def versus_ngram(self) -> tuple[Versus, float, float | None] | None:
+        """The drafter against ngram (`versus`); None where either was not measured."""
+        if self.drafter is None or self.ngram is None:
+            return None
+        return versus(self.drafter, self.drafter_se, self.ngram, self.ngram_se)
 
 
 def headlines(rows: list[Result]) -> list[Headline]:
@@ -201,9 +250,9 @@ def headlines(rows: list[Result]) -> list[Headline]:
     for r in rows:
         h = out.setdefault((r.temperature, r.prompt_set), Headline(r.prompt_set, r.temperature))
         if r.final:
-            h.drafter, h.lossless = r.acceptance_length, r.lossless
+            h.drafter, h.lossless, h.drafter_se, h.drafter_prompts = r.acceptance_length, r.lossless, r.se, r.prompts
         elif r.kind in ("ngram", "prompt_lookup"):
-            h.ngram = r.acceptance_length
+            h.ngram, h.ngram_se, h.ngram_prompts = r.acceptance_length, r.se, r.prompts
         elif r.kind == "none":
             h.no_drafter = r.acceptance_length
     return sorted(out.values(), key=lambda h: (h.temperature, not h.prompt_set.startswith("held-out")))
