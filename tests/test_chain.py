@@ -106,7 +106,7 @@ def test_chain_summary_holds_the_numbers_of_each_stages_own_report(smoke_run):
     assert stages["04_hidden_states"]["verdict"] == ("ok" if check["passed"] else "failed")
 
     trained, metrics = read(run / "drafter/summary.json"), read(run / "drafter/metrics.jsonl")
-    d = stages["05_train_drafter"]["numbers"][0]
+    d = stages["05_train_drafter"]["numbers"]["drafters"][0]
     last_train = [m for m in metrics if m["split"] == "train"][-1]
     assert (d["steps"], d["finished"], d["train_loss"], d["train_accuracy"]) == \
         (trained["steps"], trained["finished"], last_train["loss"], last_train["acc_i"][0])

@@ -274,6 +274,18 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     assert figures == {"acceptance_by_dataset.png", "acceptance_vs_training.png", "per_position.png", "speedup.png"}
     html = (trained_run / "report.html").read_text()
     assert "06 · Acceptance length" in html and html.count("data:image/png") >= 4
+    # the results as data, read back as a user would; the run's headline in summary.json and report.html
+    import pandas as pd
+
+    df = pd.read_csv(trained_run / "eval" / "results.csv")
+    row = df[(df.temperature == 0) & (df.method == "eagle3") & (df.prompt_set == "held-out code")].iloc[0]
+    code = greedy["eagle3"]["per_dataset"]["code"]
+    assert (row.acceptance_length, row.prompts, row.drafts, row.k) == \
+        (pytest.approx(code["acceptance_length"]), code["prompts"], code["drafts"], 3)
+    assert len(df) == len(df.drop_duplicates(["method", "prompt_set", "temperature"]))
+    headline = json.loads((trained_run / "summary.json").read_text())["headline"]
+    assert headline["drafter"] == greedy["eagle3"]["acceptance_length"] and headline["prompts"] == 2
+    assert headline["measured_in"] == "our decoder" and headline["text"].split("\n")[0] in html.replace("&#177;", "±")
 
     rounds = (trained_run / "eval" / "rounds.jsonl").read_text()
     smoke = parameters.effective_params(parameters.discover(), str(REPO_ROOT / "params" / "smoke.yaml"), [])

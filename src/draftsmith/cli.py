@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {name} = {values[name]!r}  # {sources[name]}")
             print(f"parameters of {', '.join(s.title for s in chosen)}: ok")
             return 0
-        runner.run_stages(chosen, values)   # ends by printing the run summary and where the outputs are
+        runner.run_stages(chosen, values, params_file=args.file)   # ends by printing the run summary and where the outputs are
     except parameters.ParamError as e:
         print(f"draftsmith: parameter error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .files import write_text_atomic
 from .paths import REPO_ROOT, Run
-from .summary import Summary, duration
+from .summary import Summary, duration, meta_line
 from .targets.tiny import BUILD_LOG
 
 # Appended to the exporter's own styles: nothing may be wider than the page. A wide table or code
@@ -33,6 +33,8 @@ img { max-width: 100%; height: auto; }
 .ds-summary table { display: table; width: auto; max-width: 100%; }
 .ds-summary td, .ds-summary th { white-space: normal; vertical-align: top; text-align: left; }
 .ds-summary td:nth-child(3) { white-space: nowrap; }
+.ds-headline { font-size: 1.15em; font-weight: bold; padding: 0.4em 0; }
+.ds-meta { color: #57606a; font-size: 0.9em; }
 .ds-summary .ok { color: #1a7f37; font-weight: bold; }
 .ds-summary .warning { color: #9a6700; font-weight: bold; }
 .ds-summary .failed { color: #cf222e; font-weight: bold; }
@@ -55,7 +57,13 @@ def write_report(run: Run, summary: Summary | None = None) -> Path | None:
         return None
     merged = nbformat.v4.new_notebook()
     merged.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    if summary is not None and summary.headline is not None:   # the page's first line
+        merged.cells.append(nbformat.v4.new_markdown_cell(
+            f"<div class='ds-summary ds-headline'>{escape(summary.headline.text())}</div>"))
     merged.cells.append(nbformat.v4.new_markdown_cell(f"# draftsmith run `{run.name}`"))
+    if summary is not None and summary.meta is not None:
+        merged.cells.append(nbformat.v4.new_markdown_cell(
+            f"<div class='ds-summary ds-meta'>{escape(meta_line(summary.meta))}</div>"))
     if summary is not None:
         merged.cells.append(nbformat.v4.new_markdown_cell(summary_html(summary)))
     merged.cells.append(nbformat.v4.new_markdown_cell(
@@ -93,7 +101,7 @@ def summary_html(summary: Summary) -> str:
         rows.append(f"<tr><td><a href='#{escape(s.section)}'>{escape(s.title)}"
                     f"</a></td><td class='{s.verdict.value}'>{s.verdict.value}</td><td>{escape(duration(s.seconds))}</td>"
                     f"<td>{figures}</td><td><a href='{escape(s.log)}'>log</a></td></tr>")
-    notes = "".join(f"<li><span class='{s.verdict.value}'>{escape(s.title)}</span>: {escape(n)}</li>"
+    notes = "".join(f"<li><span class='{s.verdict.value}'>{escape(s.title)}</span>: {escape(n.text)}</li>"
                     for s in summary.stages for n in s.notes)
     return (f"<div class='ds-summary'>\n<p><strong>Run summary: <span class='{summary.verdict.value}'>"
             f"{summary.verdict.value}</span></strong> (also in <a href='summary.json'>summary.json</a>)</p>\n"

@@ -76,7 +76,7 @@ def node_title(stage: Stage, values: dict) -> str:
     return stage.title
 
 
-def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
+def run_stages(stages: list[Stage], values: dict, echo=True, params_file: str | None = None) -> Run:
     """Execute the stages in order, then (re)write the run's summary.json and report.html from every
     executed notebook of the run and the stages' files, also when a stage failed, and print the
     summary. Raise StageFailed naming the notebook and cell."""
@@ -84,7 +84,7 @@ def run_stages(stages: list[Stage], values: dict, echo=True) -> Run:
     try:
         _run_stages(run, stages, values, echo)
     finally:
-        done = run_summary.build(run)
+        done = run_summary.build(run, params_file)
         if done.stages:   # none when refused before the first stage (another process writing the run)
             run_summary.write(run, done)
             write_report(run, done)

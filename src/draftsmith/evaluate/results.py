@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..files import write_text_atomic
 from ..paths import Run
-from .outputs import read_report
+from .outputs import read_report, results_csv_path
 
 PUBLISHED = "published (model card)"
 GREEDY_AGREEMENT = 0.005          # at T = 0 the two figures are equal as shown (three decimals)
@@ -256,6 +257,80 @@ def headlines(rows: list[Result]) -> list[Headline]:
         elif r.kind == "none":
             h.no_drafter = r.acceptance_length
     return sorted(out.values(), key=lambda h: (h.temperature, not h.prompt_set.startswith("held-out")))
+
+
+def frame(rows: list[Result]) -> pd.DataFrame:
+    """The results as data, `eval/results.csv`: one row per method x prompt set x temperature, the
+    acceptance length with its standard error over prompts and its counts (prompts, drafts), the
+    draft acceptance rate, P(draft j accepted) for j = 1..k (empty past a row's own k), k and lossless."""
+    width = max((len(r.position_acceptance) for r in rows), default=0)
+    return pd.DataFrame([{
+        "temperature": r.temperature, "prompt_set": r.prompt_set, "method": r.method, "kind": r.kind,
+        "final": r.final, "measured_in": r.measured_in, "acceptance_length": r.acceptance_length,
+        "acceptance_length_se": r.acceptance_length_se, "prompts": r.prompts, "drafts": r.drafts,
+        "draft_acceptance_rate": r.draft_acceptance_rate, "k": r.k, "lossless": r.lossless,
+        **{f"p_accept_{j + 1}": (r.position_acceptance[j] if j < len(r.position_acceptance) else None)
+           for j in range(width)}} for r in rows],
+        columns=["temperature", "prompt_set", "method", "kind", "final", "measured_in", "acceptance_length",
+                 "acceptance_length_se", "prompts", "drafts", "draft_acceptance_rate", "k", "lossless"]
+        + [f"p_accept_{j + 1}" for j in range(width)])
+
+
+def write_csv(run: Run, report: dict) -> Path:
+    """`<run>/eval/results.csv` from the stage's report (`frame`)."""
+    path = results_csv_path(run)
+    write_text_atomic(path, frame(results(report)).to_csv(index=False))
+    return path
+
+
+@dataclass
+class RunHeadline:
+    """The run in one line: the final drafter's acceptance length on all the held-out prompts at the
+    first greedy temperature (else the first one), with its standard error over prompts, against
+    ngram and no drafter; lossless as measured there."""
+
+    temperature: float
+    prompts: int | None
+    measured_in: str
+    drafter: float
+    drafter_se: float | None
+    ngram: float | None
+    ngram_se: float | None
+    no_drafter: float
+    lossless: bool | None
+
+    def versus_ngram(self) -> Versus | None:
+        return None if self.ngram is None else versus(self.drafter, self.drafter_se, self.ngram, self.ngram_se)[0]
+
+    def text(self) -> str:
+        pm = lambda x, se: f"{x:.2f}" + ("" if se is None else f" ± {se:.2f}")
+        v = self.versus_ngram()
+        against = ("" if v is None else " (above ngram beyond noise)" if v == Versus.ABOVE else
+                   " (below ngram beyond noise)" if v == Versus.BELOW else " (within noise of ngram)")
+        return (f"headline: final drafter {pm(self.drafter, self.drafter_se)}{against}, ngram "
+                + ("n/a" if self.ngram is None else pm(self.ngram, self.ngram_se)) + f", no drafter {self.no_drafter:.2f}: "
+                f"{'greedy' if self.temperature <= 0 else f'T = {self.temperature:g}'} acceptance length on "
+                + (f"{self.prompts} " if self.prompts is not None else "the ") + f"held-out prompts, {self.measured_in}"
+                + ("" if self.lossless is None else ", lossless" if self.lossless else ", NOT lossless"))
+
+
+def run_headline(report: dict) -> RunHeadline | None:
+    """The run's headline from a stage 06 report: vLLM's figures where it measured the final
+    drafter, else our decoder's; None where the final drafter was not measured."""
+    for temps, source in (((report.get("engine") or {}).get("temperatures") or {},
+                           f"vLLM {(report.get('engine') or {}).get('version')}"),
+                          (report.get("temperatures") or {}, "our decoder")):
+        ts = sorted(temps.values(), key=lambda t: (t["temperature"] > 0, t["temperature"]))
+        for t in ts[:1]:
+            m = t["methods"]
+            final = next((s for s in m.values() if s["kind"] == "eagle3" and s.get("final")), m.get("eagle3"))
+            if final is None or final.get("acceptance_length") is None:
+                continue
+            ngram = next((s for s in m.values() if s["kind"] in ("ngram", "prompt_lookup")), None)
+            return RunHeadline(t["temperature"], final.get("prompts"), source, final["acceptance_length"],
+                               final.get("acceptance_length_se"), ngram and ngram["acceptance_length"],
+                               ngram and ngram.get("acceptance_length_se"), 1.0, final.get("lossless"))
+    return None
 
 
 def readme_table(rows: list[Result]) -> str:
