@@ -57,6 +57,7 @@ TIERS = {
     "test_budget.py": "unit",
     "test_chain.py": "notebook",
     "test_client.py": "emulator",
+    "test_compare.py": "unit",
     "test_demo_data.py": "unit",
     "test_dflash.py": "unit",
     "test_drafter.py": "unit",
