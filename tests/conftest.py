@@ -121,6 +121,7 @@ TIERS = {
     "test_readme.py": "unit",
     "test_rehearsal.py": "notebook",
     "test_report_browser.py": "browser",
+    "test_report_agrees.py": "unit",
     "test_report_figures.py": "unit",
     "test_report_html.py": "unit",
     "test_run_guard.py": "notebook",

@@ -40,10 +40,11 @@ def a_run(root, name: str, report: dict) -> Run:
 
 def test_compare_prints_each_headline_and_the_results_side_by_side_marking_only_differences_beyond_noise(tmp_path, capsys):
     a = a_run(tmp_path, "seed0", stage_06_report(1.50, 0.05))
-    b = a_run(tmp_path, "seed1", stage_06_report(1.90, 0.05, chat=1.93))   # code +0.40: beyond; chat +0.03: noise
+    b = a_run(tmp_path, "seed1", stage_06_report(1.90, 0.05, chat=1.93))   # code +0.40: beyond; chat +0.03: noise;
+    # all held-out prompts together (the headline's row): 1.70 -> 1.92 (+-0.03 each): beyond
     assert cli.main(["compare", str(a.root), str(b.root)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == ("compare 2 runs: 1 difference beyond noise (marked *: more than 2 standard errors of the "
+    assert out[0] == ("compare 2 runs: 2 differences beyond noise (marked *: more than 2 standard errors of the "
                       "difference)")
     assert out[1].startswith("  seed0  headline: final drafter 1.70 ± 0.03") and "held-out prompts" in out[1]
     assert out[2].startswith("  seed1  headline: final drafter 1.92 ± 0.03")
@@ -51,6 +52,8 @@ def test_compare_prints_each_headline_and_the_results_side_by_side_marking_only_
     chat = next(x for x in out if "held-out chat" in x and "eagle3" in x)
     assert "1.50 ± 0.05" in code and "1.90 ± 0.05" in code and code.rstrip().endswith("+0.40 *")
     assert chat.rstrip().endswith("+0.03")
+    everything = next(x for x in out if "held-out, all" in x and "eagle3" in x)
+    assert everything.rstrip().endswith("+0.22 *")
     ngram = next(x for x in out if "held-out code" in x and "ngram" in x)
     assert ngram.rstrip().endswith("+0.00")
 

@@ -286,6 +286,16 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     headline = json.loads((trained_run / "summary.json").read_text())["headline"]
     assert headline["drafter"] == greedy["eagle3"]["acceptance_length"] and headline["prompts"] == 2
     assert headline["measured_in"] == "our decoder" and headline["text"].split("\n")[0] in html.replace("&#177;", "±")
+    # the executed notebook's prose states the figures of the table beside it (tests/test_report_agrees.py)
+    from test_report_agrees import prose_disagreements
+
+    from draftsmith.evaluate import figures as eval_figures
+
+    nb = json.loads((trained_run / "notebooks" / "06_evaluate.ipynb").read_text())
+    said = ["".join(o["data"]["text/markdown"]) for c in nb["cells"] for o in c.get("outputs", [])
+            if "text/markdown" in o.get("data", {})]
+    prose = "\n\n".join(p for p in said if "drafter **" in p)
+    assert prose_disagreements(prose, eval_figures.decoder_table(report).rename(columns={"±": "± se"})) == []
 
     rounds = (trained_run / "eval" / "rounds.jsonl").read_text()
     smoke = parameters.effective_params(parameters.discover(), str(REPO_ROOT / "params" / "smoke.yaml"), [])

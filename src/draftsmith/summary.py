@@ -146,9 +146,9 @@ class DrafterNumbers:
     steps: int
     total_steps: int
     finished: bool
-    train_loss: float | None            # the last training step's
+    train_loss: float | None            # the last training step's, first draft position, nats (stage 05's table)
     train_accuracy: float | None        # ... its first draft position's accuracy
-    heldout_loss: float | None          # the held-out split at the end
+    heldout_loss: float | None          # the held-out split at the end (first draft position, nats)
     heldout_accuracy: float | None
     heldout_loss_start: float | None    # ... and before the first step
     heldout_accuracy_start: float | None
@@ -393,11 +393,12 @@ def tokens(run: Run, anchor: str):
     figures = [Figure(f"{len(n.providers_used)} providers, flagged: {flagged_text}", anchor),
                Figure(f"{n.kept:,} of {n.samples:,} samples kept ({n.response_tokens_kept:,} response tokens)", anchor),
                Figure(f"billed vs rebuilt on {n.tokens_scope}: {n.billed_tokens:,} vs {n.rebuilt_tokens:,} tokens", anchor)]
-    if n.excluded:
+    if n.excluded:   # the flagged providers' samples, and samples flagged one by one from the other providers
         left_out = sum(r["providers"][p]["samples"] for p in excluded_providers)
-        why = ([f"every sample of {', '.join(excluded_providers)} ({left_out:,})"] if excluded_providers else []) \
-            + ([f"every flagged sample ({n.flagged_samples:,} in all)"] if n.exclude_flagged and n.flagged_samples else [])
-        figures.append(Figure(f"excluded {n.excluded:,}" + (f": {' and '.join(why)}" if why else ""), anchor))
+        why = ([f"{left_out:,} from the flagged providers ({', '.join(excluded_providers)})"] if excluded_providers
+               else []) + ([f"{n.excluded - left_out:,} flagged one by one from the others"]
+                           if n.exclude_flagged and n.excluded > left_out else [])
+        figures.append(Figure(f"excluded {n.excluded:,} samples" + (f": {' + '.join(why)}" if why else ""), anchor))
     notes = []
     harmful = {p: c for p, c in n.providers_flagged.items() if flagged[p]["cause"] not in BILLING_ONLY}
     if harmful and not n.exclude_flagged:
@@ -471,10 +472,13 @@ def _drafter(run: Run, folder: str, kind: str) -> DrafterNumbers:
     def acc(row):
         return row["acc_i"][0] if row.get("acc_i") else None
 
+    def loss(row):   # the first draft position's, as stage 05's table has it (`loss` sums every TTT step's)
+        return row["loss_i"][0] if row.get("loss_i") else row.get("loss")
+
     return DrafterNumbers(kind=s.get("kind", kind), steps=s["steps"], total_steps=s["total_steps"],
-                          finished=bool(s["finished"]), train_loss=last.get("loss"), train_accuracy=acc(last),
-                          heldout_loss=end.get("loss"), heldout_accuracy=acc(end),
-                          heldout_loss_start=start.get("loss"), heldout_accuracy_start=acc(start))
+                          finished=bool(s["finished"]), train_loss=loss(last), train_accuracy=acc(last),
+                          heldout_loss=loss(end), heldout_accuracy=acc(end),
+                          heldout_loss_start=loss(start), heldout_accuracy_start=acc(start))
 
 
 def drafter(run: Run, anchor: str):
@@ -489,9 +493,9 @@ def drafter(run: Run, anchor: str):
     n = DrafterStageNumbers([_drafter(run, folder, kind) for folder, kind in kinds])
     figures, notes = [], []
     for d in n.drafters:
-        figures += [Figure(f"{d.kind}: {d.steps}/{d.total_steps} steps, final train loss {_num(d.train_loss)}, "
+        figures += [Figure(f"{d.kind}: {d.steps}/{d.total_steps} steps, final train loss {_num(d.train_loss)} nat, "
                            f"accuracy {_pct(d.train_accuracy)}", anchor),
-                    Figure(f"held-out loss {_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)}, accuracy "
+                    Figure(f"held-out loss {_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)} nat, accuracy "
                            f"{_pct(d.heldout_accuracy_start)} -> {_pct(d.heldout_accuracy)} (first draft token)", anchor)]
         if not d.finished:
             notes.append(Note(Reason.TRAINING_UNFINISHED, f"{d.kind}: training stopped at step {d.steps} of "

@@ -38,8 +38,9 @@ def runner_of(row: dict) -> dict:
 
 
 def summarize(rows: list[dict], methods: list[EngineMethod], draft_tokens: int, temperature: float) -> dict:
-    """Per method at one temperature: acceptance overall and per dataset, tok/s and its ratio to
-    no drafter, and (greedy) whether the outputs equal the no-drafter engine's token for token."""
+    """Per method at one temperature: acceptance overall and per dataset, tok/s per request beside its
+    load (`in_flight`; no ratio between methods: each is decoded at its own load), and (greedy)
+    whether the outputs equal the no-drafter engine's token for token."""
     mine = [r for r in rows if r["temperature"] == temperature]
     by_fp: dict[str, list[dict]] = {}
     for r in mine:
@@ -56,16 +57,14 @@ def summarize(rows: list[dict], methods: list[EngineMethod], draft_tokens: int, 
              "per_dataset": {ds: acceptance([r for r in rs if r["dataset"] == ds], k)
                              for ds in sorted({r["dataset"] for r in rs})},
              "aux_layers_engine": rs[0].get("aux_layers_engine"), "aux_layers_gpu_runner": rs[0].get("aux_layers_gpu_runner"),
-             "startup_s": rs[0].get("startup_s"), **runner_of(rs[0])}
+             "startup_s": rs[0].get("startup_s"), **runner_of(rs[0]),
+             # its load: the method's requests at this temperature went in together, up to `concurrency` at once
+             "in_flight": min(max(r.get("concurrency", 1) for r in rs), len(rs))}
         mismatched = [r["sample_id"] for r in rs if temperature <= 0 and (r["dataset"], r["sample_id"]) in ref
                       and r["output"] != ref[(r["dataset"], r["sample_id"])]]
         s["lossless"] = (not mismatched) if temperature <= 0 and ref else None
         s["mismatched_samples"] = mismatched
         out[m.name] = s
-    base = out.get(none.name) if none else None
-    for s in out.values():
-        s["speedup_tokens_per_s"] = (s["tokens_per_s"] / base["tokens_per_s"]
-                                     if base and base["tokens_per_s"] and s["tokens_per_s"] else None)
     return out
 
 

@@ -19,7 +19,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from pathlib import Path
 
@@ -33,6 +33,7 @@ PUBLISHED = "published (model card)"
 GREEDY_AGREEMENT = 0.005          # at T = 0 the two figures are equal as shown (three decimals)
 README_BEGIN = "<!-- stage 06 results: python -m draftsmith.evaluate.results -->"
 README_END = "<!-- end of stage 06 results -->"
+ALL_HELD_OUT = "held-out, all"   # the held-out prompts of every dataset together
 SET_NAMES = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "math500": "MATH-500"}
 
 
@@ -49,8 +50,8 @@ class Result:
     draft_acceptance_rate: float | None
     position_acceptance: tuple          # P(draft j accepted), j = 1..k
     lossless: bool | None               # T = 0: outputs equal no drafter's token for token
-    tokens_per_s: float | None          # measured by the engine, per request at its load
-    tokens_per_s_vs_none: float | None
+    tokens_per_s: float | None          # measured by the engine, per request at its load `in_flight`
+    in_flight: int | None               # requests in flight as the method's rows were decoded (its load)
     ours: float | None                  # our decoder's acceptance length on the same prompts
     ours_agrees: bool | None
     prompts: int | None = None          # the prompts measured: the sample the standard error is over
@@ -94,32 +95,27 @@ def _part(temps: dict, ours_temps: dict, source: str, held_out: bool, draft_toke
                      "eagle3" if "eagle3" in t["methods"] else None)
         none = next((s for s in t["methods"].values() if s["kind"] == "none"), {})
         sets = sorted({ds for s in t["methods"].values() for ds in s.get("per_dataset", {})})
-        for ds in sets:
+        # the held-out prompts of every dataset together are a prompt set too: the run's headline
+        for ds in sets + ([ALL_HELD_OUT] if held_out and sets else []):
             for name, s in t["methods"].items():
-                p = s.get("per_dataset", {}).get(ds)
-                if p is None:
+                p = s if ds == ALL_HELD_OUT else s.get("per_dataset", {}).get(ds)
+                if p is None or p.get("acceptance_length") is None:
                     continue
                 k = s.get("k", draft_tokens)
                 mine = None
                 if source != "our decoder":
                     twin = ours_methods.get("prompt lookup" if s["kind"] == "ngram" else name, {})
-                    mine = twin.get("per_dataset", {}).get(ds)
+                    mine = twin if ds == ALL_HELD_OUT else twin.get("per_dataset", {}).get(ds)
+                    mine = mine if mine and mine.get("acceptance_length") is not None else None
                 out.append(Result(
-                    temperature, _set_name(ds, held_out), name, s["kind"], name == final, source,
-                    p.get("acceptance_length"), p.get("drafts"),
+                    temperature, ds if ds == ALL_HELD_OUT else _set_name(ds, held_out), name, s["kind"], name == final,
+                    source, p.get("acceptance_length"), p.get("drafts"),
                     p.get("draft_acceptance_rate"), tuple(p.get("position_acceptance") or ()),
-                    s.get("lossless") if temperature <= 0 else None,
-                    p.get("tokens_per_s"), _ratio(p.get("tokens_per_s"), none.get("per_dataset", {}).get(ds, {})),
+                    s.get("lossless") if temperature <= 0 else None, p.get("tokens_per_s"), s.get("in_flight"),
                     mine["acceptance_length"] if mine else None,
-                    agrees(p, mine, temperature, k) if mine else None,
+                    agrees(p, mine, temperature, k) if mine and s["kind"] != "ngram" else None,
                     p.get("prompts"), p.get("acceptance_length_se"), k))
     return out
-
-
-def _ratio(tokens_per_s: float | None, none: dict) -> float | None:
-    """tok/s against no drafter's on the same prompts (`none`: its figures there)."""
-    base = none.get("tokens_per_s")
-    return tokens_per_s / base if tokens_per_s and base else None
 
 
 def _published(report: dict, sets: list[str], temperatures: list[float]) -> list[Result]:
@@ -163,8 +159,12 @@ def mode(temperature: float) -> str:
 
 
 def _cross_check(r: Result) -> str:
+    """Whether our decoder agrees; vLLM's ngram beside our prompt lookup is "not comparable": the two
+    n-gram implementations pick different matches by design, so no agreement is expected."""
     if r.ours is None:
         return "not measured"
+    if r.kind == "ngram":
+        return f"not comparable (another n-gram matcher), {r.ours - r.acceptance_length:+.3f}"
     return f"{'yes' if r.ours_agrees else 'no'}, {r.ours - r.acceptance_length:+.3f}"
 
 
@@ -184,9 +184,8 @@ def tables(report: dict) -> dict[str, pd.DataFrame]:
         row |= {f"P(draft {j + 1})": p for j, p in enumerate(r.position_acceptance)}
         if r.temperature <= 0:
             row["lossless"] = r.lossless
-        if measured_speed:
-            row |= {"output tok/s per request (measured)": r.tokens_per_s,
-                    "tok/s ÷ no drafter's (measured)": r.tokens_per_s_vs_none}
+        if measured_speed:   # beside its load only: rows decoded at different loads are not compared
+            row |= {"output tok/s per request (measured)": r.tokens_per_s, "requests in flight": r.in_flight}
         if cross_checked:
             row["our decoder agrees (by how much)"] = "n/a" if r.kind == "published" else _cross_check(r)
         out.setdefault(key, []).append(row)
@@ -315,21 +314,19 @@ class RunHeadline:
 
 
 def run_headline(report: dict) -> RunHeadline | None:
-    """The run's headline from a stage 06 report: vLLM's figures where it measured the final
-    drafter, else our decoder's; None where the final drafter was not measured."""
-    for temps, source in (((report.get("engine") or {}).get("temperatures") or {},
-                           f"vLLM {(report.get('engine') or {}).get('version')}"),
-                          (report.get("temperatures") or {}, "our decoder")):
-        ts = sorted(temps.values(), key=lambda t: (t["temperature"] > 0, t["temperature"]))
-        for t in ts[:1]:
-            m = t["methods"]
-            final = next((s for s in m.values() if s["kind"] == "eagle3" and s.get("final")), m.get("eagle3"))
-            if final is None or final.get("acceptance_length") is None:
-                continue
-            ngram = next((s for s in m.values() if s["kind"] in ("ngram", "prompt_lookup")), None)
-            return RunHeadline(t["temperature"], final.get("prompts"), source, final["acceptance_length"],
-                               final.get("acceptance_length_se"), ngram and ngram["acceptance_length"],
-                               ngram and ngram.get("acceptance_length_se"), 1.0, final.get("lossless"))
+    """The run's headline: the rows of `results` on all held-out prompts together (ALL_HELD_OUT) at
+    the first greedy temperature (else the first one), the same figures the tables show; None where
+    the final drafter was not measured there."""
+    rows = [r for r in results(report) if r.prompt_set == ALL_HELD_OUT]
+    temperatures = sorted({r.temperature for r in rows}, key=lambda t: (t > 0, t))
+    for t in temperatures[:1]:
+        at = [r for r in rows if r.temperature == t]
+        final = next((r for r in at if r.final), None)
+        if final is None:
+            return None
+        ngram = next((r for r in at if r.kind in ("ngram", "prompt_lookup")), None)
+        return RunHeadline(t, final.prompts, final.measured_in, final.acceptance_length, final.se,
+                           ngram and ngram.acceptance_length, ngram and ngram.se, 1.0, final.lossless)
     return None
 
 
@@ -345,7 +342,10 @@ def readme_table(rows: list[Result]) -> str:
 
 
 def load(path: Path) -> list[Result]:
-    return [Result(**{**d, "position_acceptance": tuple(d["position_acceptance"])})
+    """Rows saved by `main --save` (fields an older version saved and this one has not are left out)."""
+    names = {f.name for f in fields(Result)}
+    return [Result(**{**{k: v for k, v in d.items() if k in names}, "in_flight": d.get("in_flight"),
+                      "position_acceptance": tuple(d["position_acceptance"])})
             for d in json.loads(path.read_text(encoding="utf-8"))]
 
 
