@@ -329,7 +329,7 @@ def test_summary_json_is_data_one_schema_for_every_stage_with_a_headline_meta_an
     saved = summary.read(run)
     # every stage: the same keys, numbers an object of numbers (stage 05's drafters a list inside it)
     assert {tuple(sorted(x)) for x in saved["stages"]} == {
-        ("figures", "log", "notes", "numbers", "seconds", "section", "title", "verdict")}
+        ("figures", "log", "notes", "numbers", "seconds", "section", "target_build_seconds", "title", "verdict")}
     assert [type(x["numbers"]).__name__ for x in saved["stages"]] == ["dict"] * 6, [x["notes"] for x in saved["stages"]]
     assert saved["stages"][4]["numbers"]["drafters"][0]["heldout_loss"] == 9.5
     assert saved["stages"][5]["notes"] == [{"reason": "below_ngram", "text": saved["stages"][5]["notes"][0]["text"]}]
@@ -370,3 +370,35 @@ def test_results_csv_is_one_row_per_method_prompt_set_and_temperature_read_back_
     assert (code.acceptance_length, code.acceptance_length_se, code.prompts, code.drafts, code.k) == (1.5, 0.05, 4, 40, 3)
     assert (code.p_accept_1, code.p_accept_3, bool(code.final), code.measured_in) == (0.5, 0.1, True, "vLLM 0.32.0")
     assert df[df.kind == "none"].p_accept_1.isna().all()
+
+
+def test_a_stage_that_built_the_built_in_target_says_how_much_of_its_time_the_build_took(run, tmp_path, monkeypatch):
+    from datetime import datetime
+
+    from draftsmith.targets import tiny
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    built = tmp_path / "cache" / "targets"
+
+    def build(work, say):   # a build as build_once runs it: its folder gets the record when it is done
+        (work / "out").mkdir()
+        (work / "out" / "config.json").write_text("{}")
+        return [(work / "out", built / tiny.variant_key("tiny"))]
+
+    tiny.build_once(built, "k", built / tiny.variant_key("tiny"), "a build", build, log=lambda m: None)
+    started, finished = tiny.build_record(built / tiny.variant_key("tiny"))
+    assert started <= finished
+    # stage 01 ran from 100 s before the build finished to 20 s after it, and the build took 98 s of it
+    (built / tiny.variant_key("tiny") / tiny.BUILD_RECORD).write_text(json.dumps({"started": 1e9, "finished": 1e9 + 98}))
+    nb = run.root / "notebooks" / "01_providers.ipynb"
+    doc = json.loads(nb.read_text())
+    doc["metadata"]["papermill"].update(duration=120.0, start_time=datetime.fromtimestamp(1e9 - 2).isoformat(),
+                                        end_time=datetime.fromtimestamp(1e9 + 118).isoformat())
+    nb.write_text(json.dumps(doc))
+    (run.root / "run_params.yaml").write_text("target_model_path: tiny\n")
+    s = summary.build(run)
+    assert stage(s, "01_providers").target_build_seconds == pytest.approx(98)
+    assert summary.stage_line(stage(s, "01_providers")).startswith("01_providers  ok       2.0 min (target build 98 s)  ")
+    assert stage(s, "02_generate").target_build_seconds is None     # it ran after the build
+    (run.root / "run_params.yaml").write_text("target_model_path: /some/checkpoint\n")
+    assert stage(summary.build(run), "01_providers").target_build_seconds is None

@@ -18,16 +18,19 @@ from pathlib import Path
 
 from .files import write_text_atomic
 from .paths import REPO_ROOT, Run
-from .summary import Summary, duration, meta_line
+from .summary import Summary, meta_line, stage_time
 from .targets.tiny import BUILD_LOG
 
-# Appended to the exporter's own styles: nothing may be wider than the page. A wide table or code
-# block (a serving command) scrolls sideways in its own box, its lines kept whole; printed text
-# wraps, as the exporter already has it.
+# Appended to the exporter's own styles: nothing may be wider than the page. A wide table or a
+# block of printed text (a serving command a user copies) scrolls sideways in its own box, its lines
+# kept whole: never wrapped inside a word (the exporter's break-all) nor cut at the box's edge.
 FIT_THE_PAGE = """<style>
-.jp-RenderedHTMLCommon table, .jp-RenderedHTMLCommon pre, .jp-RenderedText pre {
+.jp-RenderedHTMLCommon table, .jp-RenderedHTMLCommon pre, .jp-RenderedText pre, .jp-OutputArea-output pre {
   display: block; max-width: 100%; overflow-x: auto; }
-.jp-RenderedHTMLCommon pre, .jp-RenderedHTMLCommon pre code { white-space: pre; word-break: normal; }
+.jp-RenderedHTMLCommon pre, .jp-RenderedHTMLCommon pre code, .jp-RenderedText pre, .jp-OutputArea-output pre {
+  white-space: pre; word-break: normal; overflow-wrap: normal; word-wrap: normal; }
+.jp-OutputArea-output { max-width: 100%; min-width: 0; }
+.jp-RenderedHTMLCommon td, .jp-RenderedHTMLCommon th { word-break: normal; overflow-wrap: normal; }
 .jp-RenderedHTMLCommon table { width: max-content; }
 img { max-width: 100%; height: auto; }
 .ds-summary table { display: table; width: auto; max-width: 100%; }
@@ -99,7 +102,7 @@ def summary_html(summary: Summary) -> str:
     for s in summary.stages:
         figures = "<br>".join(f"<a href='#{escape(f.section)}'>{escape(f.text)}</a>" for f in s.figures)
         rows.append(f"<tr><td><a href='#{escape(s.section)}'>{escape(s.title)}"
-                    f"</a></td><td class='{s.verdict.value}'>{s.verdict.value}</td><td>{escape(duration(s.seconds))}</td>"
+                    f"</a></td><td class='{s.verdict.value}'>{s.verdict.value}</td><td>{escape(stage_time(s))}</td>"
                     f"<td>{figures}</td><td><a href='{escape(s.log)}'>log</a></td></tr>")
     notes = "".join(f"<li><span class='{s.verdict.value}'>{escape(s.title)}</span>: {escape(n.text)}</li>"
                     for s in summary.stages for n in s.notes)

@@ -190,6 +190,7 @@ class StageSummary:
     figures: list[Figure]
     notes: list[Note]                   # why the verdict is not ok
     numbers: object | None              # the stage's *Numbers record; None when its files could not be read
+    target_build_seconds: float | None = None   # of `seconds`, building the built-in target (first use on a machine)
 
 
 @dataclass
@@ -589,6 +590,36 @@ def _notebook_state(path: Path) -> tuple[float | None, str | None]:
     return pm.get("duration"), None
 
 
+def _target_build_seconds(run: Run, paths: list[Path]) -> float | None:
+    """Seconds of the stage's run that went into building the run's built-in target: the build's
+    record (`targets.tiny.build_record`) overlapping the executed notebooks' start..end; None when
+    the target is a checkpoint folder, was built before, or the record is missing."""
+    from datetime import datetime
+
+    import yaml
+
+    from .targets import kimi_mini, tiny
+
+    try:
+        name = str((yaml.safe_load((run.root / "run_params.yaml").read_text(encoding="utf-8")) or {})
+                   .get("target_model_path"))
+    except (OSError, ValueError, AttributeError):
+        return None
+    module = tiny if name in tiny.VARIANTS else kimi_mini if name in kimi_mini.VARIANTS else None
+    record = module and tiny.build_record(tiny.cache_dir() / "targets" / module.variant_key(name))
+    if not record:
+        return None
+    overlap = 0.0
+    for p in paths:
+        try:
+            pm = json.loads(p.read_text(encoding="utf-8")).get("metadata", {}).get("papermill", {})
+            start, end = (datetime.fromisoformat(pm[k]).timestamp() for k in ("start_time", "end_time"))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        overlap = max(overlap, min(end, record[1]) - max(start, record[0]))
+    return overlap if overlap > 0 else None
+
+
 def stage(run: Run, paths: list[Path]) -> StageSummary:
     """The summary of one stage from its executed notebooks `paths` (several when it ran on several
     nodes: the slowest node's time, any node's error) and its own files."""
@@ -607,7 +638,8 @@ def stage(run: Run, paths: list[Path]) -> StageSummary:
             error = error or f"its files are not what the stage writes ({type(e).__name__}: {e}); re-run it"
     if error:
         verdict, notes = Verdict.FAILED, [Note(Reason.STOPPED, f"stopped: {error}")] + notes
-    return StageSummary(anchor.split("@")[0], anchor, verdict, seconds, f"logs/{anchor}.log", figures, notes, numbers)
+    return StageSummary(anchor.split("@")[0], anchor, verdict, seconds, f"logs/{anchor}.log", figures, notes, numbers,
+                        _target_build_seconds(run, paths))
 
 
 def build(run: Run, params_file: str | None = None) -> Summary:
@@ -641,9 +673,15 @@ def duration(s: float | None) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
+def stage_time(s: StageSummary) -> str:
+    """`119 s`, or with the built-in target's build apart: `119 s (target build 98 s)`."""
+    return duration(s.seconds) + (f" (target build {duration(s.target_build_seconds)})" if s.target_build_seconds
+                                  else "")
+
+
 def stage_line(s: StageSummary, width: int = 0) -> str:
     """`03_validate_tokens  failed   12 s  figure; figure; ...`"""
-    return (f"{s.title:<{width or len(s.title)}}  {s.verdict.value:<7}  {duration(s.seconds):>7}  "
+    return (f"{s.title:<{width or len(s.title)}}  {s.verdict.value:<7}  {stage_time(s):>7}  "
             + "; ".join(f.text for f in s.figures)).rstrip()
 
 
