@@ -109,3 +109,17 @@ def test_ngram_against_our_prompt_lookup_is_not_comparable_and_speed_stands_besi
     assert dict(zip(t["method"], t["requests in flight"])) == {"none": 16, "ngram": 8, "eagle3 50%": 8, "eagle3 (final)": 8}
     prose = figures.explain_engine(report())
     assert "none 20 (up to 16 in flight)" in prose and "not compared" in prose and "x)" not in prose
+
+
+def test_a_long_serving_command_is_shown_one_option_a_line_and_is_the_same_command_to_a_shell():
+    import shlex
+
+    from draftsmith.evaluate.serving import SHELL_WIDTH, shell_lines
+
+    command = ("python -m sglang.launch_server --model-path ~/.cache/draftsmith/targets/tiny-4dd9ea "
+               "--speculative-algorithm EAGLE3 --speculative-draft-model-path drafter/eagle3 "
+               "--speculative-config '{\"method\": \"eagle3\", \"num_speculative_tokens\": 3}' --port 30000")
+    shown = shell_lines(command)
+    assert all(len(line) <= SHELL_WIDTH for line in shown.splitlines())
+    assert shlex.split(shown.replace("\\\n", " ")) == shlex.split(command)
+    assert shell_lines("vllm serve x --port 8000") == "vllm serve x --port 8000"
