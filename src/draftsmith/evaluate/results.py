@@ -331,13 +331,22 @@ def run_headline(report: dict) -> RunHeadline | None:
 
 
 def readme_table(rows: list[Result]) -> str:
-    """The README's markdown table: the best of drafter and n-gram in bold."""
-    lines = ["| | prompts | final drafter | n-gram baseline | no drafter |", "|---|---|---|---|---|"]
+    """The README's markdown table: each figure ± its standard error over prompts, the prompts
+    counted beside the set, the best of drafter and n-gram in bold."""
+    lines = ["| | prompts (count) | final drafter | n-gram baseline | no drafter |", "|---|---|---|---|---|"]
     for h in headlines(rows):
         best = max(h.drafter or 0, h.ngram or 0)
-        cell = lambda v: "n/a" if v is None else (f"**{v:.2f}**" if v == best and v > 1 else f"{v:.2f}")
+
+        def cell(v, se=None):
+            if v is None:
+                return "n/a"
+            text = f"{v:.2f}" + ("" if se is None else f" ± {se:.2f}")
+            return f"**{text}**" if v == best and v > 1 else text
+
         mode = "greedy" if h.temperature <= 0 else f"T = {h.temperature:g}"
-        lines.append(f"| {mode} | {h.prompt_set} | {cell(h.drafter)} | {cell(h.ngram)} | {cell(h.no_drafter)} |")
+        count = "" if h.drafter_prompts is None else f" ({h.drafter_prompts})"
+        lines.append(f"| {mode} | {h.prompt_set}{count} | {cell(h.drafter, h.drafter_se)} | {cell(h.ngram, h.ngram_se)} "
+                     f"| {cell(h.no_drafter)} |")
     return "\n".join(lines)
 
 
