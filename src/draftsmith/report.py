@@ -21,14 +21,16 @@ from .paths import REPO_ROOT, Run
 from .summary import Summary, meta_line, stage_time
 from .targets.tiny import BUILD_LOG
 
-# Appended to the exporter's own styles: nothing may be wider than the page. A wide table or a
-# block of printed text (a serving command a user copies) scrolls sideways in its own box, its lines
-# kept whole: never wrapped inside a word (the exporter's break-all) nor cut at the box's edge.
+# Appended to the exporter's own styles: nothing may be wider than the page. A wide table or code
+# block (a serving command a user copies) scrolls sideways in its own box, its lines kept whole;
+# printed text wraps between words, never inside one (the exporter's break-all), and a word wider
+# than the box (a path) scrolls rather than being cut at the box's edge.
 FIT_THE_PAGE = """<style>
 .jp-RenderedHTMLCommon table, .jp-RenderedHTMLCommon pre, .jp-RenderedText pre, .jp-OutputArea-output pre {
   display: block; max-width: 100%; overflow-x: auto; }
-.jp-RenderedHTMLCommon pre, .jp-RenderedHTMLCommon pre code, .jp-RenderedText pre, .jp-OutputArea-output pre {
-  white-space: pre; word-break: normal; overflow-wrap: normal; word-wrap: normal; }
+.jp-RenderedHTMLCommon pre, .jp-RenderedHTMLCommon pre code { white-space: pre; word-break: normal; }
+.jp-RenderedText pre, .jp-OutputArea-output pre {
+  white-space: pre-wrap; word-break: normal; overflow-wrap: normal; word-wrap: normal; }
 .jp-OutputArea-output { max-width: 100%; min-width: 0; }
 .jp-RenderedHTMLCommon td, .jp-RenderedHTMLCommon th { word-break: normal; overflow-wrap: normal; }
 .jp-RenderedHTMLCommon table { width: max-content; }
