@@ -236,7 +236,8 @@ def explain_engine(report: dict) -> str:
         mode_ = "greedy" if t["temperature"] <= 0 else f"T = {t['temperature']:g}"
         final = next((r for r in rows if r.final), None)
         ngram = next((r for r in rows if r.kind == "ngram"), None)
-        speed = "; ".join(f"{r.method} {r.tokens_per_s:.0f} (up to {r.in_flight} in flight)"
+        speed = "; ".join(f"{r.method} {r.tokens_per_s:.0f} ("
+                          + ("each prompt alone" if r.in_flight == 1 else f"up to {r.in_flight} in flight") + ")"
                           for r in rows if r.tokens_per_s is not None)
         speed = (f" Output tok/s per request, each at its own load: {speed} (rows decoded at different loads are "
                  f"not compared)." if speed else "")
