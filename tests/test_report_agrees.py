@@ -123,3 +123,10 @@ def test_a_long_serving_command_is_shown_one_option_a_line_and_is_the_same_comma
     assert all(len(line) <= SHELL_WIDTH for line in shown.splitlines())
     assert shlex.split(shown.replace("\\\n", " ")) == shlex.split(command)
     assert shell_lines("vllm serve x --port 8000") == "vllm serve x --port 8000"
+
+
+def test_the_readme_table_shows_each_figure_with_its_noise_and_bolds_only_a_win_beyond_it():
+    table = results.readme_table(results.results(report())).splitlines()
+    row = {line.split("|")[2].strip(): line for line in table[2:]}
+    assert row["held-out, all (8)"] == "| greedy | held-out, all (8) | **1.72 ± 0.05** | 1.55 ± 0.04 | 1.00 |"
+    assert row["held-out code (4)"] == "| greedy | held-out code (4) | 1.76 ± 0.07 | 1.78 ± 0.06 | 1.00 |"   # noise

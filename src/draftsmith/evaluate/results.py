@@ -332,16 +332,18 @@ def run_headline(report: dict) -> RunHeadline | None:
 
 def readme_table(rows: list[Result]) -> str:
     """The README's markdown table: each figure ± its standard error over prompts, the prompts
-    counted beside the set, the best of drafter and n-gram in bold."""
+    counted beside the set; drafter or n-gram in bold where it is above the other beyond noise
+    (`versus`), neither where the gap is within it."""
     lines = ["| | prompts (count) | final drafter | n-gram baseline | no drafter |", "|---|---|---|---|---|"]
     for h in headlines(rows):
-        best = max(h.drafter or 0, h.ngram or 0)
+        v = h.versus_ngram()
+        best = None if v is None or v[0] == Versus.WITHIN_NOISE else h.drafter if v[0] == Versus.ABOVE else h.ngram
 
-        def cell(v, se=None):
-            if v is None:
+        def cell(x, se=None):
+            if x is None:
                 return "n/a"
-            text = f"{v:.2f}" + ("" if se is None else f" ± {se:.2f}")
-            return f"**{text}**" if v == best and v > 1 else text
+            text = f"{x:.2f}" + ("" if se is None else f" ± {se:.2f}")
+            return f"**{text}**" if best is not None and x == best else text
 
         mode = "greedy" if h.temperature <= 0 else f"T = {h.temperature:g}"
         count = "" if h.drafter_prompts is None else f" ({h.drafter_prompts})"
