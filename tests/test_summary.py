@@ -259,13 +259,22 @@ def test_the_standard_error_over_prompts_is_one_definition_for_vllms_counters_an
     assert metrics.acceptance_se([2, 4], [2, 2]) == pytest.approx(0.5)
     assert metrics.acceptance_se([3], [2]) is None and metrics.acceptance_se([0, 0], [0, 0]) == 0.0
     engine_rows = [{"counters": {"drafts": d, "accepted": a, "draft_tokens": 3 * d, "per_pos": [0, 0, 0]},
-                    "output": [1] * 5, "seconds": 1.0} for a, d in ((2, 2), (4, 2), (1, 3))]
+                    "accepted": [a] + [0] * (d - 1), "output": [1] * 5, "seconds": 1.0}
+                   for a, d in ((2, 2), (4, 2), (1, 3))]
     decoder_rounds = [{"drafted": [3] * d + [0], "accepted": [a] + [0] * d, "produced": [1] * (d + 1),
                        "top_prob": [1.0] * (d + 1)} for a, d in ((2, 2), (4, 2), (1, 3))]
     e, o = engine_summary.acceptance(engine_rows, 3), metrics.acceptance(decoder_rounds, 3)
     assert e["acceptance_length"] == pytest.approx(o["acceptance_length"]) == pytest.approx(1 + 7 / 7)
     assert e["acceptance_length_se"] == pytest.approx(o["acceptance_length_se"]) and o["acceptance_length_se"] > 0
     assert e["prompts"] == o["prompts"] == 3
+    # three prompts that happen to agree exactly have no spread over prompts; the steps' own spread
+    # (accepted 0..3 at each step) still bounds the figure's noise from below
+    same = [2, 2, 2], [2, 2, 2]
+    assert metrics.acceptance_se(*same) == 0.0
+    steps = [3, 0, 2, 1, 0, 0]
+    floor = (sum((x - 1) ** 2 for x in steps) / 5 / 6) ** 0.5
+    assert metrics.acceptance_se(*same, steps) == pytest.approx(floor) and floor > 0.4
+    assert metrics.acceptance_se([3], [2], [3, 0]) == pytest.approx(1.5)   # one prompt: its steps' spread
 
 
 def test_a_stage_that_stopped_in_a_cell_or_left_no_output_is_failed_naming_why(run):

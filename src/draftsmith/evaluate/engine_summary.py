@@ -24,7 +24,8 @@ def acceptance(rows: list[dict], k: int) -> dict:
     return {"prompts": len(rows), "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
             "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
             "acceptance_length_se": acceptance_se([r["counters"]["accepted"] for r in rows],
-                                                  [r["counters"]["drafts"] for r in rows]),
+                                                  [r["counters"]["drafts"] for r in rows],
+                                                  [a for r in rows for a in r.get("accepted") or []]),
             "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
             "position_acceptance": [a / drafts for a in per_pos] if drafts else [None] * k,
             "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}

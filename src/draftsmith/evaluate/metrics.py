@@ -15,18 +15,25 @@ from __future__ import annotations
 LOOP_NGRAM = 4   # a token whose preceding 4-gram already occurred starts "repeating" text
 
 
-def acceptance_se(accepted: list[float], drafts: list[float]) -> float | None:
-    """Standard error over prompts of an acceptance length 1 + sum(accepted) / sum(drafts), from each
-    prompt's accepted and drafts (the ratio estimator's, delta method): prompts are the sample, the
-    steps within one prompt are not independent. 0 where nothing drafted (the length is 1 exactly);
-    None with fewer than two prompts (no spread to measure)."""
+def acceptance_se(accepted: list[float], drafts: list[float], steps: list[float] | None = None) -> float | None:
+    """Standard error of an acceptance length 1 + sum(accepted) / sum(drafts): over prompts, from
+    each prompt's accepted and drafts (the ratio estimator's, delta method; prompts are the sample,
+    the steps within one prompt are not independent), and never below the steps' own spread
+    (`steps`: accepted at every drafting step; their standard deviation / sqrt(steps)), which a few
+    prompts that happen to agree (three prompts can read ± 0.00) would otherwise hide. 0 where
+    nothing drafted (the length is 1 exactly); None with fewer than two prompts and no steps."""
     n, total = len(drafts), sum(drafts)
-    if n < 2:
-        return None
     if not total:
-        return 0.0
+        return 0.0 if n else None
     r = sum(accepted) / total
-    return (n / (n - 1) * sum((a - r * d) ** 2 for a, d in zip(accepted, drafts))) ** 0.5 / total
+    over_prompts = (n / (n - 1) * sum((a - r * d) ** 2 for a, d in zip(accepted, drafts))) ** 0.5 / total \
+        if n >= 2 else None
+    within = None
+    if steps and len(steps) >= 2:
+        mean = sum(steps) / len(steps)
+        within = (sum((x - mean) ** 2 for x in steps) / (len(steps) - 1) / len(steps)) ** 0.5
+    known = [x for x in (over_prompts, within) if x is not None]
+    return max(known) if known else None
 
 
 def repeat_start(context: list[int], output: list[int], n: int = LOOP_NGRAM) -> int:
@@ -73,7 +80,8 @@ def acceptance(rounds: list[dict], k: int) -> dict:
         "drafts": drafting, "prompts": len(rounds),
         "acceptance_length": 1 + ratio(acc, drafting) if drafting else 1.0,
         "acceptance_length_se": acceptance_se([sum(r["accepted"]) for r in rounds],
-                                              [sum(d > 0 for d in r["drafted"]) for r in rounds]),
+                                              [sum(d > 0 for d in r["drafted"]) for r in rounds],
+                                              [a for r in rounds for a, d in zip(r["accepted"], r["drafted"]) if d]),
         "tokens_per_round": ratio(produced, n_rounds),
         "draft_acceptance_rate": ratio(acc, drafted_tokens),
         "position_acceptance": [ratio(pos_accepted[j], pos_drafted[j]) for j in range(k)],
