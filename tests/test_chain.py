@@ -109,11 +109,13 @@ def test_chain_summary_holds_the_numbers_of_each_stages_own_report(smoke_run):
     assert stages["04_hidden_states"]["verdict"] == ("ok" if check["passed"] else "failed")
 
     trained, metrics = read(run / "drafter/summary.json"), read(run / "drafter/metrics.jsonl")
-    d = stages["05_train_drafter"]["numbers"][0]
+    d = stages["05_train_drafter"]["numbers"]["drafters"][0]
     last_train = [m for m in metrics if m["split"] == "train"][-1]
+    # the first draft position's loss, in nats, as stage 05's table shows it (`loss` sums every TTT step's)
     assert (d["steps"], d["finished"], d["train_loss"], d["train_accuracy"]) == \
-        (trained["steps"], trained["finished"], last_train["loss"], last_train["acc_i"][0])
-    assert (d["heldout_loss"], d["heldout_loss_start"]) == (trained["heldout"]["loss"], trained["heldout_start"]["loss"])
+        (trained["steps"], trained["finished"], last_train["loss_i"][0], last_train["acc_i"][0])
+    assert (d["heldout_loss"], d["heldout_loss_start"]) == \
+        (trained["heldout"]["loss_i"][0], trained["heldout_start"]["loss_i"][0])
 
     ev = read(run / "eval/report.json")
     e = stages["06_evaluate"]["numbers"]
@@ -121,13 +123,19 @@ def test_chain_summary_holds_the_numbers_of_each_stages_own_report(smoke_run):
     expected = []
     for t_ in ev["temperatures"].values():
         m = t_["methods"]
-        for ds in sorted(m["eagle3"]["per_dataset"]):
-            expected.append({"prompt_set": f"held-out {ds}", "temperature": t_["temperature"],
-                             "drafter": m["eagle3"]["per_dataset"][ds]["acceptance_length"],
-                             "ngram": m["prompt lookup"]["per_dataset"][ds]["acceptance_length"],
-                             "no_drafter": m["none"]["per_dataset"][ds]["acceptance_length"],
+        for ds in sorted(m["eagle3"]["per_dataset"]) + ["all"]:   # each dataset's, then all held-out prompts'
+            part = (lambda s: s) if ds == "all" else (lambda s, ds=ds: s["per_dataset"][ds])
+            expected.append({"prompt_set": "held-out, all" if ds == "all" else f"held-out {ds}",
+                             "temperature": t_["temperature"],
+                             "drafter": part(m["eagle3"])["acceptance_length"],
+                             "drafter_se": part(m["eagle3"])["acceptance_length_se"],
+                             "drafter_prompts": part(m["eagle3"])["prompts"],
+                             "ngram": part(m["prompt lookup"])["acceptance_length"],
+                             "no_drafter": part(m["none"])["acceptance_length"],
                              "lossless": m["eagle3"]["lossless"]})
-    assert e["rows"] == expected and len(expected) == 2 * len(ev["temperatures"])
+    assert [{k: r[k] for k in expected[0]} for r in e["rows"]] == expected and len(expected) == 3 * len(ev["temperatures"])
+    h = saved["headline"]   # the headline: all held-out prompts at the greedy temperature
+    assert (h["drafter"], h["ngram"], h["prompts"]) == (expected[2]["drafter"], expected[2]["ngram"], expected[2]["drafter_prompts"])
 
 
 def test_chain_terminal_shows_one_line_per_stage_and_ends_with_the_summary(smoke_run):

@@ -274,6 +274,28 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     assert figures == {"acceptance_by_dataset.png", "acceptance_vs_training.png", "per_position.png", "speedup.png"}
     html = (trained_run / "report.html").read_text()
     assert "06 · Acceptance length" in html and html.count("data:image/png") >= 4
+    # the results as data, read back as a user would; the run's headline in summary.json and report.html
+    import pandas as pd
+
+    df = pd.read_csv(trained_run / "eval" / "results.csv")
+    row = df[(df.temperature == 0) & (df.method == "eagle3") & (df.prompt_set == "held-out code")].iloc[0]
+    code = greedy["eagle3"]["per_dataset"]["code"]
+    assert (row.acceptance_length, row.prompts, row.drafts, row.k) == \
+        (pytest.approx(code["acceptance_length"]), code["prompts"], code["drafts"], 3)
+    assert len(df) == len(df.drop_duplicates(["method", "prompt_set", "temperature"]))
+    headline = json.loads((trained_run / "summary.json").read_text())["headline"]
+    assert headline["drafter"] == greedy["eagle3"]["acceptance_length"] and headline["prompts"] == 2
+    assert headline["measured_in"] == "our decoder" and headline["text"].split("\n")[0] in html.replace("&#177;", "±")
+    # the executed notebook's prose states the figures of the table beside it (tests/test_report_agrees.py)
+    from test_report_agrees import prose_disagreements
+
+    from draftsmith.evaluate import figures as eval_figures
+
+    nb = json.loads((trained_run / "notebooks" / "06_evaluate.ipynb").read_text())
+    said = ["".join(o["data"]["text/markdown"]) for c in nb["cells"] for o in c.get("outputs", [])
+            if "text/markdown" in o.get("data", {})]
+    prose = "\n\n".join(p for p in said if "drafter **" in p)
+    assert prose_disagreements(prose, eval_figures.decoder_table(report).rename(columns={"±": "± se"})) == []
 
     rounds = (trained_run / "eval" / "rounds.jsonl").read_text()
     smoke = parameters.effective_params(parameters.discover(), str(REPO_ROOT / "params" / "smoke.yaml"), [])
@@ -293,9 +315,9 @@ def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(
     assert results.main([str(trained_run), "--readme", str(page), "--save", str(saved)]) == 0
     table = results.readme_block(page.read_text(encoding="utf-8"), page)
     assert table == results.readme_table(results.load(saved)) and page.read_text().endswith("rest\n")
-    chat = next(line for line in table.splitlines() if line.startswith("| greedy | held-out chat |"))
+    chat = next(line for line in table.splitlines() if line.startswith("| greedy | held-out chat ("))
     expected = [greedy[m]["per_dataset"]["chat"]["acceptance_length"] for m in ("eagle3", "prompt lookup", "none")]
-    assert [float(c.strip(" *")) for c in chat.split("|")[3:6]] == [round(x, 2) for x in expected]
+    assert [float(c.strip(" *").split(" ± ")[0]) for c in chat.split("|")[3:6]] == [round(x, 2) for x in expected]
     page.write_text("no markers\n", encoding="utf-8")
     with pytest.raises(ValueError, match="README.md: no stage 06 results block"):
         results.main([str(trained_run), "--readme", str(page)])

@@ -1,7 +1,8 @@
 """report.html as a person sees it: stage 01 run through `draftsmith run`, its report opened in a
 real headless Chromium (Debian's package; `.ci/run` installs it). In the rendered page every figure
-has loaded, no warning text shows, no table cell is cut short with "…", nothing is wider than the
-window (wide tables scroll in their own box), and no folder of this machine is named."""
+has loaded, no warning text shows, no table cell is cut short with "…", no word is broken across
+lines, nothing is wider than the window (wide tables scroll in their own box), and no folder of this
+machine is named."""
 
 import json
 import re
@@ -39,6 +40,9 @@ window.addEventListener("load", () => {
     // every table and code block ends inside the page; what does not fit scrolls in that box itself
     boxes: [...document.querySelectorAll("table, pre")].filter(e => e.getBoundingClientRect().right > W() + 1)
       .map(e => e.tagName + " " + (e.innerText || "").slice(0, 60)),
+    // a word broken across lines: a table cell or printed text allowed to break inside words
+    midword: [...document.querySelectorAll("td, pre")].filter(e => getComputedStyle(e).overflowWrap === "anywhere"
+      || getComputedStyle(e).wordBreak === "break-all").map(e => e.tagName + " " + (e.innerText || "").slice(0, 40)).slice(0, 5),
     scrolling: [...document.querySelectorAll("*")].filter(e => e.scrollWidth > e.clientWidth + 1
       && ["auto", "scroll"].includes(getComputedStyle(e).overflowX)).length,
   };
@@ -77,6 +81,7 @@ def test_report_renders_in_chromium_with_every_figure_no_warning_and_whole_colum
     assert verdict["cells"] > 20 and verdict["truncated"] == [], verdict
     assert verdict["warnings"] == [], verdict
     assert verdict["wide"] == [] and verdict["boxes"] == [] and verdict["page"][0] <= verdict["page"][1], verdict
+    assert verdict["midword"] == [], verdict   # no word is broken: a cell wraps between words, a wide one scrolls
     assert verdict["scrolling"] >= 1, verdict  # the endpoint tables are wider than 800 px: they scroll in their box
     shot = tmp_path / "report.png"
     subprocess.run([*browser, f"--screenshot={shot}", "--window-size=1200,2400", report.as_uri()],

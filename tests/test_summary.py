@@ -4,6 +4,8 @@ report opens with the block, and summary.json holds the same numbers. (tests/tes
 the summary of a real chain run against each stage's own report.)"""
 
 import json
+import re
+from html import unescape
 
 import nbformat
 import pytest
@@ -12,6 +14,7 @@ from draftsmith import summary
 from draftsmith.paths import Run
 from draftsmith.report import write_report
 from draftsmith.summary import Verdict
+from draftsmith.evaluate import results
 
 TITLES = ["01_providers", "02_generate", "03_validate_tokens", "04_hidden_states", "05_train_drafter", "06_evaluate"]
 
@@ -96,12 +99,18 @@ def run(tmp_path):
     put(run, "hidden/summary.json", {"tokens_extracted": 31000, "shards_written": 5, "shards_rejected": 0})
     put(run, "drafter/summary.json", {
         "kind": "eagle3", "steps": 40, "total_steps": 40, "finished": True,
-        "heldout": {"loss": 9.5, "acc_i": [0.41, 0.3, 0.2]}, "heldout_start": {"loss": 16.9, "acc_i": [0.0, 0.0, 0.0]}})
+        "heldout": {"loss": 27.0, "loss_i": [9.5, 8.5, 9.0], "acc_i": [0.41, 0.3, 0.2]},
+        "heldout_start": {"loss": 50.0, "loss_i": [16.9, 16.5, 16.6], "acc_i": [0.0, 0.0, 0.0]}})   # loss: the sum
     put(run, "drafter/metrics.jsonl", [{"split": "train", "step": 39, "loss": 9.9, "acc_i": [0.38, 0.3, 0.2]},
-                                       {"split": "train", "step": 40, "loss": 9.7, "acc_i": [0.4, 0.3, 0.2]},
+                                       {"split": "train", "step": 40, "loss": 29.0, "loss_i": [9.7, 9.6, 9.7],
+                                        "acc_i": [0.4, 0.3, 0.2]},
                                        {"split": "heldout", "step": 40, "loss": 9.5, "acc_i": [0.41, 0.3, 0.2]}])
     put(run, "eval/report.json", {"engine": None, "temperatures": decoder_temperatures(), "benchmarks": None})
     return run
+
+
+def texts(notes: list[summary.Note]) -> list[str]:
+    return [n.text for n in notes]
 
 
 def stage(s: summary.Summary, title: str) -> summary.StageSummary:
@@ -111,15 +120,15 @@ def stage(s: summary.Summary, title: str) -> summary.StageSummary:
 def test_a_run_whose_stages_are_all_fine_is_ok_with_each_stages_deciding_figures(run):
     s = summary.build(run)
     assert s.verdict == Verdict.OK and [x.title for x in s.stages] == TITLES
-    assert all(x.verdict == Verdict.OK and x.notes == [] and x.seconds == 12.0 for x in s.stages)
+    assert all(x.verdict == Verdict.OK and texts(x.notes) == [] and x.seconds == 12.0 for x in s.stages)
     text = "\n".join(summary.lines(s))
     for figure in ("3 endpoints allowed, 1 excluded", "spent $0.0321 of $1.00 limit, balance $9.97",
                    "code 8,100 / 8,000 tokens", "90 of 130 samples kept",
                    "billed vs rebuilt on kept: 19,100 vs 19,000 tokens",
-                   "excluded 40: every sample of Parasail (38) and every flagged sample (3 in all)",
+                   "excluded 40 samples: 38 from the flagged providers (Parasail) + 2 flagged one by one from the others",
                    "check passed on 4 samples (508 positions; vllm 0.11.0, model runner v1, float32)",
                    "own answers (380 tokens): mean NLL 5.61 nat (<= 7), argmax agreement 6.1% (>= 2%)",
-                   "final train loss 9.7, accuracy 40.0%", "held-out loss 16.9 -> 9.5",
+                   "final train loss 9.7 nat, accuracy 40.0%", "held-out loss 16.9 -> 9.5 nat",
                    "held-out code T=0: acceptance 1.90 vs ngram 1.40, none 1.00, lossless",
                    "held-out chat T=1: acceptance 1.50 vs ngram 1.05, none 1.00"):
         assert figure in text, figure
@@ -182,7 +191,7 @@ def test_stage_04s_check_failing_fails_the_stage_with_its_problems_and_likely_ca
     h = stage(s, "04_hidden_states")
     assert h.verdict == Verdict.FAILED and s.verdict == Verdict.FAILED
     assert "check FAILED on 4 samples" in summary.stage_line(h) and "top-1 agreement 52.0% (>= 98%)" in summary.stage_line(h)
-    assert h.notes == ["its own check failed: stored top-1 agreement 0.5200 < 0.98; likely cause: the stored final "
+    assert texts(h.notes) == ["its own check failed: stored top-1 agreement 0.5200 < 0.98; likely cause: the stored final "
                        "state is before the final norm"]
     assert summary.lines(s)[0] == "run r: failed (04_hidden_states failed)"
 
@@ -191,31 +200,89 @@ def test_a_drafter_whose_greedy_outputs_differ_from_no_drafter_fails_stage_06(ru
     put(run, "eval/report.json", {"engine": None, "temperatures": decoder_temperatures(lossless=False)})
     e = stage(summary.build(run), "06_evaluate")
     assert e.verdict == Verdict.FAILED and "NOT lossless" in summary.stage_line(e)
-    assert "differ from no drafter's at T=0" in e.notes[0]
+    assert "differ from no drafter's at T=0" in e.notes[0].text
+
+
+def engine_part(by_set_drafter, ngram=1.3, se=None, prompts=None):
+    """vLLM's part of a stage 06 report at T = 0: the final drafter's figures by set (or (length, se))
+    against ngram's `ngram` (or (length, se)), each counted over `prompts`."""
+    def m(kind, by_set, final=None):
+        out = method(kind, {}, True, final=final)
+        for ds, v in by_set.items():
+            length, e = v if isinstance(v, tuple) else (v, se)
+            out["per_dataset"][ds] = {"acceptance_length": length, "acceptance_length_se": e, "prompts": prompts}
+        return out
+
+    return {"version": "0.32.0", "temperatures": {"0": {"temperature": 0.0, "methods": {
+        "none": m("none", {k: (1.0, 0.0) for k in by_set_drafter}),
+        "ngram": m("ngram", {k: ngram for k in by_set_drafter}),
+        "eagle3": m("eagle3", by_set_drafter, final=True)}}}}
 
 
 def test_with_the_engine_the_acceptance_lengths_are_vllms_on_every_prompt_set_and_a_weaker_drafter_is_a_warning(run):
-    def engine(by_set_drafter):
-        return {"version": "0.32.0", "temperatures": {"0": {"temperature": 0.0, "methods": {
-            "none": method("none", {k: 1.0 for k in by_set_drafter}, True, key="acceptance_length"),
-            "ngram": method("ngram", {k: 1.3 for k in by_set_drafter}, True, key="acceptance_length"),
-            "eagle3": method("eagle3", by_set_drafter, True, final=True, key="acceptance_length")}}}}
-
-    put(run, "eval/report.json", {"engine": engine({"code": 1.8, "chat": 1.2}), "temperatures": decoder_temperatures(),
-                                  "benchmarks": {"engine": engine({"mt_bench": 1.25}), "temperatures": {}}})
+    put(run, "eval/report.json", {"engine": engine_part({"code": 1.8, "chat": 1.2}, se=0.02, prompts=4),
+                                  "temperatures": decoder_temperatures(),
+                                  "benchmarks": {"engine": engine_part({"mt_bench": 1.25}, se=0.02, prompts=4),
+                                                 "temperatures": {}}})
     e = stage(summary.build(run), "06_evaluate")
     assert e.numbers.source == "vllm"
-    assert [(r.prompt_set, r.drafter, r.ngram) for r in e.numbers.rows] == [
-        ("held-out chat", 1.2, 1.3), ("held-out code", 1.8, 1.3), ("MT-bench", 1.25, 1.3)]
-    assert e.verdict == Verdict.WARNING and e.notes == ["the drafter is below ngram on 2 of 3 prompt sets x temperatures"]
+    assert [(r.prompt_set, r.drafter, r.ngram, r.drafter_se, r.drafter_prompts) for r in e.numbers.rows] == [
+        ("held-out chat", 1.2, 1.3, 0.02, 4), ("held-out code", 1.8, 1.3, 0.02, 4), ("MT-bench", 1.25, 1.3, 0.02, 4)]
+    assert "held-out chat T=0: acceptance 1.20 ± 0.02 (4 prompts) vs ngram 1.30 ± 0.02" in summary.stage_line(e)
+    # chat: a gap of -0.10 against 2 SE of the difference 0.057: beyond noise; MT-bench: -0.05, within it
+    assert e.verdict == Verdict.WARNING and texts(e.notes) == [
+        "the drafter is below ngram beyond noise on held-out chat T=0: 1.20 vs 1.30, gap -0.10 (beyond 2 standard "
+        "errors of the difference, 0.06)"]
+
+
+def test_a_drafter_below_ngram_by_less_than_the_noise_is_no_warning(run):
+    """The issue's case: held-out code at T = 0, 1.76 against 1.78 on 3 prompts, each figure +-0.1."""
+    put(run, "eval/report.json", {"engine": engine_part({"code": (1.76, 0.1), "chat": (1.9, 0.1)}, ngram=(1.78, 0.08),
+                                                        prompts=3), "temperatures": decoder_temperatures()})
+    e = stage(summary.build(run), "06_evaluate")
+    assert e.verdict == Verdict.OK and texts(e.notes) == []
+    code = next(r for r in e.numbers.rows if r.prompt_set == "held-out code")
+    assert code.versus_ngram()[0] == results.Versus.WITHIN_NOISE
+    # the same gap measured tightly is beyond noise: the margin, not the sign, decides
+    put(run, "eval/report.json", {"engine": engine_part({"code": (1.76, 0.004), "chat": (1.9, 0.004)},
+                                                        ngram=(1.78, 0.004), prompts=300),
+                                  "temperatures": decoder_temperatures()})
+    e = stage(summary.build(run), "06_evaluate")
+    assert e.verdict == Verdict.WARNING and len(e.notes) == 1
+    assert "held-out code T=0: 1.76 vs 1.78, gap -0.02" in e.notes[0].text
+
+
+def test_the_standard_error_over_prompts_is_one_definition_for_vllms_counters_and_our_decoder():
+    from draftsmith.evaluate import engine_summary, metrics
+
+    # per prompt: accepted 2 of 2 drafts and 4 of 2 -> r = 1.5; residuals -1, +1; sqrt(2 * 2) / 4
+    assert metrics.acceptance_se([2, 4], [2, 2]) == pytest.approx(0.5)
+    assert metrics.acceptance_se([3], [2]) is None and metrics.acceptance_se([0, 0], [0, 0]) == 0.0
+    engine_rows = [{"counters": {"drafts": d, "accepted": a, "draft_tokens": 3 * d, "per_pos": [0, 0, 0]},
+                    "accepted": [a] + [0] * (d - 1), "output": [1] * 5, "seconds": 1.0}
+                   for a, d in ((2, 2), (4, 2), (1, 3))]
+    decoder_rounds = [{"drafted": [3] * d + [0], "accepted": [a] + [0] * d, "produced": [1] * (d + 1),
+                       "top_prob": [1.0] * (d + 1)} for a, d in ((2, 2), (4, 2), (1, 3))]
+    e, o = engine_summary.acceptance(engine_rows, 3), metrics.acceptance(decoder_rounds, 3)
+    assert e["acceptance_length"] == pytest.approx(o["acceptance_length"]) == pytest.approx(1 + 7 / 7)
+    assert e["acceptance_length_se"] == pytest.approx(o["acceptance_length_se"]) and o["acceptance_length_se"] > 0
+    assert e["prompts"] == o["prompts"] == 3
+    # three prompts that happen to agree exactly have no spread over prompts; the steps' own spread
+    # (accepted 0..3 at each step) still bounds the figure's noise from below
+    same = [2, 2, 2], [2, 2, 2]
+    assert metrics.acceptance_se(*same) == 0.0
+    steps = [3, 0, 2, 1, 0, 0]
+    floor = (sum((x - 1) ** 2 for x in steps) / 5 / 6) ** 0.5
+    assert metrics.acceptance_se(*same, steps) == pytest.approx(floor) and floor > 0.4
+    assert metrics.acceptance_se([3], [2], [3, 0]) == pytest.approx(1.5)   # one prompt: its steps' spread
 
 
 def test_a_stage_that_stopped_in_a_cell_or_left_no_output_is_failed_naming_why(run):
     executed(run, "05_train_drafter", error=("RuntimeError", "CUDA out of memory\nmore"))
     (run.root / "eval/report.json").unlink()
     s = summary.build(run)
-    assert stage(s, "05_train_drafter").notes[0] == "stopped: RuntimeError: CUDA out of memory"
-    assert stage(s, "06_evaluate").notes == ["stopped: eval/report.json: no stage 06 report (run stage 06 first)"]
+    assert stage(s, "05_train_drafter").notes[0].text == "stopped: RuntimeError: CUDA out of memory"
+    assert texts(stage(s, "06_evaluate").notes) == ["stopped: eval/report.json: no stage 06 report (run stage 06 first)"]
     assert summary.lines(s)[0] == "run r: failed (05_train_drafter failed, 06_evaluate failed)"
 
 
@@ -224,7 +291,7 @@ def test_a_dataset_whose_prompts_ran_out_below_its_budget_is_no_warning(run):
     manifest["datasets"]["chat"]["completion_tokens"] = 12000
     put(run, "generate/manifest.json", manifest)
     g = stage(summary.build(run), "02_generate")
-    assert g.verdict == Verdict.OK and g.notes == []
+    assert g.verdict == Verdict.OK and texts(g.notes) == []
     assert "chat 12,000 / 20,000 tokens (its prompts ran out)" in summary.stage_line(g)
 
 
@@ -235,7 +302,7 @@ def test_stage_02_stopped_short_of_its_budgets_is_a_warning_that_says_how_it_end
     put(run, "generate/manifest.json", manifest)
     g = stage(summary.build(run), "02_generate")
     assert g.verdict == Verdict.WARNING
-    assert g.notes == ["its last session ended spend_limit: the spend limit $1.00 is reached; re-run stage 02 to go on",
+    assert texts(g.notes) == ["its last session ended spend_limit: the spend limit $1.00 is reached; re-run stage 02 to go on",
                        "below budget: chat 12,000 of 20,000 tokens"]
 
 
@@ -257,3 +324,90 @@ def test_a_check_written_before_the_stage_recorded_the_engines_answers_is_summed
     h = stage(summary.build(run), "04_hidden_states")
     assert h.verdict == Verdict.OK and h.numbers.answers_mean_nll is None and h.numbers.engine == "vllm, float32"
     assert "own answers" not in summary.stage_line(h)
+
+
+def test_summary_json_is_data_one_schema_for_every_stage_with_a_headline_meta_and_a_reason_per_note(run):
+    engine = engine_part({"code": (1.5, 0.05), "chat": (1.9, 0.05)}, ngram=(1.8, 0.04), prompts=4)
+    engine["temperatures"]["0"]["methods"]["eagle3"].update(acceptance_length=1.7, acceptance_length_se=0.04,
+                                                            prompts=8)
+    engine["temperatures"]["0"]["methods"]["ngram"].update(acceptance_length=1.62, acceptance_length_se=0.03)
+    put(run, "eval/report.json", {"engine": engine, "temperatures": decoder_temperatures()})
+    (run.root / "params.yaml").write_text("seed: 3\n")
+    s = summary.build(run, params_file=str(run.root / "params.yaml"))
+    summary.write(run, s)
+    saved = summary.read(run)
+    # every stage: the same keys, numbers an object of numbers (stage 05's drafters a list inside it)
+    assert {tuple(sorted(x)) for x in saved["stages"]} == {
+        ("figures", "log", "notes", "numbers", "seconds", "section", "target_build_seconds", "title", "verdict")}
+    assert [type(x["numbers"]).__name__ for x in saved["stages"]] == ["dict"] * 6, [x["notes"] for x in saved["stages"]]
+    assert saved["stages"][4]["numbers"]["drafters"][0]["heldout_loss"] == 9.5
+    assert saved["stages"][5]["notes"] == [{"reason": "below_ngram", "text": saved["stages"][5]["notes"][0]["text"]}]
+    assert "held-out code T=0: 1.50 vs 1.80, gap -0.30" in saved["stages"][5]["notes"][0]["text"]
+    m = saved["meta"]
+    assert m["params_file"].endswith("params.yaml") and len(m["params_sha256"]) == 64
+    assert m["versions"]["python"] and m["versions"]["pandas"] and m["date"].startswith("20")
+    assert m["commit"] is None or len(m["commit"].split("+")[0]) == 12
+    h = saved["headline"]
+    assert (h["drafter"], h["drafter_se"], h["prompts"], h["ngram"], h["ngram_se"], h["no_drafter"], h["lossless"]) == \
+        (1.7, 0.04, 8, 1.62, 0.03, 1.0, True)
+    assert h["text"] == ("headline: final drafter 1.70 ± 0.04 (within noise of ngram), ngram 1.62 ± 0.03, no drafter "
+                         "1.00: greedy acceptance length on 8 held-out prompts, vLLM 0.32.0, lossless")
+    assert summary.lines(s)[-1] == h["text"]      # the last line `draftsmith run` prints
+    html = write_report(run, s).read_text(encoding="utf-8")
+    text = [x.strip() for x in unescape(re.sub(r"<[^>]+>", "\n", html[html.index("<body"):])).splitlines()]
+    assert [x for x in text if x][:2] == [h["text"], "draftsmith run"]    # report.html's first line, then its title
+    assert "params.yaml (sha256 " + m["params_sha256"][:12] in html and "python " + m["versions"]["python"] in html
+
+
+def test_results_csv_is_one_row_per_method_prompt_set_and_temperature_read_back_with_pandas(run):
+    import pandas as pd
+
+    engine = engine_part({"code": (1.5, 0.05), "chat": (1.9, 0.06)}, ngram=(1.8, 0.04), prompts=4)
+    for m in engine["temperatures"]["0"]["methods"].values():
+        for ds in m["per_dataset"].values():
+            ds.update(drafts=40, position_acceptance=[0.5, 0.3, 0.1] if m["kind"] != "none" else [])
+        m["k"] = 3
+    report = {"engine": engine, "temperatures": decoder_temperatures(), "draft_tokens": 3}
+    path = results.write_csv(run, report)
+    assert path == run.root / "eval" / "results.csv"
+    df = pd.read_csv(path)
+    assert list(df.columns) == ["temperature", "prompt_set", "method", "kind", "final", "measured_in",
+                                "acceptance_length", "acceptance_length_se", "prompts", "drafts",
+                                "draft_acceptance_rate", "k", "lossless", "p_accept_1", "p_accept_2", "p_accept_3"]
+    assert len(df) == 6 and not df.duplicated(["method", "prompt_set", "temperature"]).any()
+    code = df[(df.prompt_set == "held-out code") & (df.method == "eagle3")].iloc[0]
+    assert (code.acceptance_length, code.acceptance_length_se, code.prompts, code.drafts, code.k) == (1.5, 0.05, 4, 40, 3)
+    assert (code.p_accept_1, code.p_accept_3, bool(code.final), code.measured_in) == (0.5, 0.1, True, "vLLM 0.32.0")
+    assert df[df.kind == "none"].p_accept_1.isna().all()
+
+
+def test_a_stage_that_built_the_built_in_target_says_how_much_of_its_time_the_build_took(run, tmp_path, monkeypatch):
+    from datetime import datetime
+
+    from draftsmith.targets import tiny
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    built = tmp_path / "cache" / "targets"
+
+    def build(work, say):   # a build as build_once runs it: its folder gets the record when it is done
+        (work / "out").mkdir()
+        (work / "out" / "config.json").write_text("{}")
+        return [(work / "out", built / tiny.variant_key("tiny"))]
+
+    tiny.build_once(built, "k", built / tiny.variant_key("tiny"), "a build", build, log=lambda m: None)
+    started, finished = tiny.build_record(built / tiny.variant_key("tiny"))
+    assert started <= finished
+    # stage 01 ran from 100 s before the build finished to 20 s after it, and the build took 98 s of it
+    (built / tiny.variant_key("tiny") / tiny.BUILD_RECORD).write_text(json.dumps({"started": 1e9, "finished": 1e9 + 98}))
+    nb = run.root / "notebooks" / "01_providers.ipynb"
+    doc = json.loads(nb.read_text())
+    doc["metadata"]["papermill"].update(duration=120.0, start_time=datetime.fromtimestamp(1e9 - 2).isoformat(),
+                                        end_time=datetime.fromtimestamp(1e9 + 118).isoformat())
+    nb.write_text(json.dumps(doc))
+    (run.root / "run_params.yaml").write_text("target_model_path: tiny\n")
+    s = summary.build(run)
+    assert stage(s, "01_providers").target_build_seconds == pytest.approx(98)
+    assert summary.stage_line(stage(s, "01_providers")).startswith("01_providers  ok       2.0 min (target build 98 s)  ")
+    assert stage(s, "02_generate").target_build_seconds is None     # it ran after the build
+    (run.root / "run_params.yaml").write_text("target_model_path: /some/checkpoint\n")
+    assert stage(summary.build(run), "01_providers").target_build_seconds is None

@@ -40,7 +40,17 @@ def test_a_long_cell_is_shown_whole_wrapping_in_a_bounded_column_and_escaped():
     html = tables.show(pd.DataFrame({"supported_parameters": [full, "short"]})).to_html()
     assert cells(html) == [full.replace("<", "&lt;").replace(">", "&gt;").replace('"', "&#34;"), "short"]
     assert "<tools>" not in html and "…" not in html
-    assert "max-width: 36em" in html and "overflow-wrap: anywhere" in html
+    assert "max-width: 36em" in html and "overflow-wrap: normal" in html and "word-break: normal" in html   # no mid-word break
+
+
+def test_a_column_with_one_value_in_every_row_is_dropped_and_said_once_above_the_table():
+    df = pd.DataFrame({"endpoint": ["moonshotai/int4", "novita/int4"], "quantization": ["int4", "int4"],
+                       "lossless": [True, True], "price_out": [2.5, 3.0]})
+    html = tables.show(df, title="endpoints").to_html()
+    assert re.findall(r'class="col_heading[^"]*" >([^<]*)<', html) == ["endpoint", "price out ($/M tokens)"]
+    assert "endpoints · same in every row: quantization int4; lossless yes</caption>" in html
+    one = tables.show(df.head(1)).to_html()   # one row: every column is shown
+    assert len(re.findall(r'class="col_heading', one)) == 4 and "<caption>" not in one
 
 
 def test_a_dict_is_a_small_table_nested_keys_joined():

@@ -1,5 +1,6 @@
 """`draftsmith run STAGE|all -f params/X.yaml [-p KEY VALUE ...]`, `draftsmith run --list`,
-`draftsmith import-sglang IN OUT [--source NAME]` (SGLang `/generate` answers as an import file).
+`draftsmith import-sglang IN OUT [--source NAME]` (SGLang `/generate` answers as an import file),
+`draftsmith compare RUN_A RUN_B ...` (runs side by side, differences beyond noise marked).
 
 Every user error ends in one line naming the file, line or field and a non-zero exit, never a
 Python traceback: 2 for parameters (nothing was run), 1 for a stage that raised (its traceback is in
@@ -41,9 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("input", help="JSONL: the prompt (messages, optional id, input_ids) and SGLang's answer")
     g.add_argument("output", help="the import file to write (replaced whole)")
     g.add_argument("--source", default="sglang", help="the source name its answers carry (default: sglang)")
+    c = sub.add_parser("compare", help="runs side by side: each headline and stage 06's results, the "
+                       "differences beyond noise marked")
+    c.add_argument("runs", nargs="+", help="run folders (outputs/<run_name>), two or more; the first is the reference")
     args = ap.parse_args(argv)
     if args.cmd == "import-sglang":
         return _import_sglang(args)
+    if args.cmd == "compare":
+        return _compare(args)
 
     try:
         stages = parameters.discover()
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"parameters of {', '.join(s.title for s in chosen)}: ok")
             return 0
         # ends by printing the run summary and where the outputs are
-        runner.run_stages(chosen, values, keep_going=args.keep_going, strict=args.strict)
+        runner.run_stages(chosen, values, keep_going=args.keep_going, strict=args.strict, params_file=args.file)
     except parameters.ParamError as e:
         print(f"draftsmith: parameter error: {e}", file=sys.stderr)
         return 2
@@ -93,6 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # outputs folder turned unwritable, disk full, ...
         print(f"draftsmith: cannot write {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _compare(args) -> int:
+    from .compare import CompareError, compare, lines
+
+    try:
+        print("\n".join(lines(compare(args.runs))))
+    except CompareError as e:
+        print(f"draftsmith: compare: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

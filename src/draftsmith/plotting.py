@@ -1,5 +1,6 @@
 """What every figure of the stages shares: a panel with nothing to show is switched off and says
-"none" in its title, rather than drawing empty axes or a flat line."""
+"none" in its title, rather than drawing empty axes or a flat line; a dataset has one colour in
+every stage's figures (`dataset_color`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,13 @@ def plain_log_ticks(axis) -> None:
         return f"{value:g}" if round(mantissa, 6) in (2.0, 5.0) else ""
     axis.set_major_formatter(FuncFormatter(major))
     axis.set_minor_formatter(FuncFormatter(minor))
+
+
+DATASET_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+def dataset_color(name: str, names) -> str:
+    """The colour of dataset `name` among the run's datasets `names`, the same in every stage: by its
+    place in the sorted names, whatever order a stage meets them in."""
+    ordered = sorted(set(names) | {name})
+    return DATASET_COLORS[ordered.index(name) % len(DATASET_COLORS)]

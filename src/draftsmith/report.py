@@ -18,21 +18,28 @@ from pathlib import Path
 
 from .files import write_text_atomic
 from .paths import REPO_ROOT, Run
-from .summary import Summary, duration
+from .summary import Summary, meta_line, stage_time
 from .targets.tiny import BUILD_LOG
 
 # Appended to the exporter's own styles: nothing may be wider than the page. A wide table or code
-# block (a serving command) scrolls sideways in its own box, its lines kept whole; printed text
-# wraps, as the exporter already has it.
+# block (a serving command a user copies) scrolls sideways in its own box, its lines kept whole;
+# printed text wraps between words, never inside one (the exporter's break-all), and a word wider
+# than the box (a path) scrolls rather than being cut at the box's edge.
 FIT_THE_PAGE = """<style>
-.jp-RenderedHTMLCommon table, .jp-RenderedHTMLCommon pre, .jp-RenderedText pre {
+.jp-RenderedHTMLCommon table, .jp-RenderedHTMLCommon pre, .jp-RenderedText pre, .jp-OutputArea-output pre {
   display: block; max-width: 100%; overflow-x: auto; }
 .jp-RenderedHTMLCommon pre, .jp-RenderedHTMLCommon pre code { white-space: pre; word-break: normal; }
+.jp-RenderedText pre, .jp-OutputArea-output pre {
+  white-space: pre-wrap; word-break: normal; overflow-wrap: normal; word-wrap: normal; }
+.jp-OutputArea-output { max-width: 100%; min-width: 0; }
+.jp-RenderedHTMLCommon td, .jp-RenderedHTMLCommon th { word-break: normal; overflow-wrap: normal; }
 .jp-RenderedHTMLCommon table { width: max-content; }
 img { max-width: 100%; height: auto; }
 .ds-summary table { display: table; width: auto; max-width: 100%; }
 .ds-summary td, .ds-summary th { white-space: normal; vertical-align: top; text-align: left; }
 .ds-summary td:nth-child(3) { white-space: nowrap; }
+.ds-headline { font-size: 1.15em; font-weight: bold; padding: 0.4em 0; }
+.ds-meta { color: #57606a; font-size: 0.9em; }
 .ds-summary .ok { color: #1a7f37; font-weight: bold; }
 .ds-summary .warning { color: #9a6700; font-weight: bold; }
 .ds-summary .failed { color: #cf222e; font-weight: bold; }
@@ -56,7 +63,13 @@ def write_report(run: Run, summary: Summary | None = None) -> Path | None:
         return None
     merged = nbformat.v4.new_notebook()
     merged.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    if summary is not None and summary.headline is not None:   # the page's first line
+        merged.cells.append(nbformat.v4.new_markdown_cell(
+            f"<div class='ds-summary ds-headline'>{escape(summary.headline.text())}</div>"))
     merged.cells.append(nbformat.v4.new_markdown_cell(f"# draftsmith run `{run.name}`"))
+    if summary is not None and summary.meta is not None:
+        merged.cells.append(nbformat.v4.new_markdown_cell(
+            f"<div class='ds-summary ds-meta'>{escape(meta_line(summary.meta))}</div>"))
     if summary is not None:
         merged.cells.append(nbformat.v4.new_markdown_cell(summary_html(summary)))
     merged.cells.append(nbformat.v4.new_markdown_cell(
@@ -93,11 +106,11 @@ def summary_html(summary: Summary) -> str:
     for s in summary.stages:
         figures = "<br>".join(f"<a href='#{escape(f.section)}'>{escape(f.text)}</a>" for f in s.figures)
         rows.append(f"<tr><td><a href='#{escape(s.section)}'>{escape(s.title)}"
-                    f"</a></td><td class='{s.verdict.value}'>{s.verdict.value}</td><td>{escape(duration(s.seconds))}</td>"
+                    f"</a></td><td class='{s.verdict.value}'>{s.verdict.value}</td><td>{escape(stage_time(s))}</td>"
                     f"<td>{figures}</td><td><a href='{escape(s.log)}'>log</a></td></tr>")
     rows += [f"<tr><td>{escape(n.title)}</td><td class='failed'>not run</td><td>-</td><td>{escape(n.reason)}</td>"
              f"<td></td></tr>" for n in summary.not_run]
-    notes = "".join(f"<li><span class='{s.verdict.value}'>{escape(s.title)}</span>: {escape(n)}</li>"
+    notes = "".join(f"<li><span class='{s.verdict.value}'>{escape(s.title)}</span>: {escape(n.text)}</li>"
                     for s in summary.stages for n in s.notes)
     return (f"<div class='ds-summary'>\n<p><strong>Run summary: <span class='{summary.verdict.value}'>"
             f"{summary.verdict.value}</span></strong> (also in <a href='summary.json'>summary.json</a>)</p>\n"

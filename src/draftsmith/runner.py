@@ -84,7 +84,8 @@ def node_title(stage: Stage, values: dict) -> str:
     return stage.title
 
 
-def run_stages(stages: list[Stage], values: dict, echo=True, keep_going: bool = False, strict: bool = False) -> Run:
+def run_stages(stages: list[Stage], values: dict, echo=True, keep_going: bool = False, strict: bool = False,
+               params_file: str | None = None) -> Run:
     """Execute the stages in order, then (re)write the run's summary.json and report.html from every
     executed notebook of the run and the stages' files, also when a stage failed, and print the
     summary. A stage whose verdict is failed (with `strict`, also warning) ends the chain there,
@@ -97,7 +98,7 @@ def run_stages(stages: list[Stage], values: dict, echo=True, keep_going: bool = 
     try:
         ran = _run_stages(run, stages, values, echo, stops, keep_going, not_run)
     finally:
-        done = run_summary.build(run, not_run)
+        done = run_summary.build(run, not_run, params_file)
         if done.stages:   # none when refused before the first stage (another process writing the run)
             run_summary.write(run, done)
             write_report(run, done)

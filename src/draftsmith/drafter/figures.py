@@ -107,10 +107,12 @@ def serving_markdown(summary: dict, target_path: str | Path) -> str:
     """The SGLang and vLLM commands serving the target with the final export, each pointed at the
     export folder written in its own layer-id convention, drafting notebook 06's `draft_tokens`
     (the default stage 06 measures)."""
+    from ..evaluate.serving import shell_lines   # one option a line: the whole command on the page
+
     final = summary["exports"][-1]["dir"]
     if summary.get("kind") == "dflash":
-        return f"**vllm**\n```\n{dflash_serving_command(target_path, final, summary['block_size'])}\n```"
+        return f"**vllm**\n```\n{shell_lines(dflash_serving_command(target_path, final, summary['block_size']))}\n```"
     draft_tokens = parameters.declaration("draft_tokens").default
     commands = {engine: serving_command(engine, target_path, for_engine(final, engine), draft_tokens)
                 for engine in ("sglang", "vllm")}
-    return "\n\n".join(f"**{e}**\n```\n{c}\n```" for e, c in commands.items())
+    return "\n\n".join(f"**{e}**\n```\n{shell_lines(c)}\n```" for e, c in commands.items())

@@ -206,8 +206,10 @@ def bench_commands(run, prompts: list[HeldoutPrompt], specs: list[BenchmarkSpec]
 def commands_text(report: dict) -> str:
     """The report's benchmark commands as a shell script a user reads; a line saying so when the
     stage measured no benchmark."""
+    from .serving import shell_lines
+
     b = report.get("benchmarks")
     if not b:
         return "# eval_benchmarks is empty: no benchmark commands"
     return ("# servers: the `serving` commands below (SGLang on port 30000, vLLM on 8000, 3-1-4)\n\n"
-            + "\n\n".join(b["commands"].values()))
+            + "\n\n".join(shell_lines(c) for c in b["commands"].values()))

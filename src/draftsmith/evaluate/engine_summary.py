@@ -8,10 +8,12 @@ Counting, vLLM's own: per request, its verify steps summed as vLLM sums its coun
 from __future__ import annotations
 
 from .engine import VLLM_VERSION, EngineMethod
+from .metrics import acceptance_se
 
 
 def acceptance(rows: list[dict], k: int) -> dict:
-    """vLLM's acceptance over a set of decodes, from its counters: 1 + accepted / drafts, per
+    """vLLM's acceptance over a set of decodes (one per prompt), from its counters: 1 + accepted /
+    drafts and its standard error over the prompts (`metrics.acceptance_se`), per
     position j = 1..k accepted at j / drafts; output tokens per second per request (its tokens over
     the seconds from its request's add to its end, summed: at the rows' `concurrency`)."""
     drafts = sum(r["counters"]["drafts"] for r in rows)
@@ -21,6 +23,9 @@ def acceptance(rows: list[dict], k: int) -> dict:
     tokens, seconds = sum(len(r["output"]) for r in rows), sum(r["seconds"] for r in rows)
     return {"prompts": len(rows), "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
             "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "acceptance_length_se": acceptance_se([r["counters"]["accepted"] for r in rows],
+                                                  [r["counters"]["drafts"] for r in rows],
+                                                  [a for r in rows for a in r.get("accepted") or []]),
             "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
             "position_acceptance": [a / drafts for a in per_pos] if drafts else [None] * k,
             "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
@@ -34,8 +39,9 @@ def runner_of(row: dict) -> dict:
 
 
 def summarize(rows: list[dict], methods: list[EngineMethod], draft_tokens: int, temperature: float) -> dict:
-    """Per method at one temperature: acceptance overall and per dataset, tok/s and its ratio to
-    no drafter, and (greedy) whether the outputs equal the no-drafter engine's token for token."""
+    """Per method at one temperature: acceptance overall and per dataset, tok/s per request beside its
+    load (`in_flight`; no ratio between methods: each is decoded at its own load), and (greedy)
+    whether the outputs equal the no-drafter engine's token for token."""
     mine = [r for r in rows if r["temperature"] == temperature]
     by_fp: dict[str, list[dict]] = {}
     for r in mine:
@@ -52,16 +58,14 @@ def summarize(rows: list[dict], methods: list[EngineMethod], draft_tokens: int, 
              "per_dataset": {ds: acceptance([r for r in rs if r["dataset"] == ds], k)
                              for ds in sorted({r["dataset"] for r in rs})},
              "aux_layers_engine": rs[0].get("aux_layers_engine"), "aux_layers_gpu_runner": rs[0].get("aux_layers_gpu_runner"),
-             "startup_s": rs[0].get("startup_s"), **runner_of(rs[0])}
+             "startup_s": rs[0].get("startup_s"), **runner_of(rs[0]),
+             # its load: the method's requests at this temperature went in together, up to `concurrency` at once
+             "in_flight": min(max(r.get("concurrency", 1) for r in rs), len(rs))}
         mismatched = [r["sample_id"] for r in rs if temperature <= 0 and (r["dataset"], r["sample_id"]) in ref
                       and r["output"] != ref[(r["dataset"], r["sample_id"])]]
         s["lossless"] = (not mismatched) if temperature <= 0 and ref else None
         s["mismatched_samples"] = mismatched
         out[m.name] = s
-    base = out.get(none.name) if none else None
-    for s in out.values():
-        s["speedup_tokens_per_s"] = (s["tokens_per_s"] / base["tokens_per_s"]
-                                     if base and base["tokens_per_s"] and s["tokens_per_s"] else None)
     return out
 
 

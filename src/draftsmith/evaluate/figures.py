@@ -15,7 +15,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from .metrics import LOOP_NGRAM, speedup
-from .results import mode
+from .results import ALL_HELD_OUT, Versus, headlines, mode, results, versus
 
 
 def stage_figures(report: dict) -> dict[str, Figure]:
@@ -196,9 +196,11 @@ def benchmarks(report: dict) -> Figure:
 
 
 def decoder_table(report: dict) -> pd.DataFrame:
-    """Where our decoder's acceptance comes from, one row per (temperature, method): on novel text
-    and on text the target repeats (see the module `metrics`); empty when it did not run."""
+    """Where our decoder's acceptance comes from, one row per (temperature, method), on all its
+    held-out prompts: the acceptance length with its standard error over prompts, on novel text and
+    on text the target repeats (see the module `metrics`); empty when it did not run."""
     rows = [{"T": t["temperature"], "method": name, "acceptance length": s["acceptance_length"],
+             "±": s.get("acceptance_length_se"),
              "novel text": s["novel_text"]["acceptance_length"], "novel rounds": s["novel_text"]["rounds"],
              "repeating text": s["repeating_text"]["acceptance_length"],
              "repeating rounds": s["repeating_text"]["rounds"]}
@@ -206,45 +208,68 @@ def decoder_table(report: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _pm(x: float, se: float | None) -> str:
+    return f"{x:.2f}" + ("" if se is None else f" ± {se:.2f}")
+
+
+def against(v: Versus, baseline: str) -> str:
+    """The words for `results.versus`'s verdict of the drafter against `baseline`."""
+    return {Versus.ABOVE: f"the drafter is above {baseline} beyond noise",
+            Versus.BELOW: f"{baseline} is above the drafter beyond noise",
+            Versus.WITHIN_NOISE: f"within noise of {baseline}: neither wins"}[v]
+
+
 def explain_engine(report: dict) -> str:
-    """What the engine's numbers say, and where they and our decoder's part (markdown)."""
+    """What the engine's numbers say, and where they and our decoder's part (markdown). Every figure
+    is a row of `results.results` on all held-out prompts together (the `held-out, all` table above
+    and the run's headline), never computed again here."""
     if not report["engine"]:
         return "`eval_backend` is hf: no engine numbers; our decoder's are below."
     e, lines = report["engine"], []
     if report.get("eval_first_pass_prompts"):
         lines.append(f"**A first pass:** the first {report['eval_first_pass_prompts']} prompts of every prompt set "
                      f"(`eval_first_pass_prompts`); run the stage again with 0 to measure the rest.")
+    everything = [r for r in results(report) if r.prompt_set == ALL_HELD_OUT]
     for key, t in e["temperatures"].items():
         m, v = t["methods"], t["vs_ours"]
-        mode = "greedy" if t["temperature"] <= 0 else f"T = {t['temperature']:g}"
-        found = next(((n, s) for n, s in m.items() if s["kind"] == "eagle3" and s.get("final")), None)
-        if found is None:  # the drafter's engine could not start here (`gpu_only` below)
-            lines.append(f"**vLLM {e['version']}, {mode}, k = {report['draft_tokens']}:** no drafter engine; ngram "
-                         f"{m['ngram']['acceptance_length']:.2f}, "
-                         f"{m['none']['tokens_per_s']:.0f} tok/s without speculation.")
+        rows = [r for r in everything if r.temperature == t["temperature"]]
+        mode_ = "greedy" if t["temperature"] <= 0 else f"T = {t['temperature']:g}"
+        final = next((r for r in rows if r.final), None)
+        ngram = next((r for r in rows if r.kind == "ngram"), None)
+        speed = "; ".join(f"{r.method} {r.tokens_per_s:.0f} ("
+                          + ("each prompt alone" if r.in_flight == 1 else f"up to {r.in_flight} in flight") + ")"
+                          for r in rows if r.tokens_per_s is not None)
+        speed = (f" Output tok/s per request, each at its own load: {speed} (rows decoded at different loads are "
+                 f"not compared)." if speed else "")
+        if final is None:  # the drafter's engine could not start here (`gpu_only` below)
+            lines.append(f"**vLLM {e['version']}, {mode_}, k = {report['draft_tokens']}:** no drafter engine; ngram "
+                         + (_pm(ngram.acceptance_length, ngram.se) if ngram else "n/a") + "." + speed)
             continue
-        name, final = found
-        ck = sorted((s["fraction"], s["acceptance_length"]) for s in m.values() if s["kind"] == "eagle3")
-        line = (f"**vLLM {e['version']}, {mode}, k = {report['draft_tokens']}:** drafter **{final['acceptance_length']:.2f}**, "
-                f"ngram {m['ngram']['acceptance_length']:.2f} "
-                f"({'the drafter wins' if final['acceptance_length'] > m['ngram']['acceptance_length'] else 'ngram wins'}); "
-                f"through training " + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in ck)
-                + f". Output {final['tokens_per_s']:.0f} tok/s per request with the drafter, "
-                  f"{m['none']['tokens_per_s']:.0f} without ({final['speedup_tokens_per_s']:.2f}x), {load(e)}.")
-        ours = report["temperatures"].get(key, {}).get("methods", {}).get(name)
-        if ours and t["temperature"] <= 0:
-            c = v["methods"][name]
-            line += (f" Our decoder: {ours['acceptance_length']:.2f}. The two targets (vLLM's kernels, "
+        h = next(x for x in headlines(rows) if x.prompt_set == ALL_HELD_OUT)
+        verdict = h.versus_ngram()
+        fraction = {name: s.get("fraction") for name, s in m.items()}
+        ck = sorted((fraction[r.method] or 0, r.acceptance_length) for r in rows if r.kind == "eagle3")
+        line = (f"**vLLM {e['version']}, {mode_}, k = {report['draft_tokens']}, all {final.prompts} held-out prompts:** "
+                f"drafter **{_pm(final.acceptance_length, final.se)}**, ngram "
+                + (_pm(ngram.acceptance_length, ngram.se) if ngram else "n/a")
+                + (f" ({against(verdict[0], 'ngram')})" if verdict else "")
+                + "; through training " + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in ck) + "." + speed)
+        if final.ours is not None and t["temperature"] <= 0 and v:
+            c = v["methods"][final.method]
+            line += (f" Our decoder: {final.ours:.2f}. The two targets (vLLM's kernels, "
                      f"transformers) decode {v['same_no_drafter_output']} of {v['prompts']} prompts identically; on "
                      f"{c['same_accepted_per_step']} the accepted count is the same at every verification step (same "
                      f"rule, same float32 weights: only a near-tie argmax that one side breaks the other way can part them).")
-        elif ours:
-            line += (f" Our decoder: {ours['acceptance_length']:.2f}; at T > 0 the two draw different random "
+        elif final.ours is not None:
+            line += (f" Our decoder: {final.ours:.2f}; at T > 0 the two draw different random "
                      f"numbers, so they agree in expectation only (same rule: a draft is accepted with the target's "
                      f"probability of it).")
         elif report.get("hf_scope"):
             line += f" Our decoder did not measure this temperature: it measured {report['hf_scope']['why']}."
         lines.append(line)
+    if any(r.kind == "ngram" and r.ours is not None for r in everything):
+        lines.append("vLLM's `ngram` and our decoder's prompt lookup are two n-gram matchers that pick different "
+                     "matches by design: their figures are not comparable, and the cross-check column says so.")
     for method, line in e.get("gpu_only", {}).items():
         lines.append(f"`{method}` in vLLM: {line} (vLLM's CPU build cannot run it; a GPU build can).")
     if e.get("cpu_expand_kernel_replaced"):
@@ -255,33 +280,39 @@ def explain_engine(report: dict) -> str:
 
 
 def explain(report: dict) -> str:
-    """What our decoder's numbers say, in a few sentences per temperature (markdown)."""
+    """What our decoder's numbers say, in a few sentences per temperature (markdown): the figures of
+    `decoder_table` (the same summaries), the drafter against our prompt lookup by `results.versus`.
+    Beside vLLM these are our decoder's own, against its own n-gram matcher: the verdict on vLLM's
+    numbers is `explain_engine`'s."""
     if not report["temperatures"]:
         return "`eval_hf_crosscheck` is false: the engine's numbers only."
     lines = []
+    beside = bool(report.get("engine"))
     for t in report["temperatures"].values():
-        m, v = t["methods"], t["verdict"]
-        d = m["eagle3"]
-        mode = "greedy" if t["temperature"] <= 0 else f"sampling at T = {t['temperature']:g}"
+        m = t["methods"]
+        d, pl = m["eagle3"], m["prompt lookup"]
+        mode_ = "greedy" if t["temperature"] <= 0 else f"sampling at T = {t['temperature']:g}"
         ck = [(s["fraction"], s["acceptance_length"]) for s in m.values() if s["kind"] == "eagle3"]
-        line = (f"**{mode}, k = {report['draft_tokens']}:** drafter **{v['drafter']:.2f}**, prompt lookup "
-                f"{v['prompt_lookup']:.2f}, no drafter 1.00. Through training "
+        v = versus(d["acceptance_length"], d.get("acceptance_length_se"), pl["acceptance_length"],
+                   pl.get("acceptance_length_se"))[0]
+        line = (f"**{'Our decoder, ' if beside else ''}{mode_}, k = {report['draft_tokens']}:** drafter "
+                f"**{_pm(d['acceptance_length'], d.get('acceptance_length_se'))}**, prompt lookup "
+                f"{_pm(pl['acceptance_length'], pl.get('acceptance_length_se'))} ({against(v, 'prompt lookup')}"
+                + ("; our n-gram matcher, not vLLM's ngram" if beside else "") + "), no drafter 1.00. Through training "
                 + " → ".join(f"{a:.2f} ({f:.0%})" for f, a in sorted(ck)) + ". ")
         if len(ck) > 1 and not max(a for _, a in ck) > min(ck)[1]:
             line += "Training did not raise it here" + (
                 ": compare stage 05's held-out acc_i with its unigram baseline (a drafter that has not left the "
                 "unigram proposes the same token everywhere). " if t["temperature"] <= 0 else ". ")
         rep = d["repeating_text"]["rounds"] / d["rounds"] if d["rounds"] else 0.0
-        nv, rp = v["novel_text"], v["repeating_text"]
-        if v["beats_prompt_lookup"]:
-            line += f"The drafter beats prompt lookup by {v['drafter'] / v['prompt_lookup']:.2f}x. "
-        else:
-            line += (f"Prompt lookup wins here: {rep:.0%} of the drafter's rounds fall in text the target is "
-                     f"repeating (after its first repeated {LOOP_NGRAM}-gram), where copying from the context is "
-                     f"almost always right (prompt lookup {rp['prompt_lookup']:.2f} there). ")
+        nv, rp = d["novel_text"], pl["repeating_text"]
+        if v == Versus.BELOW:
+            line += (f"{rep:.0%} of the drafter's rounds fall in text the target is repeating (after its first "
+                     f"repeated {LOOP_NGRAM}-gram), where copying from the context is almost always right (prompt "
+                     f"lookup {rp['acceptance_length']:.2f} there). ")
         if nv["rounds"]:
             line += (f"On novel text ({nv['rounds']} drafter rounds before the first repeat) the drafter reaches "
-                     f"{nv['drafter']:.2f} against prompt lookup's {nv['prompt_lookup']:.2f}. ")
+                     f"{nv['acceptance_length']:.2f} against prompt lookup's {pl['novel_text']['acceptance_length']:.2f}. ")
         if t["temperature"] > 0:
             line += (f"Its first draft is accepted {d['position_acceptance'][0]:.1%} of the time; a perfect drafter's "
                      f"would be {d['position1_ceiling']:.1%} (the target's mean probability of its own top token), "

@@ -15,6 +15,27 @@ from __future__ import annotations
 LOOP_NGRAM = 4   # a token whose preceding 4-gram already occurred starts "repeating" text
 
 
+def acceptance_se(accepted: list[float], drafts: list[float], steps: list[float] | None = None) -> float | None:
+    """Standard error of an acceptance length 1 + sum(accepted) / sum(drafts): over prompts, from
+    each prompt's accepted and drafts (the ratio estimator's, delta method; prompts are the sample,
+    the steps within one prompt are not independent), and never below the steps' own spread
+    (`steps`: accepted at every drafting step; their standard deviation / sqrt(steps)), which a few
+    prompts that happen to agree (three prompts can read ± 0.00) would otherwise hide. 0 where
+    nothing drafted (the length is 1 exactly); None with fewer than two prompts and no steps."""
+    n, total = len(drafts), sum(drafts)
+    if not total:
+        return 0.0 if n else None
+    r = sum(accepted) / total
+    over_prompts = (n / (n - 1) * sum((a - r * d) ** 2 for a, d in zip(accepted, drafts))) ** 0.5 / total \
+        if n >= 2 else None
+    within = None
+    if steps and len(steps) >= 2:
+        mean = sum(steps) / len(steps)
+        within = (sum((x - mean) ** 2 for x in steps) / (len(steps) - 1) / len(steps)) ** 0.5
+    known = [x for x in (over_prompts, within) if x is not None]
+    return max(known) if known else None
+
+
 def repeat_start(context: list[int], output: list[int], n: int = LOOP_NGRAM) -> int:
     """Index of the first output token whose n-gram (ending at it) already occurred earlier in
     prompt + output; len(output) when none does. From there on the text repeats itself."""
@@ -29,8 +50,9 @@ def repeat_start(context: list[int], output: list[int], n: int = LOOP_NGRAM) -> 
 
 
 def acceptance(rounds: list[dict], k: int) -> dict:
-    """Acceptance of a set of decodes (their `Decoded.rounds()`): the field's acceptance length
-    (1 + accepted / drafts, as vLLM and SGLang count it), tokens per verification round, and per
+    """Acceptance of a set of decodes (their `Decoded.rounds()`, one per prompt): the field's acceptance
+    length (1 + accepted / drafts, as vLLM and SGLang count it) and its standard error over the
+    prompts (`acceptance_se`), tokens per verification round, and per
     draft position j = 1..k the unconditional and conditional acceptance rate."""
     n_rounds = produced = drafting = acc = drafted_tokens = 0
     top = 0.0
@@ -55,8 +77,11 @@ def acceptance(rounds: list[dict], k: int) -> dict:
 
     return {
         "rounds": n_rounds, "tokens": produced, "draft_tokens": drafted_tokens, "accepted_tokens": acc,
-        "drafts": drafting,
+        "drafts": drafting, "prompts": len(rounds),
         "acceptance_length": 1 + ratio(acc, drafting) if drafting else 1.0,
+        "acceptance_length_se": acceptance_se([sum(r["accepted"]) for r in rounds],
+                                              [sum(d > 0 for d in r["drafted"]) for r in rounds],
+                                              [a for r in rounds for a, d in zip(r["accepted"], r["drafted"]) if d]),
         "tokens_per_round": ratio(produced, n_rounds),
         "draft_acceptance_rate": ratio(acc, drafted_tokens),
         "position_acceptance": [ratio(pos_accepted[j], pos_drafted[j]) for j in range(k)],

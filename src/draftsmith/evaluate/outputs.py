@@ -3,6 +3,7 @@
     rounds.jsonl         our decoder: one line per (settings, method, prompt), the rounds it took
     engine_rounds.jsonl  vLLM: one line per (settings, method, temperature, prompt), its counters
     report.json          what the stage measured, summed up (NaN rates written as null)
+    results.csv          the results as data: one row per method x prompt set x temperature (`results.frame`)
     bench_prompts_sharegpt.json   the held-out prompts as a benchmark file for the serving engines
     bench_<name>_sharegpt.json    the first turns of benchmark <name> (`eval_benchmarks`), the same way
     engine_job.json      what the vLLM engine process is to measure
@@ -22,6 +23,7 @@ from ..paths import Run
 ROUNDS = "rounds.jsonl"
 ENGINE_ROUNDS = "engine_rounds.jsonl"
 REPORT = "report.json"
+RESULTS_CSV = "results.csv"
 BENCH_PROMPTS = "bench_prompts_sharegpt.json"
 BENCHMARK_PROMPTS = "bench_{name}_sharegpt.json"
 ENGINE_JOB = "engine_job.json"
@@ -96,6 +98,10 @@ def write_report(run: Run, report: dict) -> Path:
     path = report_path(run)
     write_json_atomic(path, _json_safe(report))
     return path
+
+
+def results_csv_path(run: Run) -> Path:
+    return run.dir("eval") / RESULTS_CSV
 
 
 def read_report(run: Run) -> dict:

@@ -19,18 +19,21 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from enum import Enum
 from pathlib import Path
 
 import pandas as pd
 
+from ..files import write_text_atomic
 from ..paths import Run
-from .outputs import read_report
+from .outputs import read_report, results_csv_path
 
 PUBLISHED = "published (model card)"
 GREEDY_AGREEMENT = 0.005          # at T = 0 the two figures are equal as shown (three decimals)
 README_BEGIN = "<!-- stage 06 results: python -m draftsmith.evaluate.results -->"
 README_END = "<!-- end of stage 06 results -->"
+ALL_HELD_OUT = "held-out, all"   # the held-out prompts of every dataset together
 SET_NAMES = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "math500": "MATH-500"}
 
 
@@ -47,14 +50,26 @@ class Result:
     draft_acceptance_rate: float | None
     position_acceptance: tuple          # P(draft j accepted), j = 1..k
     lossless: bool | None               # T = 0: outputs equal no drafter's token for token
-    tokens_per_s: float | None          # measured by the engine, per request at its load
-    tokens_per_s_vs_none: float | None
+    tokens_per_s: float | None          # measured by the engine, per request at its load `in_flight`
+    in_flight: int | None               # requests in flight as the method's rows were decoded (its load)
     ours: float | None                  # our decoder's acceptance length on the same prompts
     ours_agrees: bool | None
+    prompts: int | None = None          # the prompts measured: the sample the standard error is over
+    acceptance_length_se: float | None = None   # over the prompts; None: one prompt, or an older report
+    k: int | None = None                # drafts per verification step
+
+    @property
+    def se(self) -> float | None:
+        """The acceptance length's standard error: over prompts where the report has it, else the
+        bound `noise` (a report written before it), None where neither can be had."""
+        if self.acceptance_length_se is not None:
+            return self.acceptance_length_se
+        return noise(self.drafts, self.k) if self.drafts and self.k else None
 
 
 def noise(drafts: int | None, k: int) -> float:
-    """A bound on one acceptance length's standard error: accepted per step lies in [0, k]."""
+    """A bound on one acceptance length's standard error: accepted per step lies in [0, k] (steps
+    taken as independent; `Result.se` uses it only where a report has no standard error over prompts)."""
     return k / (2 * math.sqrt(drafts)) if drafts else math.inf
 
 
@@ -80,31 +95,27 @@ def _part(temps: dict, ours_temps: dict, source: str, held_out: bool, draft_toke
                      "eagle3" if "eagle3" in t["methods"] else None)
         none = next((s for s in t["methods"].values() if s["kind"] == "none"), {})
         sets = sorted({ds for s in t["methods"].values() for ds in s.get("per_dataset", {})})
-        for ds in sets:
+        # the held-out prompts of every dataset together are a prompt set too: the run's headline
+        for ds in sets + ([ALL_HELD_OUT] if held_out and sets else []):
             for name, s in t["methods"].items():
-                p = s.get("per_dataset", {}).get(ds)
-                if p is None:
+                p = s if ds == ALL_HELD_OUT else s.get("per_dataset", {}).get(ds)
+                if p is None or p.get("acceptance_length") is None:
                     continue
                 k = s.get("k", draft_tokens)
                 mine = None
                 if source != "our decoder":
                     twin = ours_methods.get("prompt lookup" if s["kind"] == "ngram" else name, {})
-                    mine = twin.get("per_dataset", {}).get(ds)
+                    mine = twin if ds == ALL_HELD_OUT else twin.get("per_dataset", {}).get(ds)
+                    mine = mine if mine and mine.get("acceptance_length") is not None else None
                 out.append(Result(
-                    temperature, _set_name(ds, held_out), name, s["kind"], name == final, source,
-                    p.get("acceptance_length"), p.get("drafts"),
+                    temperature, ds if ds == ALL_HELD_OUT else _set_name(ds, held_out), name, s["kind"], name == final,
+                    source, p.get("acceptance_length"), p.get("drafts"),
                     p.get("draft_acceptance_rate"), tuple(p.get("position_acceptance") or ()),
-                    s.get("lossless") if temperature <= 0 else None,
-                    p.get("tokens_per_s"), _ratio(p.get("tokens_per_s"), none.get("per_dataset", {}).get(ds, {})),
+                    s.get("lossless") if temperature <= 0 else None, p.get("tokens_per_s"), s.get("in_flight"),
                     mine["acceptance_length"] if mine else None,
-                    agrees(p, mine, temperature, k) if mine else None))
+                    agrees(p, mine, temperature, k) if mine and s["kind"] != "ngram" else None,
+                    p.get("prompts"), p.get("acceptance_length_se"), k))
     return out
-
-
-def _ratio(tokens_per_s: float | None, none: dict) -> float | None:
-    """tok/s against no drafter's on the same prompts (`none`: its figures there)."""
-    base = none.get("tokens_per_s")
-    return tokens_per_s / base if tokens_per_s and base else None
 
 
 def _published(report: dict, sets: list[str], temperatures: list[float]) -> list[Result]:
@@ -148,8 +159,12 @@ def mode(temperature: float) -> str:
 
 
 def _cross_check(r: Result) -> str:
+    """Whether our decoder agrees; vLLM's ngram beside our prompt lookup is "not comparable": the two
+    n-gram implementations pick different matches by design, so no agreement is expected."""
     if r.ours is None:
         return "not measured"
+    if r.kind == "ngram":
+        return f"not comparable (another n-gram matcher), {r.ours - r.acceptance_length:+.3f}"
     return f"{'yes' if r.ours_agrees else 'no'}, {r.ours - r.acceptance_length:+.3f}"
 
 
@@ -163,13 +178,14 @@ def tables(report: dict) -> dict[str, pd.DataFrame]:
     for r in rows:
         key = f"{mode(r.temperature)} · {r.prompt_set}"
         row = {"method": r.method + (" (final)" if r.final else ""), "measured in": r.measured_in,
-               "acceptance length": r.acceptance_length, "draft acceptance rate": r.draft_acceptance_rate}
+               "acceptance length": r.acceptance_length,
+               "± (standard error over prompts)": r.acceptance_length_se, "prompts": r.prompts,
+               "draft acceptance rate": r.draft_acceptance_rate}
         row |= {f"P(draft {j + 1})": p for j, p in enumerate(r.position_acceptance)}
         if r.temperature <= 0:
             row["lossless"] = r.lossless
-        if measured_speed:
-            row |= {"output tok/s per request (measured)": r.tokens_per_s,
-                    "tok/s ÷ no drafter's (measured)": r.tokens_per_s_vs_none}
+        if measured_speed:   # beside its load only: rows decoded at different loads are not compared
+            row |= {"output tok/s per request (measured)": r.tokens_per_s, "requests in flight": r.in_flight}
         if cross_checked:
             row["our decoder agrees (by how much)"] = "n/a" if r.kind == "published" else _cross_check(r)
         out.setdefault(key, []).append(row)
@@ -182,10 +198,33 @@ def tables(report: dict) -> dict[str, pd.DataFrame]:
     return frames
 
 
+MARGIN_SE = 2.0   # a gap counts beyond noise past this many standard errors of the difference
+
+
+class Versus(str, Enum):
+    """The final drafter against a baseline on one prompt set at one temperature."""
+    ABOVE = "above"                     # higher by more than MARGIN_SE standard errors of the difference
+    WITHIN_NOISE = "within noise"
+    BELOW = "below"                     # lower by more than that
+
+
+def versus(a: float, a_se: float | None, b: float, b_se: float | None) -> tuple[Versus, float, float | None]:
+    """(the verdict, the gap a - b, the margin: MARGIN_SE standard errors of the difference). Where
+    neither figure has a standard error the margin is None and any gap decides."""
+    gap = a - b
+    margin = None if a_se is None and b_se is None else MARGIN_SE * math.hypot(a_se or 0.0, b_se or 0.0)
+    if gap > (margin or 0.0):
+        return Versus.ABOVE, gap, margin
+    if gap < -(margin or 0.0):
+        return Versus.BELOW, gap, margin
+    return Versus.WITHIN_NOISE, gap, margin
+
+
 @dataclass
 class Headline:
-    """One prompt set at one temperature: the final drafter, the n-gram baseline and no drafter;
-    `lossless`: at T = 0, whether the drafter's outputs equal no drafter's (None where not compared)."""
+    """One prompt set at one temperature: the final drafter, the n-gram baseline and no drafter, each
+    with its standard error over prompts and the prompts counted; `lossless`: at T = 0, whether the
+    drafter's outputs equal no drafter's (None where not compared)."""
 
     prompt_set: str
     temperature: float
@@ -193,6 +232,16 @@ class Headline:
     ngram: float | None = None
     no_drafter: float | None = None
     lossless: bool | None = None
+    drafter_se: float | None = None
+    ngram_se: float | None = None
+    drafter_prompts: int | None = None
+    ngram_prompts: int | None = None
+
+    def versus_ngram(self) -> tuple[Versus, float, float | None] | None:
+        """The drafter against ngram (`versus`); None where either was not measured."""
+        if self.drafter is None or self.ngram is None:
+            return None
+        return versus(self.drafter, self.drafter_se, self.ngram, self.ngram_se)
 
 
 def headlines(rows: list[Result]) -> list[Headline]:
@@ -201,27 +250,113 @@ def headlines(rows: list[Result]) -> list[Headline]:
     for r in rows:
         h = out.setdefault((r.temperature, r.prompt_set), Headline(r.prompt_set, r.temperature))
         if r.final:
-            h.drafter, h.lossless = r.acceptance_length, r.lossless
+            h.drafter, h.lossless, h.drafter_se, h.drafter_prompts = r.acceptance_length, r.lossless, r.se, r.prompts
         elif r.kind in ("ngram", "prompt_lookup"):
-            h.ngram = r.acceptance_length
+            h.ngram, h.ngram_se, h.ngram_prompts = r.acceptance_length, r.se, r.prompts
         elif r.kind == "none":
             h.no_drafter = r.acceptance_length
     return sorted(out.values(), key=lambda h: (h.temperature, not h.prompt_set.startswith("held-out")))
 
 
+def frame(rows: list[Result]) -> pd.DataFrame:
+    """The results as data, `eval/results.csv`: one row per method x prompt set x temperature, the
+    acceptance length with its standard error over prompts and its counts (prompts, drafts), the
+    draft acceptance rate, P(draft j accepted) for j = 1..k (empty past a row's own k), k and lossless."""
+    width = max((len(r.position_acceptance) for r in rows), default=0)
+    return pd.DataFrame([{
+        "temperature": r.temperature, "prompt_set": r.prompt_set, "method": r.method, "kind": r.kind,
+        "final": r.final, "measured_in": r.measured_in, "acceptance_length": r.acceptance_length,
+        "acceptance_length_se": r.acceptance_length_se, "prompts": r.prompts, "drafts": r.drafts,
+        "draft_acceptance_rate": r.draft_acceptance_rate, "k": r.k, "lossless": r.lossless,
+        **{f"p_accept_{j + 1}": (r.position_acceptance[j] if j < len(r.position_acceptance) else None)
+           for j in range(width)}} for r in rows],
+        columns=["temperature", "prompt_set", "method", "kind", "final", "measured_in", "acceptance_length",
+                 "acceptance_length_se", "prompts", "drafts", "draft_acceptance_rate", "k", "lossless"]
+        + [f"p_accept_{j + 1}" for j in range(width)])
+
+
+def write_csv(run: Run, report: dict) -> Path:
+    """`<run>/eval/results.csv` from the stage's report (`frame`)."""
+    path = results_csv_path(run)
+    write_text_atomic(path, frame(results(report)).to_csv(index=False))
+    return path
+
+
+@dataclass
+class RunHeadline:
+    """The run in one line: the final drafter's acceptance length on all the held-out prompts at the
+    first greedy temperature (else the first one), with its standard error over prompts, against
+    ngram and no drafter; lossless as measured there."""
+
+    temperature: float
+    prompts: int | None
+    measured_in: str
+    drafter: float
+    drafter_se: float | None
+    ngram: float | None
+    ngram_se: float | None
+    no_drafter: float
+    lossless: bool | None
+
+    def versus_ngram(self) -> Versus | None:
+        return None if self.ngram is None else versus(self.drafter, self.drafter_se, self.ngram, self.ngram_se)[0]
+
+    def text(self) -> str:
+        pm = lambda x, se: f"{x:.2f}" + ("" if se is None else f" ± {se:.2f}")
+        v = self.versus_ngram()
+        against = ("" if v is None else " (above ngram beyond noise)" if v == Versus.ABOVE else
+                   " (below ngram beyond noise)" if v == Versus.BELOW else " (within noise of ngram)")
+        return (f"headline: final drafter {pm(self.drafter, self.drafter_se)}{against}, ngram "
+                + ("n/a" if self.ngram is None else pm(self.ngram, self.ngram_se)) + f", no drafter {self.no_drafter:.2f}: "
+                f"{'greedy' if self.temperature <= 0 else f'T = {self.temperature:g}'} acceptance length on "
+                + (f"{self.prompts} " if self.prompts is not None else "the ") + f"held-out prompts, {self.measured_in}"
+                + ("" if self.lossless is None else ", lossless" if self.lossless else ", NOT lossless"))
+
+
+def run_headline(report: dict) -> RunHeadline | None:
+    """The run's headline: the rows of `results` on all held-out prompts together (ALL_HELD_OUT) at
+    the first greedy temperature (else the first one), the same figures the tables show; None where
+    the final drafter was not measured there."""
+    rows = [r for r in results(report) if r.prompt_set == ALL_HELD_OUT]
+    temperatures = sorted({r.temperature for r in rows}, key=lambda t: (t > 0, t))
+    for t in temperatures[:1]:
+        at = [r for r in rows if r.temperature == t]
+        final = next((r for r in at if r.final), None)
+        if final is None:
+            return None
+        ngram = next((r for r in at if r.kind in ("ngram", "prompt_lookup")), None)
+        return RunHeadline(t, final.prompts, final.measured_in, final.acceptance_length, final.se,
+                           ngram and ngram.acceptance_length, ngram and ngram.se, 1.0, final.lossless)
+    return None
+
+
 def readme_table(rows: list[Result]) -> str:
-    """The README's markdown table: the best of drafter and n-gram in bold."""
-    lines = ["| | prompts | final drafter | n-gram baseline | no drafter |", "|---|---|---|---|---|"]
+    """The README's markdown table: each figure ± its standard error over prompts, the prompts
+    counted beside the set; drafter or n-gram in bold where it is above the other beyond noise
+    (`versus`), neither where the gap is within it."""
+    lines = ["| | prompts (count) | final drafter | n-gram baseline | no drafter |", "|---|---|---|---|---|"]
     for h in headlines(rows):
-        best = max(h.drafter or 0, h.ngram or 0)
-        cell = lambda v: "n/a" if v is None else (f"**{v:.2f}**" if v == best and v > 1 else f"{v:.2f}")
+        v = h.versus_ngram()
+        best = None if v is None or v[0] == Versus.WITHIN_NOISE else h.drafter if v[0] == Versus.ABOVE else h.ngram
+
+        def cell(x, se=None):
+            if x is None:
+                return "n/a"
+            text = f"{x:.2f}" + ("" if se is None else f" ± {se:.2f}")
+            return f"**{text}**" if best is not None and x == best else text
+
         mode = "greedy" if h.temperature <= 0 else f"T = {h.temperature:g}"
-        lines.append(f"| {mode} | {h.prompt_set} | {cell(h.drafter)} | {cell(h.ngram)} | {cell(h.no_drafter)} |")
+        count = "" if h.drafter_prompts is None else f" ({h.drafter_prompts})"
+        lines.append(f"| {mode} | {h.prompt_set}{count} | {cell(h.drafter, h.drafter_se)} | {cell(h.ngram, h.ngram_se)} "
+                     f"| {cell(h.no_drafter)} |")
     return "\n".join(lines)
 
 
 def load(path: Path) -> list[Result]:
-    return [Result(**{**d, "position_acceptance": tuple(d["position_acceptance"])})
+    """Rows saved by `main --save` (fields an older version saved and this one has not are left out)."""
+    names = {f.name for f in fields(Result)}
+    return [Result(**{**{k: v for k, v in d.items() if k in names}, "in_flight": d.get("in_flight"),
+                      "position_acceptance": tuple(d["position_acceptance"])})
             for d in json.loads(path.read_text(encoding="utf-8"))]
 
 

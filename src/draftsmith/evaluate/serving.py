@@ -77,11 +77,22 @@ def serving_commands(export_dir: str | os.PathLike, target_path: str, bench_file
     }
 
 
+SHELL_WIDTH = 100   # a longer command is shown one option a line (`\\` continuations): whole on the page
+
+
+def shell_lines(command: str) -> str:
+    """`command` as a user copies it: one option a line with `\\` continuations where it is longer
+    than SHELL_WIDTH (the same command to a shell), else as is."""
+    if len(command) <= SHELL_WIDTH or "\n" in command:
+        return command
+    return command.replace(" --", " \\\n    --")
+
+
 def commands_text(serving: dict) -> str:
     """The report's `serving` part as a shell script a user reads: the export folders, the benchmark
-    file, then each command under its name."""
+    file, then each command under its name (`shell_lines`)."""
     lines = [f"export for SGLang: {serving['sglang_export']}", f"export for vLLM:   {serving['vllm_export']}",
              f"benchmark prompts: {serving['bench_prompts']} ({serving['bench_prompts_found']} prompts)", ""]
     for name in COMMANDS:
-        lines += [f"# {name}", serving[name], ""]
+        lines += [f"# {name}", shell_lines(serving[name]), ""]
     return "\n".join(lines)

@@ -89,6 +89,9 @@ def run(run: Run, cfg: EvaluateConfig, *, log=print) -> dict:
     decoder = measure_decoder(run, cfg, inputs, scope, log) if ours else Measured(by_t={}, bench_by_t={})
     report = build_report(run, cfg, inputs, vllm, decoder, scope)
     log(f"held-out prompts per dataset: {inputs.per_dataset}; report: {outputs.write_report(run, report)}")
+    from .results import write_csv
+
+    log(f"results as data: {write_csv(run, report)}")
     return report
 
 

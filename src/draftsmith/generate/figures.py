@@ -8,7 +8,7 @@ import pandas as pd
 
 from . import outputs
 from ..paths import Run
-from ..plotting import none_panel
+from ..plotting import dataset_color, none_panel
 
 COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens", "completion_tokens",
            "reasoning_tokens", "cost", "attempts", "latency_s", "started_at", "completed_at"]
@@ -102,14 +102,16 @@ def plot_overview(df: pd.DataFrame, manifest: dict, spend_limit_usd: float):
             unit, div = "seconds", 1.0
         d = df.sort_values("completed_at")
         for name, g in d.groupby("dataset"):
-            ax[0].plot((g["completed_at"] - t0) / div, g["completion_tokens"].cumsum(), label=name)
+            ax[0].plot((g["completed_at"] - t0) / div, g["completion_tokens"].cumsum(), label=name,
+                       color=dataset_color(name, df["dataset"]))
             b = (manifest.get("datasets", {}).get(name) or {}).get("budget")
             if b:
                 ax[0].axhline(b, ls=":", lw=1, color=ax[0].lines[-1].get_color())
         ax[1].plot((d["completed_at"] - t0) / div, d["cost"].fillna(0).cumsum())
         ax[2].hist(df["latency_s"].dropna(), bins=40)
         for name, g in df.groupby("dataset"):
-            ax[3].hist(g["completion_tokens"].dropna(), bins=40, alpha=0.6, label=name)
+            ax[3].hist(g["completion_tokens"].dropna(), bins=40, alpha=0.6, label=name,
+                       color=dataset_color(name, df["dataset"]))
         share = df.groupby("provider")["completion_tokens"].sum().sort_values()
         ax[4].barh(share.index, share.values)
     if not len(df):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from ..plotting import dataset_color
+
 
 def cost_vs_balance(plan: pd.DataFrame, balance_usd: float | None, spend_limit: float):
     """Stacked bars: each dataset's planned cost at the cheapest endpoint, the expected mix and the
@@ -17,7 +19,7 @@ def cost_vs_balance(plan: pd.DataFrame, balance_usd: float | None, spend_limit: 
     for _, r in plan.iterrows():
         vals = r[cols].astype(float)
         ax.bar(["cheapest", "expected mix", "most expensive"], vals.to_numpy(), bottom=bottom.to_numpy(),
-               label=r["dataset"])
+               label=r["dataset"], color=dataset_color(r["dataset"], plan["dataset"]))
         bottom += vals.to_numpy()
     for x, total in enumerate(bottom.to_numpy()):
         ax.annotate(f"${total:,.4g}", (x, total), ha="center", xytext=(0, 3), textcoords="offset points", fontsize=8)

@@ -102,6 +102,7 @@ _BUILD_VERSION = 4  # 4: head_dim 32, which vLLM's CPU attention runs (24 it rej
 BUILD_LOG = "[target build] "   # starts every line a build logs (report.html leaves them out)
 CHECKPOINT_EVERY = 20           # training steps between two checkpoints of a build
 TRAIN_CHECKPOINT = "train_checkpoint.pt"
+BUILD_RECORD = "draftsmith_build.json"   # in a built target's folder: when its build started and finished
 
 
 def build_tiny_target(name: str = "tiny", root: Path | None = None, log=print,
@@ -129,7 +130,7 @@ def build_once(root: Path, key: str, ready: Path, what: str, build, log) -> None
     safe against concurrent builders: one builds under `root/.KEY.lock`, the others wait (saying
     `what` they wait for) and reuse it. The build works in `root/.KEY.partial/`, where its training
     checkpoint lives, so a later build resumes from it; it returns the (folder in work, final
-    folder) pairs, renamed into place when it is done."""
+    folder) pairs, renamed into place when it is done, each with its `BUILD_RECORD`."""
     if (ready / "config.json").is_file():
         return
     root.mkdir(parents=True, exist_ok=True)
@@ -140,10 +141,23 @@ def build_once(root: Path, key: str, ready: Path, what: str, build, log) -> None
             return
         work = root / f".{key}.partial"
         work.mkdir(exist_ok=True)
+        started = time.time()
         for built, final in build(work, say):
+            record = {"started": started, "finished": time.time()}   # epoch seconds: whose stage built it
+            (built / BUILD_RECORD).write_text(json.dumps(record))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(built, final)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def build_record(folder: Path) -> tuple[float, float] | None:
+    """(started, finished), epoch seconds, of the build that wrote the built-in target in `folder`;
+    None for a target built before builds recorded it, or not built here."""
+    try:
+        r = json.loads((Path(folder) / BUILD_RECORD).read_text())
+        return float(r["started"]), float(r["finished"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 CHECKPOINT_FORMAT = 2   # of the training state saved: 2 holds the used rows of the embedding only

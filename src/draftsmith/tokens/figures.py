@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..paths import Run
-from ..plotting import none_panel
+from ..plotting import dataset_color, none_panel
 from .outputs import read_checks
 
 
@@ -70,7 +70,8 @@ def _lengths(rows: list[dict]):
     for ax, k in ((a1, 0), (a2, 1)):
         values = [v for d in by_ds.values() for v in d[k]]
         bins = np.histogram_bin_edges(values, bins=30) if values else 30
-        ax.hist([d[k] for d in by_ds.values()], bins=bins, label=list(by_ds), histtype="stepfilled", alpha=0.5)
+        ax.hist([d[k] for d in by_ds.values()], bins=bins, label=list(by_ds), histtype="stepfilled", alpha=0.5,
+                color=[dataset_color(name, by_ds) for name in by_ds])
     a1.set_xlabel("prompt tokens")
     a2.set_xlabel("response tokens")
     a1.set_ylabel("samples")
