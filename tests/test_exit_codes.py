@@ -85,7 +85,7 @@ def test_keep_going_runs_the_later_stages_and_still_exits_3(kept_going):
 def test_a_warning_exits_0_and_with_strict_ends_the_chain_with_3(tmp_path):
     # a spend limit below stage 01's plan: its verdict is warning ("the plan fits n%")
     common = ["-f", "params/smoke.yaml", "-p", "outputs_dir", str(tmp_path / "outputs"), "-p", "spend_limit_usd",
-              "0.003"]
+              "0.003", "-p", "logprob_prompts", "0"]   # (the logprob probe alone could cost more than that)
     proc = draftsmith("01", *common)
     run = Run(tmp_path / "outputs", "smoke")
     assert summary.read(run)["stages"][0]["verdict"] == "warning", proc.stderr[-3000:]

@@ -289,9 +289,9 @@ class Summary:
     run: str
     verdict: Verdict
     stages: list[StageSummary]
-    not_run: list[NotRun] = field(default_factory=list)   # the chain's stages that did not start
     headline: RunHeadline | None = None     # the final drafter's greedy acceptance on the held-out prompts
     meta: Meta | None = None
+    not_run: list[NotRun] = field(default_factory=list)   # the chain's stages that did not start
 
     def to_json(self) -> dict:
         """summary.json: one schema for every stage ({title, section, verdict, seconds, log, figures,
@@ -689,8 +689,8 @@ def build(run: Run, not_run: list[NotRun] | tuple = (), params_file: str | None 
             by_number.setdefault(p.stem[:2], []).append(p)
     stages = [stage(run, paths) for _, paths in sorted(by_number.items())]
     evaluated = next((s.numbers for s in stages if isinstance(s.numbers, EvalNumbers)), None)
-    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages, list(not_run),
-                   evaluated.headline if evaluated else None, meta(run, params_file))
+    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages,
+                   evaluated.headline if evaluated else None, meta(run, params_file), list(not_run))
 
 
 def write(run: Run, summary: Summary) -> Path:

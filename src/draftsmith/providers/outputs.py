@@ -148,4 +148,4 @@ def check_spend(run: Run, worst_usd: float, spend_limit_usd: float) -> None:
     if done + worst_usd > spend_limit_usd:
         raise RuntimeError(f"stage 01 has spent ${done:.4f} of spend_limit_usd ${spend_limit_usd:.2f}; the next step "
                            f"could cost ${worst_usd:.4f}: raise spend_limit_usd, or set expected_output_tokens / "
-                           f"probe_prompts: 0 to skip the pilot / the probe")
+                           f"probe_prompts / logprob_prompts: 0 to skip the pilot / the probe / the logprob probe")
