@@ -31,6 +31,12 @@ def acceptance(rows: list[dict], k: int) -> dict:
             "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
 
 
+def method_of(row: dict, methods: list[EngineMethod]) -> str:
+    """A row's method name: its own, or (a row that does not carry it) its method's by fingerprint."""
+    return row.get("method") or next((m.name for m in methods if m.fingerprint == row["method_fingerprint"]),
+                                     row["method_fingerprint"])
+
+
 def runner_of(row: dict) -> dict:
     """The model runner a row's engine ran (v1/v2) and its class (None: the engine did not start,
     or a row of a version that did not record it)."""
@@ -115,7 +121,7 @@ def engine_report(rows: list[dict], methods: list[EngineMethod], hf_rows: list[d
             "cpu_expand_kernel_replaced": any(r.get("cpu_expand_kernel_replaced") for r in rows),
             "gpu_only": {r["method"]: r["gpu_only"] for r in rows if r.get("gpu_only")},
             # every engine the rows came from: the runner that ran (the one asked for, where it did not start)
-            "engines": {r["method"]: {**runner_of(r), "started": not r.get("gpu_only")} for r in rows},
+            "engines": {method_of(r, methods): {**runner_of(r), "started": not r.get("gpu_only")} for r in rows},
             # the job's engine settings as the engines held them (one each, unless rows of other runs are summed)
             "engine_env": _distinct(measured, "engine_env", {}),
             "disable_custom_all_reduce": _distinct(measured, "disable_custom_all_reduce", None),
