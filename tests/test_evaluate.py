@@ -513,7 +513,7 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
     assert {r["sample_id"] for r in rows if r["dataset"] == "gsm8k"} == {"g0", "g1"}
     tabs = results.tables(report)
     assert list(tabs) == [f"{mode} · {s} · our decoder" for mode in ("greedy (T = 0)", "sampling (T = 1)")
-                          for s in ("held-out chat", "held-out code", "GSM8K", "MT-bench")]
+                          for s in ("held-out chat", "held-out code", "held-out, all", "GSM8K", "MT-bench")]
     gsm = tabs["greedy (T = 0) · GSM8K · our decoder"]
     assert list(gsm["method"]) == ["none", "prompt lookup", "eagle3 (final)"] and "P(draft 3)" in gsm
     assert "measured in" not in gsm and "output tok/s per request (measured)" not in gsm

@@ -244,8 +244,8 @@ def test_stage_04_in_vllm_on_int4_experts_says_gpu_only_in_one_line(kimi_mini_ta
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=800)
     # the stage ends cleanly, and the run says there is nothing to train on from this machine (exit 3)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"! 04_hidden_states: stopped: no features: GPU-only: NotImplementedError: {WNA16}" in proc.stdout, \
-        proc.stdout[-3000:]
+    assert f"! 04_hidden_states: stopped: no features: GPU-only: NotImplementedError: {WNA16}" in proc.stderr, \
+        proc.stderr[-3000:]
     log = (outputs / "kimi-mini" / "logs" / "04_hidden_states.log").read_text()
     said = [line for line in log.splitlines() if line.endswith(f"GPU-only: NotImplementedError: {WNA16}")]
     assert len(said) == 1 and said[0].startswith("stage 04 on kimi-mini"), said   # (the summary table shows it too)

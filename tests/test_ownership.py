@@ -41,7 +41,8 @@ OWNERS = {
     "rounds.jsonl": {"evaluate/outputs.py"}, "engine_rounds.jsonl": {"evaluate/outputs.py"},
     "engine_job.json": {"evaluate/outputs.py"}, "bench_prompts_sharegpt.json": {"evaluate/outputs.py"},
     # the runner's
-    "run_params.yaml": {"runner.py"}, "report.html": {"report.py"},
+    # run_params.yaml: written by the runner, hashed into the run's summary (`meta`)
+    "run_params.yaml": {"runner.py", "summary.py"}, "report.html": {"report.py"},
 }
 FILE = re.compile(r"[\w.*-]+\.(?:jsonl?|csv|safetensors|yaml|html)")
 
