@@ -306,12 +306,14 @@ def check_samples_of(samples: list, order: list[int], check_samples: int) -> lis
     for i in order:
         s = samples[i]
         response = s.loss_mask.nonzero()
-        start = int(response[0]) if len(response) else len(s)
-        n = min(len(s), start + CHECK_TOKENS)
-        (fits if n <= CHECK_MAX_TOKENS else long).append(_cut(s, n) if n <= CHECK_MAX_TOKENS else s)
+        n = min(len(s), (int(response[0]) if len(response) else len(s)) + CHECK_TOKENS)
+        if n <= CHECK_MAX_TOKENS:
+            fits.append(_cut(s, n))
+        else:
+            long.append(_cut(s, CHECK_MAX_TOKENS))
         if len(fits) >= check_samples:
             break
-    return fits + [_cut(s, CHECK_MAX_TOKENS) for s in long[:check_samples - len(fits)]]
+    return fits + long[:check_samples - len(fits)]
 
 
 def crossing_window(step_tokens: int, length: int | None = None) -> int:
