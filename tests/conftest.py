@@ -87,7 +87,6 @@ TIERS = {
     "test_generate_e2e.py::test_a_signal_stops_cleanly_and_a_rerun_finishes": "crash",
     "test_generate_e2e.py::test_kill_9_at_random_moments_then_resume_pays_twice_only_for_in_flight": "crash",
     "test_generate_e2e.py::test_an_interrupt_asks_the_cost_of_lost_answers_for_seconds_and_counts_the_rest_at_their_worst": "crash",
-    "test_generate_emulator_contract.py": "emulator",
     "test_generate_message.py": "emulator",
     "test_generate_notebook.py": "notebook",
     "test_generate_retry.py": "unit",

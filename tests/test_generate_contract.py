@@ -1,9 +1,10 @@
 """Stage 02 against OpenRouter's documented contract, one test per way it used to lose money or data.
 
-The server here is a small stub that answers in the documented shapes (the official SDK's models)
-and keeps its own ledger of what it billed, per generation id; each test scripts what it answers.
-It is independent of our emulator on purpose: these tests hold the client to OpenRouter's
-contract, not to our own reading of it.
+Each contract is tested once, against the emulator playing OpenRouter (src/draftsmith/emulator),
+with the fault that breaks it as a parameter; the emulator's ledger is the referee for what was
+paid. A small stub (`Stub`: the documented shapes, its own ledger, each answer scripted) stays
+only for what the emulator cannot produce: a 403 at a chosen moment while chosen requests hang,
+a workspace budget below the key's limit, and the 503 routing refusals.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from draftsmith.openrouter import pricing
+from draftsmith.emulator import running
+from draftsmith.openrouter import endpoints, pricing
 from draftsmith.openrouter.api import Api
 from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.paths import Run
-from draftsmith.openrouter import endpoints
 from draftsmith.providers import outputs
 
 from conftest import stage_02_at
+from test_generate_e2e import assert_whole_and_unique, billed, emu_config, prompts_file
+from test_generate_e2e import generate as emu_generate
+from test_generate_e2e import saved as emu_saved
 
 MODEL = "moonshotai/kimi-k2.5"
 PRICE_IN, PRICE_OUT = 0.5e-6, 2.0e-6
@@ -176,70 +180,72 @@ def manifest(tmp_path: Path) -> dict:
     return json.loads((tmp_path / "r" / "generate" / "manifest.json").read_text())
 
 
-# --- 1: 403 is a spent budget or a missing permission, not a bad prompt -------------------------
 
-def test_403_stops_the_run_and_writes_no_sample_off(tmp_path):
-    spent = {"on": False}
+def ledger_cost(emu) -> float:
+    return sum(x["cost"] for x in emu.ledger_lines() if x["billed"])
 
-    def answer(stub, body, n):
-        if n >= 10:
-            spent["on"] = True
-        if spent["on"]:
-            return stub.error(403, "Key limit exceeded", {"error_type": "permission_denied",
-                                                          "limit_source": "openrouter_key_limit"})
-        return stub.ok()
-    ds = prompts(tmp_path, 60)
-    with Stub(answer) as stub:
-        r = generate(stub, tmp_path, ds, concurrency=4)
-        assert r.reason == "fatal" and not r.complete and "budget" in r.message, r.message
+
+def one_file(tmp_path: Path, n: int, tag: str) -> list[dict]:
+    return [{"name": "p", "path": str(prompts_file(tmp_path / f"{tag}.jsonl", n, tag))}]
+
+
+# --- a 403 is a spent budget or a missing permission, not a bad prompt ----------------------
+
+@pytest.mark.parametrize("refusal", ["key_budget_usd", "key_forbidden"])
+def test_a_403_stops_the_run_writes_no_sample_off_and_a_rerun_finishes(tmp_path, refusal):
+    """The key's budget runs out (it shows in /key, then 403 past it) or the key lacks permission
+    (403 on every request): the run stops, never by writing the remaining samples off; once the
+    budget is raised (the permission given) the re-run answers the rest, paying nothing twice."""
+    refused = {"key_budget_usd": 0.002} if refusal == "key_budget_usd" else {"key_forbidden": True}
+    ds = one_file(tmp_path, 300, refusal)
+    with running(emu_config(credits=100.0, fault_scale=0.0, **refused), state_dir=tmp_path / "emu") as emu:
+        r = emu_generate(emu, tmp_path, ds, concurrency=4)
+        assert r.reason in ("balance", "fatal") and not r.complete, r.message
         assert not errors(tmp_path), "a sample was written off for a 403"
-        done = len(saved(tmp_path))
-        assert 0 < done < 60
-        spent["on"] = False                       # the budget was raised
-        stub.answer = lambda stub, body, n: stub.ok()
-        again = generate(stub, tmp_path, ds, concurrency=4)
-        assert again.complete and len(saved(tmp_path)) == 60
+        done = len(emu_saved(tmp_path, "p"))
+        assert (0 < done < 300) if refusal == "key_budget_usd" else done == 0
+        assert r.spent_usd == pytest.approx(ledger_cost(emu), abs=1e-6) and r.spent_usd <= 0.002 + 1e-9
+    with running(emu_config(credits=100.0, fault_scale=0.0), state_dir=tmp_path / "emu") as emu:
+        again = emu_generate(emu, tmp_path, ds, concurrency=4)
+        assert again.complete, again.message
+        rows = emu_saved(tmp_path, "p")
+        assert_whole_and_unique(rows)
+        assert len(rows) == 300 and max(billed(emu).values()) == 1
 
 
-# --- 2: answers lost after billing are paid for: ask /generation, count it --------------------
+# --- answers lost after billing are paid for: ask /generation, count it ---------------------
 
-def test_lost_answers_are_costed_from_generation_and_the_spend_matches_the_bills(tmp_path):
-    """A third of the prompts' first answers are cut after the headers (billed in full,
-    X-Generation-Id sent); others hang past the read timeout (billed too) before an answer comes.
-    The manifest's spend equals the stub's bills."""
-    tries: dict[str, int] = {}
+@pytest.mark.parametrize("stream", [False, True])
+def test_answers_billed_then_lost_are_counted_and_the_spend_equals_the_ledger(tmp_path, stream):
+    faults = {"cut_after_billing": 0.25, "hang": 0.05}
+    # hangs outlast the read timeout; every other answer comes well within it (a client time-out of an
+    # answer still on its way has no generation id to ask about, and is counted at its worst case)
+    with running(emu_config(credits=100.0, faults=faults, hang_s=6.0), state_dir=tmp_path / "emu") as emu:
+        r = emu_generate(emu, tmp_path, one_file(tmp_path, 60, f"lost{stream}"), stream=stream,
+                         request_timeout_s=3.0, max_attempts=10)
+        assert r.complete, r.message
+        rows = emu_saved(tmp_path, "p")
+        assert_whole_and_unique(rows)
+        assert len(rows) == 60
+        lost = [x for x in emu.ledger_lines() if x["billed"] and x["error"] in ("cut_after_billing", "hang")]
+        assert lost, "no answer was lost: raise the fault rates"
+        assert r.session["unknown_bills"] == 0, r.session
+        assert r.spent_usd == pytest.approx(ledger_cost(emu), abs=1e-6)
+        assert "Paid for and not saved this session" in r.message, r.message
 
-    async def answer(stub, body, n, request):
-        gid = stub.new_id()
-        q = body["messages"][0]["content"]
-        tries[q] = tries.get(q, 0) + 1
-        i = int(q.split()[1])
-        if tries[q] == 1 and i % 3 == 1:          # billed, headers sent, body cut
-            stub.bill(gid, 10)
-            resp = web.StreamResponse(status=200, headers={"X-Generation-Id": gid, "Content-Length": "4000"})
-            await resp.prepare(request)
-            await resp.write(b'{"id": "' + gid.encode())
-            request.transport.close()
-            return resp
-        if tries[q] <= 2 and i % 7 == 5:         # billed, then silent past the read timeout
-            stub.bill(gid, 10)
-            resp = web.StreamResponse(status=200, headers={"X-Generation-Id": gid})
-            await resp.prepare(request)
-            await asyncio.sleep(3)
-            return resp
-        return stub.ok(gid)
 
-    ds = prompts(tmp_path, 40)
-    with LostStub(answer) as stub:
-        # the read timeout leaves a loaded box time for the answers that come, and is still below a hang
-        r = generate(stub, tmp_path, ds, concurrency=8, request_timeout_s=1.5)
-        assert r.complete and len(saved(tmp_path)) == 40, r.message
-        lost = stub.total - sum(x["usage"]["cost"] for x in saved(tmp_path))
-        assert lost > 0
-        assert r.spent_usd == pytest.approx(stub.total, abs=1e-9)
-        assert manifest(tmp_path)["spent_usd"] == pytest.approx(stub.total, abs=1e-9)
-        assert f"Paid for and not saved this session: ${lost:.4f}" in r.message, r.message
-        assert r.session["lost_answers"] == r.session["lost_answers_costed"] > 0
+@pytest.mark.parametrize("faults", [{}, {"cut_after_billing": 0.6}], ids=["no_faults", "answers_lost"])
+def test_the_spend_limit_holds_and_the_spend_equals_the_ledger(tmp_path, faults):
+    """Without counting the answers lost after billing, the run would spend without end."""
+    with running(emu_config(credits=100.0, faults=faults or None, fault_scale=1.0 if faults else 0.0),
+                 state_dir=tmp_path / "emu") as emu:
+        limit = 0.004
+        r = emu_generate(emu, tmp_path, one_file(tmp_path, 400, "limit"), concurrency=16, spend_limit_usd=limit,
+                         max_attempts=20)
+        assert r.reason == "spend_limit" and "spend_limit_usd" in r.message, r.message
+        worst = max(x["cost"] for x in emu.ledger_lines() if x["billed"]) * 4   # generous: one request's worst case
+        assert limit / 2 < ledger_cost(emu) <= limit + (worst if faults else 0.0)
+        assert r.spent_usd == pytest.approx(ledger_cost(emu), abs=1e-6)
 
 
 class LostStub(Stub):
@@ -253,28 +259,11 @@ class LostStub(Stub):
         return await self.answer(self, body, n, request)
 
 
-def test_the_spend_limit_holds_when_lost_answers_are_billed(tmp_path):
-    """All answers are lost after billing: without counting them the run would spend without end."""
-    async def answer(stub, body, n, request):
-        gid = stub.new_id()
-        stub.bill(gid, 32)
-        resp = web.StreamResponse(status=200, headers={"X-Generation-Id": gid, "Content-Length": "4000"})
-        await resp.prepare(request)
-        request.transport.close()
-        return resp
-
-    with LostStub(answer) as stub:
-        limit = 0.002
-        r = generate(stub, tmp_path, prompts(tmp_path, 400), concurrency=8, spend_limit_usd=limit, max_attempts=3)
-        worst = 30 * PRICE_IN + 32 * PRICE_OUT + 200 * PRICE_IN      # generous bound of one request
-        assert r.reason == "spend_limit", r.message
-        assert stub.total <= limit + worst
-        assert r.spent_usd == pytest.approx(stub.total, abs=1e-9)
-
 
 def test_requests_abandoned_at_a_stop_are_costed(tmp_path):
     """A 403 stops the run while other requests hang (billed): after the grace period they are
-    given up on, and /generation still tells what they cost."""
+    given up on, and /generation still tells what they cost. Stub: the emulator cannot hold
+    chosen requests while the 403 comes at a chosen moment."""
     async def answer(stub, body, n, request):
         gid = stub.new_id()
         if n < 4:
@@ -293,7 +282,8 @@ def test_requests_abandoned_at_a_stop_are_costed(tmp_path):
         assert "Paid for and not saved" in r.message and "Nothing paid for" not in r.message
 
 
-# --- 3: endpoints without `seed` are not routed to when seed is sent with require_parameters ----
+
+# --- endpoints without `seed` are not routed to when seed is sent with require_parameters ---
 
 def test_endpoints_lacking_a_sent_parameter_are_excluded_and_not_priced():
     eps = [endpoint("moonshotai/int4"), endpoint("cheapseed/int4", params=["max_tokens", "temperature"],
@@ -306,33 +296,50 @@ def test_endpoints_lacking_a_sent_parameter_are_excluded_and_not_priced():
     assert cat.endpoints == 1 and cat.completion_price == pytest.approx(PRICE_OUT)
 
 
-def test_no_endpoint_taking_seed_stops_before_sending_anything(tmp_path):
-    eps = [endpoint("moonshotai/int4", params=["max_tokens", "temperature", "top_p"])]
-    with Stub(lambda stub, body, n: stub.error(404, "No endpoints found that can handle the requested parameters."),
-              endpoints=eps) as stub:
-        r = generate(stub, tmp_path, prompts(tmp_path, 5))
-        assert r.reason == "fatal" and "seed" in r.message and not stub.bodies, r.message
+
+def test_endpoints_without_seed_are_not_used_and_none_at_all_stops_before_sending(tmp_path):
+    no_seed = ["max_tokens", "temperature", "top_p", "stop", "reasoning", "include_reasoning"]
+    eps = [{"slug": "a", "name": "A", "quantization": "int4", "prompt_price": 0.5, "completion_price": 2.0,
+            "supported_parameters": no_seed},
+           {"slug": "b", "name": "B", "quantization": "int4", "prompt_price": 0.6, "completion_price": 2.2}]
+    ds = one_file(tmp_path, 20, "seed")
+    with running(emu_config(credits=10.0, fault_scale=0.0, providers=eps), state_dir=tmp_path / "emu") as emu:
+        r = emu_generate(emu, tmp_path, ds, seed=0)
+        assert r.complete, r.message
+        assert {x["provider_name"] for x in emu.ledger_lines() if x["billed"]} == {"B"}
+    with running(emu_config(credits=10.0, fault_scale=0.0, providers=eps[:1]), state_dir=tmp_path / "emu2") as emu:
+        r = emu_generate(emu, tmp_path / "two", ds, seed=0)
+        assert r.reason == "fatal" and "seed" in r.message, r.message
+        assert not emu.ledger_lines()
 
 
-# --- 4, 5: refusals that retrying cannot change stop the run ----------------------------------
+# --- refusals that retrying cannot change stop the run --------------------------------------
 
-@pytest.mark.parametrize("status,error,words", [
-    (402, {"message": "Request weight exceeds this key's whole limit",
-           "metadata": {"reason": "weight_exceeds_budget", "limit_source": "openrouter_key_limit"}}, "max_tokens"),
-    (503, {"message": "No endpoints found that can handle the requested parameters."}, "routing"),
-    (503, {"message": "No available model provider that meets your routing requirements. Please try again later."},
-     "routing"),
-])
-def test_refusals_that_retrying_cannot_change_stop_the_run(tmp_path, status, error, words):
-    with Stub(lambda stub, body, n: stub.error(status, error["message"], error.get("metadata"))) as stub:
+def test_a_request_heavier_than_the_whole_budget_stops_at_once(tmp_path):
+    """402 weight_exceeds_budget: no retry can fit it; the message names max_tokens."""
+    with running(emu_config(credits=100.0, fault_scale=0.0, key_budget_usd=0.00001), state_dir=tmp_path / "emu") as emu:
+        r = emu_generate(emu, tmp_path, one_file(tmp_path, 30, "weight"), max_tokens=4000, max_attempts=3)
+        assert r.reason in ("fatal", "balance") and not r.complete, r.message
+        assert "max_tokens" in r.message, r.message
+        assert not any(x["billed"] for x in emu.ledger_lines())
+        assert not emu_saved(tmp_path, "p")
+
+
+@pytest.mark.parametrize("message", [
+    "No endpoints found that can handle the requested parameters.",
+    "No available model provider that meets your routing requirements. Please try again later."])
+def test_a_503_routing_refusal_stops_the_run_without_a_storm_of_retries(tmp_path, message):
+    """Stub: the emulator refuses these routes with a 404 (the seed test above), never a 503."""
+    with Stub(lambda stub, body, n: stub.error(503, message)) as stub:
         r = generate(stub, tmp_path, prompts(tmp_path, 30), max_attempts=3)
-        assert r.reason == "fatal" and not r.complete and words in r.message, r.message
+        assert r.reason == "fatal" and not r.complete and "routing" in r.message, r.message
         assert not errors(tmp_path) and len(stub.bodies) <= 8      # no sample exhausted, no storm of retries
 
 
-# --- 6: one balance, read the same way by stages 01 and 02 ------------------------------------
+# --- one balance, read the same way by stages 01 and 02 -------------------------------------
 
 def test_stages_01_and_02_read_the_same_balance(tmp_path):
+    """Stub: the emulator's key has one budget; here a workspace budget below the key's limit wins."""
     key = {"limit": 10.0, "limit_remaining": 9.0,
            "budgets": [{"scope": "workspace", "limit_usd": 5.0, "spend_usd": 1.5, "remaining_usd": 3.5},
                        {"scope": "key_limit", "limit_usd": 10.0, "spend_usd": 1.0, "remaining_usd": 9.0}],
@@ -351,45 +358,39 @@ def test_stages_01_and_02_read_the_same_balance(tmp_path):
         assert Api(stub.base_url, ApiKey("sk-or-v1-test", "t")).balance()[0] == 7.0   # /credits
 
 
-# --- 7: the worst case includes every documented price ----------------------------------------
 
-def test_worst_case_reservation_includes_overrides_request_and_reasoning_prices(tmp_path):
+# --- the worst case includes every documented price ------------------------------------------
+
+def test_the_worst_case_reservation_includes_overrides_request_and_reasoning_prices(tmp_path):
     ep = endpoint("moonshotai/int4", request="0.0001", internal_reasoning=str(3 * PRICE_OUT), discount=0.5,
                   overrides=[{"min_prompt_tokens": 128000, "prompt": str(4 * PRICE_IN), "completion": str(4 * PRICE_OUT)}])
     assert pricing.worst_prices(ep) == pytest.approx((4 * PRICE_IN, 4 * PRICE_OUT, 0.0001))
     assert pricing.default_prices(ep) == pytest.approx((0.5 * PRICE_IN, 0.5 * PRICE_OUT, 0.00005))
-
-    # through stage 02: every request is billed at the override price plus the request fee
-    def answer(stub, body, n):
-        gid = stub.new_id()
-        return stub.ok(gid, usage=stub.bill(gid, 32, extra=20 * 3 * PRICE_IN + 32 * 2 * PRICE_OUT + 0.0001))
-    with Stub(answer, endpoints=[ep]) as stub:
+    # through stage 02: every request is billed at the override's price (any prompt is long enough) plus the fee
+    dear = [{"slug": "moonshotai", "name": "Moonshot AI", "quantization": "int4", "prompt_price": 0.5,
+             "completion_price": 2.0, "request_price": 0.0001, "internal_reasoning_price": 6.0,
+             "price_overrides": [{"min_prompt_tokens": 1, "prompt_price": 2.0, "completion_price": 8.0}]}]
+    with running(emu_config(credits=100.0, fault_scale=0.0, providers=dear), state_dir=tmp_path / "emu") as emu:
         limit = 0.004
-        r = generate(stub, tmp_path, prompts(tmp_path, 300), concurrency=16, spend_limit_usd=limit)
-        assert r.reason == "spend_limit"
-        assert stub.total <= limit, (stub.total, limit)
+        r = emu_generate(emu, tmp_path, one_file(tmp_path, 300, "worst"), concurrency=16, spend_limit_usd=limit)
+        assert r.reason == "spend_limit", r.message
+        assert 0 < ledger_cost(emu) <= limit
 
 
-# --- 8: BYOK: the fee and the provider's bill: counted by the client (test_client) --------------
-
-# --- 9: stage 02 alone never routes beyond the precision policy -------------------------------
+# --- stage 02 alone never routes beyond the precision policy ----------------------------------
 
 def test_stage_02_without_stage_01_applies_the_precision_policy(tmp_path):
-    eps = [endpoint("moonshotai/int4"), endpoint("fireworks/nvfp4", "nvfp4"), endpoint("atlas/unknown", "unknown"),
-           endpoint("novita/fp8", "fp8")]
-    logs: list[str] = []
-    with Stub(lambda stub, body, n: stub.ok(), endpoints=eps) as stub:
-        r = generate(stub, tmp_path, prompts(tmp_path, 5), log=logs.append)
-        assert r.complete
-        sent = {json.dumps(b["provider"], sort_keys=True) for b in stub.bodies}
-        assert len(sent) == 1
-        prov = stub.bodies[0]["provider"]
-        assert prov["only"] == ["moonshotai/int4", "novita/fp8"] and prov["require_parameters"] is True
-        assert not {"nvfp4", "fp4", "unknown"} & set(prov["quantizations"])
-        assert any("fidelity probe did not run" in line and "fireworks/nvfp4" in line for line in logs)
+    eps = [{"slug": s, "name": s.title(), "quantization": q, "prompt_price": 0.5, "completion_price": 2.0}
+           for s, q in (("moonshotai", "int4"), ("fireworks", "nvfp4"), ("atlas", "unknown"), ("novita", "fp8"))]
+    ds = one_file(tmp_path, 40, "policy")
+    with running(emu_config(credits=10.0, fault_scale=0.0, providers=eps), state_dir=tmp_path / "emu") as emu:
+        r = emu_generate(emu, tmp_path, ds)
+        assert r.complete, r.message
+        assert {x["provider_name"] for x in emu.ledger_lines() if x["billed"]} <= {"Moonshotai", "Novita"}
+        assert any("fidelity probe did not run" in line and "fireworks/nvfp4" in line for line in r.logs)
         assert manifest(tmp_path)["config"]["routing_source"].startswith("stage 02 precision policy")
-    with pytest.raises(ValueError, match="run stage 01 first"):
-        generate(stub, tmp_path / "x", prompts(tmp_path, 5), native_precision=None)
+        with pytest.raises(ValueError, match="run stage 01 first"):
+            emu_generate(emu, tmp_path / "x", ds, native_precision=None)
 
 
 # --- stage 01's spend counts in the run's spend limit -----------------------------------------
@@ -399,38 +400,9 @@ def test_stage_01_spend_counts_against_the_run_limit(tmp_path):
     assert outputs.record_spend(run, "pilot", 0.003) == 0.003
     assert outputs.record_spend(run, "probe", 0.001) == pytest.approx(0.004)
     assert outputs.spent(run) == pytest.approx(0.004)
-    with Stub(lambda stub, body, n: stub.ok()) as stub:
-        r = generate(stub, tmp_path, prompts(tmp_path, 300), spend_limit_usd=0.006)
-        assert r.reason == "spend_limit"
-        assert stub.total <= 0.006 - 0.004 + 1e-12 and r.spent_usd == pytest.approx(stub.total + 0.004)
+    with running(emu_config(credits=100.0, fault_scale=0.0), state_dir=tmp_path / "emu") as emu:
+        r = emu_generate(emu, tmp_path, one_file(tmp_path, 300, "s01"), spend_limit_usd=0.006)
+        assert r.reason == "spend_limit", r.message
+        assert ledger_cost(emu) <= 0.006 - 0.004 + 1e-12
+        assert r.spent_usd == pytest.approx(ledger_cost(emu) + 0.004, abs=1e-6)
         assert "stage 01 included" in r.message
-
-
-# --- throttling waits, it never spends a sample's attempts -------------------------------------
-
-def test_throttling_never_spends_attempts_and_given_up_samples_are_in_the_last_line(tmp_path):
-    """Each prompt meets five 429s (with and without Retry-After) and in-flight 402s before an
-    answer, with max_attempts 2: all are answered. Then a provider that always fails: the
-    samples are given up and the message ends saying so."""
-    seen: dict[str, int] = {}
-
-    def answer(stub, body, n):
-        q = body["messages"][0]["content"]
-        seen[q] = seen.get(q, 0) + 1
-        k = seen[q]
-        if k <= 3:
-            return stub.error(429, "Provider returned error", {"provider_name": "Moonshot AI", "raw": "busy"},
-                              headers={"Retry-After": "0"} if k % 2 else None)
-        if k <= 5:
-            return stub.error(402, "Too much spending in flight", {"reason": "in_flight_budget_exhausted",
-                                                                   "limit_source": "openrouter_in_flight_budget"})
-        return stub.ok()
-    with Stub(answer) as stub:
-        r = generate(stub, tmp_path, prompts(tmp_path, 20), max_attempts=2)
-        assert r.complete and len(saved(tmp_path)) == 20 and r.session["exhausted_samples"] == 0, r.message
-        assert "GIVEN UP" not in r.message
-    with Stub(lambda stub, body, n: stub.error(502, "Provider returned error", {"provider_name": "X"})) as stub:
-        r = generate(stub, tmp_path / "b", prompts(tmp_path, 3), max_attempts=2)
-        assert r.session["exhausted_samples"] == 3
-        assert r.message.endswith("3 samples were GIVEN UP after 2 failed attempts each (errors.jsonl); "
-                                  "a re-run tries them again.")
