@@ -166,11 +166,6 @@ def generate(stub: Stub, tmp_path: Path, ds, **kw):
     return stage_02_at(stub.base_url, ApiKey("sk-or-v1-test", "test"), Run(tmp_path, "r"), ds, **args)
 
 
-def saved(tmp_path: Path) -> list[dict]:
-    path = tmp_path / "r" / "generate" / "p" / "raw_responses.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
 def errors(tmp_path: Path) -> list[dict]:
     path = tmp_path / "r" / "generate" / "p" / "errors.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
