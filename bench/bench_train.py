@@ -24,7 +24,7 @@ import torch
 from draftsmith.distributed import Dist
 from draftsmith.drafter import data, train
 from draftsmith.drafter.config import TrainConfig
-from draftsmith.drafter.model import DrafterConfig
+from draftsmith.drafter.model import DrafterShape
 from draftsmith.hidden.extract import extract
 from draftsmith.drafter.objective import TTTObjective, build_drafter, step_weights
 from draftsmith.drafter.prepare import prepare
@@ -64,7 +64,7 @@ def bare(cfg: TrainConfig, steps: int) -> tuple[float, int]:
     shards = HiddenShards(cfg.hidden_dir)
     tensors = target_tensors(cfg.target_path)
     prep = prepare(cfg, shards, tensors["lm_head"], d, log=lambda *a: None)   # cached by the loop's run
-    mcfg = DrafterConfig.from_target(target_config(cfg.target_path), cfg.draft_vocab_size)
+    mcfg = DrafterShape.from_target(target_config(cfg.target_path), cfg.draft_vocab_size)
     drafter = build_drafter(mcfg, tensors["embed"], prep.vocab, cfg.seed)
     obj = TTTObjective(drafter, tensors["lm_head"][prep.vocab.used].clone(), cfg.ttt_steps)
     weights = step_weights(cfg)

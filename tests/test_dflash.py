@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from draftsmith import layers
 from draftsmith.drafter import dflash, dflash_export, outputs, stage, train
-from draftsmith.drafter.model import DrafterConfig
+from draftsmith.drafter.model import DrafterShape
 from draftsmith.evaluate.decode import decode
 from draftsmith.evaluate.proposers import Columns, DFlashProposer
 from draftsmith.evaluate.target_cache import Target
@@ -45,7 +45,7 @@ def dflash_config(hidden, target, out, **kw):
 
 
 def tiny_drafter(block_size=4, num_aux=2) -> dflash.DFlashDrafter:
-    base = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    base = DrafterShape(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
                          vocab_size=200, draft_vocab_size=50, target_hidden_size=32)
     cfg = dflash.DFlashConfig(base=base, num_layers=2, block_size=block_size, num_aux=num_aux, mask_token_id=199)

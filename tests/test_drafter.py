@@ -15,7 +15,7 @@ from draftsmith.hidden import outputs as shards
 from draftsmith.hidden.extract import extract
 from draftsmith.drafter import checkpoints, data, export, outputs, stage, train
 from draftsmith.drafter.config import TrainConfig
-from draftsmith.drafter.model import DrafterConfig, Eagle3Drafter
+from draftsmith.drafter.model import DrafterShape, Eagle3Drafter
 from draftsmith.drafter.objective import TTTObjective
 from draftsmith.drafter.vocab import DraftVocab, token_counts, used_ids
 
@@ -172,7 +172,7 @@ def test_supervision_needs_a_response_token_next_and_the_teacher_argmax_in_the_d
 
 
 def tiny_drafter(seed=0, vocab=300, draft=40) -> Eagle3Drafter:
-    cfg = DrafterConfig(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+    cfg = DrafterShape(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=4, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
                         vocab_size=vocab, draft_vocab_size=draft, target_hidden_size=16)
     torch.manual_seed(seed)

@@ -9,6 +9,6 @@ a drafter with `load_exported(export_dir, target_path)` (`dflash_export.load_exp
 the held-out samples with `outputs.read_heldout`."""
 
 from .export import load_exported
-from .model import DrafterConfig, Eagle3Drafter, KVCache
+from .model import DrafterShape, Eagle3Drafter, KVCache
 
-__all__ = ["load_exported", "DrafterConfig", "Eagle3Drafter", "KVCache"]
+__all__ = ["load_exported", "DrafterShape", "Eagle3Drafter", "KVCache"]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import MLP, DrafterConfig, RMSNorm, repeat_kv, rope
+from .model import MLP, DrafterShape, RMSNorm, repeat_kv, rope
 from .objective import init_linears, teacher_distribution
 
 # DFlash paper (arXiv 2602.06036, Sec. 4): the loss decay gamma per block size.
@@ -36,7 +36,7 @@ def position_weights(block_size: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DFlashConfig:
-    base: DrafterConfig          # hidden size, heads, MLP width, vocab sizes: the target's shape
+    base: DrafterShape          # hidden size, heads, MLP width, vocab sizes: the target's shape
     num_layers: int              # draft decoder layers
     block_size: int              # B: the anchor and B-1 drafted tokens
     num_aux: int                 # target layers read
@@ -44,7 +44,7 @@ class DFlashConfig:
 
 
 class BlockAttention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.theta = cfg.rope_theta
@@ -78,7 +78,7 @@ class BlockAttention(nn.Module):
 
 
 class BlockLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = BlockAttention(cfg)

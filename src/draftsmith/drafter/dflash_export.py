@@ -15,7 +15,7 @@ import torch
 from ..targets.checkpoint import target_tensors
 from .dflash import DFlashConfig, DFlashDrafter
 from .export import DTYPES, _portable, read_export, write_folder
-from .model import DrafterConfig
+from .model import DrafterShape
 from .vocab import used_ids
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -106,14 +106,14 @@ def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DFlashCon
 
 
 def config_of_export(config: dict) -> DFlashConfig:
-    fields = DrafterConfig.__dataclass_fields__
+    fields = DrafterShape.__dataclass_fields__
     base = {f: config[f] for f in fields if f in config}
     base["rope_theta"] = float(config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta")))
     missing = [f for f in fields if f not in base]
     if missing:
         raise ValueError(f"DFlash export config.json lacks {missing}")
     d = config["dflash_config"]
-    return DFlashConfig(base=DrafterConfig(**base), num_layers=int(config["num_hidden_layers"]),
+    return DFlashConfig(base=DrafterShape(**base), num_layers=int(config["num_hidden_layers"]),
                         block_size=int(d["block_size"]), num_aux=len(d["target_layer_ids"]),
                         mask_token_id=int(d["mask_token_id"]))
 

@@ -14,7 +14,7 @@ from torch import nn
 from . import dflash, dflash_export
 from .config import TrainConfig
 from .export import export as export_eagle3
-from .model import DrafterConfig
+from .model import DrafterShape
 from .objective import TTTObjective, build_drafter, step_weights
 from .prepare import Prepared
 
@@ -37,7 +37,7 @@ class Eagle3:
     supervised positions at that step; exported for `export_engine`."""
     anchors = None
 
-    def __init__(self, cfg: TrainConfig, mcfg: DrafterConfig, prep: Prepared, head: torch.Tensor,
+    def __init__(self, cfg: TrainConfig, mcfg: DrafterShape, prep: Prepared, head: torch.Tensor,
                  embed: torch.Tensor, layer_ids: list[int]):
         self.cfg, self.mcfg, self.counts, self.layer_ids = cfg, mcfg, prep.counts, layer_ids
         self.objective = TTTObjective(build_drafter(mcfg, embed, prep.vocab, cfg.seed), head, cfg.ttt_steps)
@@ -58,7 +58,7 @@ class DFlash:
     """DFlash: blocks of `dflash_block_size` from seeded anchors, MASK slots filled with a token the
     responses never use; a block row's denominator counts its scored rows over the epoch's anchors."""
 
-    def __init__(self, cfg: TrainConfig, mcfg: DrafterConfig, prep: Prepared, head: torch.Tensor,
+    def __init__(self, cfg: TrainConfig, mcfg: DrafterShape, prep: Prepared, head: torch.Tensor,
                  embed: torch.Tensor, layer_ids: list[int]):
         unused = (prep.vocab.counts == 0).nonzero().flatten()
         if len(unused) == 0:
@@ -83,7 +83,7 @@ class DFlash:
         return {"block_size": self.cfg.dflash_block_size, "draft_layers": self.cfg.dflash_layers}
 
 
-def build(cfg: TrainConfig, mcfg: DrafterConfig, prep: Prepared, tensors: dict, layer_ids: list[int]) -> DrafterKind:
+def build(cfg: TrainConfig, mcfg: DrafterShape, prep: Prepared, tensors: dict, layer_ids: list[int]) -> DrafterKind:
     """The drafter `cfg.drafter_kind` names, fresh (seeded), over the target's embedding and lm_head."""
     kind = Eagle3 if cfg.drafter_kind == "eagle3" else DFlash
     return kind(cfg, mcfg, prep, tensors["lm_head"][prep.vocab.used].clone(), tensors["embed"], layer_ids)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TrainConfig
-from .model import DrafterConfig, Eagle3Drafter
+from .model import DrafterShape, Eagle3Drafter
 from .vocab import DraftVocab
 
 
@@ -69,7 +69,7 @@ def step_weights(cfg: TrainConfig) -> torch.Tensor:
     return torch.tensor([cfg.step_weight ** i for i in range(cfg.ttt_steps)])
 
 
-def build_drafter(cfg: DrafterConfig, embed: torch.Tensor, vocab: DraftVocab, seed: int) -> Eagle3Drafter:
+def build_drafter(cfg: DrafterShape, embed: torch.Tensor, vocab: DraftVocab, seed: int) -> Eagle3Drafter:
     """A freshly initialised drafter (seeded) with the target's embedding, frozen."""
     torch.manual_seed(seed)
     return init_linears(Eagle3Drafter(cfg, embed, vocab.d2t, vocab.t2d))

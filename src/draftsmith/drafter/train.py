@@ -26,7 +26,7 @@ from ..targets.checkpoint import target_config, target_tensors
 from . import checkpoints, data, kinds, outputs
 from .config import TrainConfig
 from .kinds import DrafterKind
-from .model import DrafterConfig
+from .model import DrafterShape
 from .objective import autocast
 from .prepare import Prepared, prepare
 from .scoring import heldout_scores, row, unigram_baseline
@@ -152,7 +152,7 @@ class Inputs:
     (the target's), the layers stored (output convention), those trained on and their columns in
     the shards, and the fingerprint a checkpoint must match."""
     shards: HiddenShards
-    mcfg: DrafterConfig
+    mcfg: DrafterShape
     stored: list[int]
     layer_ids: list[int]
     cols: list[int]
@@ -162,7 +162,7 @@ class Inputs:
 def _inputs(cfg: TrainConfig, d: Dist) -> Inputs:
     shards = HiddenShards(cfg.hidden_dir)
     tconf = target_config(cfg.target_path)
-    mcfg = DrafterConfig.from_target(tconf, cfg.draft_vocab_size)
+    mcfg = DrafterShape.from_target(tconf, cfg.draft_vocab_size)
     if shards.hidden_size != mcfg.target_hidden_size:
         raise ValueError(f"{cfg.hidden_dir}: hidden_size {shards.hidden_size} but the target "
                          f"{cfg.target_path} has {mcfg.target_hidden_size}: shards from another target?")
