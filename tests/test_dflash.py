@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import layers
-from draftsmith.drafter import dflash, dflash_export, outputs, stage
+from draftsmith.drafter import dflash, outputs, stage
 from draftsmith.drafter.model import DrafterShape
 from draftsmith.evaluate.decode import decode
 from draftsmith.evaluate.proposers import Columns, DFlashProposer
@@ -125,18 +125,18 @@ def test_dflash_trains_exports_vllms_format_and_reloads_bit_for_bit(both_dir, ti
     assert vocab.counts[d["mask_token_id"]] == 0          # never a response token
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
-    dcfg = dflash_export.config_of_export(config)
-    assert keys == set(dflash_export.expected_shapes(dcfg)) and "embed_tokens.weight" not in keys
+    dcfg = dflash.config_of_export(config)
+    assert keys == set(dflash.expected_shapes(dcfg)) and "embed_tokens.weight" not in keys
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t",
             "layers.1.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight"} <= keys
-    mask = torch.load(out / dflash_export.MASK_FILE, weights_only=True)
+    mask = torch.load(out / dflash.MASK_FILE, weights_only=True)
     assert mask["mask_token_id"] == d["mask_token_id"] and mask["embedding"].shape == (config["hidden_size"],)
     ck = torch.load(outputs.checkpoints(Path(setup.job.out_dir))[-1], weights_only=False)
-    loaded = dflash_export.load_exported(out, tiny_target)
+    loaded = dflash.load_exported(out, tiny_target)
     for k, v in loaded.state_dict().items():
         if k not in ("embed_tokens.weight",):
             assert torch.equal(v, ck["model"]["drafter." + k]), k
-    assert "vllm serve" in dflash_export.serving_command(tiny_target, out, 4)
+    assert "vllm serve" in dflash.serving_command(tiny_target, out, 4)
 
 
 def test_dflash_resumes_from_a_checkpoint_identically_and_refuses_other_settings(both_dir, tiny_target, tmp_path):
@@ -147,7 +147,7 @@ def test_dflash_resumes_from_a_checkpoint_identically_and_refuses_other_settings
 
 def test_our_decoder_drafts_dflash_blocks_losslessly(both_dir, tiny_target, tmp_path):
     s = train(dflash_config(both_dir, tiny_target, tmp_path / "d"))
-    drafter = dflash_export.load_exported(s["exports"][-1]["dir"], tiny_target)
+    drafter = dflash.load_exported(s["exports"][-1]["dir"], tiny_target)
     stored = shards.HiddenShards(both_dir).index["layer_ids"]
     model = load_target(tiny_target, "cpu")
     target = Target(model, stored)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import DrafterConfig
-from . import dflash, dflash_export
+from . import dflash
 from .data import Prepared
 from .export import export as export_eagle3
 from .model import DrafterShape
@@ -77,7 +77,7 @@ class DFlash:
                    for i in batch).float()
 
     def export(self, path: Path, state: dict, extra: dict) -> Path:
-        return dflash_export.export(path, state, self.dcfg, self.layer_ids, self.cfg.export_dtype, extra)
+        return dflash.export(path, state, self.dcfg, self.layer_ids, self.cfg.export_dtype, extra)
 
     def summary(self) -> dict:
         return {"block_size": self.cfg.dflash_block_size, "draft_layers": self.cfg.dflash_layers}
