@@ -17,20 +17,22 @@ from pathlib import Path
 import torch
 
 from bench_train import make_hidden
-from draftsmith.drafter import train
-from draftsmith.drafter.config import TrainConfig
+from draftsmith.config import DrafterConfig
+from draftsmith.drafter import stage
+from draftsmith.drafter.stage import TrainJob
 from draftsmith.targets.checkpoint import resolve_target
 
 
-def config(hidden: Path, target: Path, out: Path, kind: str, a) -> TrainConfig:
-    return TrainConfig(hidden_dir=str(hidden), target_path=str(target), out_dir=str(out), drafter_kind=kind,
-                       draft_vocab_size=a.draft_vocab, ttt_steps=7, train_epochs=1.0, train_batch_size=a.batch,
-                       train_micro_batch_size=a.batch, train_max_len=1024, train_lr=1e-3,
-                       train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
-                       train_holdout_fraction=0.05, seed=0, train_fsdp=False, train_eval_every=0,
-                       train_checkpoint_every=10 ** 9, export_fractions=[1.0], export_engine="vllm",
-                       export_dtype="bfloat16", train_resume=False, stop_at=a.steps, dflash_layers=a.layers,
-                       dflash_block_size=a.block, dflash_anchors=a.anchors)
+def config(hidden: Path, target: Path, out: Path, kind: str, a) -> tuple[DrafterConfig, TrainJob]:
+    job = TrainJob(hidden_dir=str(hidden), target_path=str(target), out_dir=str(out), drafter_kind=kind,
+                   stop_at=a.steps)
+    return DrafterConfig(draft_vocab_size=a.draft_vocab, ttt_steps=7, train_epochs=1.0, train_batch_size=a.batch,
+                         train_micro_batch_size=a.batch, train_max_len=1024, train_lr=1e-3,
+                         train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
+                         train_holdout_fraction=0.05, seed=0, train_fsdp=False, train_eval_every=0,
+                         train_checkpoint_every=10 ** 9, export_fractions=[1.0], export_engine="vllm",
+                         export_dtype="bfloat16", train_resume=False, dflash_layers=a.layers,
+                         dflash_block_size=a.block, dflash_anchors=a.anchors), job
 
 
 def params(out: Path) -> int:
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
         for r in range(a.rounds):
             for kind in ("eagle3", "dflash") if r % 2 == 0 else ("dflash", "eagle3"):
                 out = Path(tmp) / f"{kind}-{r}"
-                s = train.train(config(hidden, target, out, kind, a), log=lambda *m: None)
+                s = stage.train(*config(hidden, target, out, kind, a), log=lambda *m: None)
                 got[kind].append((s["train_seconds"] / s["steps"], s["tokens"] / s["train_seconds"]))
                 size[kind] = params(out)
     print(f"\ndrafter training on {a.target}, one capture (layer_set both), batch {a.batch}, {a.steps} steps, "

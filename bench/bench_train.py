@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 
 from draftsmith.distributed import Dist
-from draftsmith.drafter import data, train
-from draftsmith.drafter.config import TrainConfig
-from draftsmith.drafter.model import DrafterConfig
-from draftsmith.hidden.extract import extract
+from draftsmith.config import DrafterConfig
+from draftsmith.drafter import data, stage
+from draftsmith.drafter.data import prepare
+from draftsmith.drafter.model import DrafterShape
 from draftsmith.drafter.objective import TTTObjective, build_drafter, step_weights
-from draftsmith.drafter.prepare import prepare
+from draftsmith.drafter.stage import TrainJob
+from draftsmith.hidden.extract import extract
 from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.targets.checkpoint import resolve_target, target_config, target_tensors
 
@@ -57,23 +58,24 @@ def make_hidden(target: Path, out: Path, n: int, layer_set: str = "eagle3") -> P
     return out / "hidden"
 
 
-def bare(cfg: TrainConfig, steps: int) -> tuple[float, int]:
+def bare(cfg: DrafterConfig, job: TrainJob, steps: int) -> tuple[float, int]:
     """Forward+backward of the TTT objective over the micro-batches the loop trains on, collated in
     memory beforehand; returns (seconds, tokens)."""
     d = Dist(0, 1, torch.device("cpu"))
-    shards = HiddenShards(cfg.hidden_dir)
-    tensors = target_tensors(cfg.target_path)
-    prep = prepare(cfg, shards, tensors["lm_head"], d, log=lambda *a: None)   # cached by the loop's run
-    mcfg = DrafterConfig.from_target(target_config(cfg.target_path), cfg.draft_vocab_size)
-    drafter = build_drafter(mcfg, tensors["embed"], prep.vocab, cfg.seed)
+    shards = HiddenShards(job.hidden_dir)
+    tensors = target_tensors(job.target_path)
+    # cached by the loop's run
+    prep = prepare(cfg, Path(job.out_dir), shards, tensors["lm_head"], d, log=lambda *a: None)
+    shape = DrafterShape.from_target(target_config(job.target_path), cfg.draft_vocab_size)
+    drafter = build_drafter(shape, tensors["embed"], prep.vocab, cfg.seed)
     obj = TTTObjective(drafter, tensors["lm_head"][prep.vocab.used].clone(), cfg.ttt_steps)
-    weights = step_weights(cfg)
+    weights = step_weights(cfg.ttt_steps, job.step_weight)
     spe = len(prep.train) // cfg.train_batch_size
     plan = []
     for s in range(steps):
         gb = data.global_batches(prep.train, cfg.train_batch_size, cfg.seed, s // spe)[s % spe]
         denom = prep.counts[gb].sum(0).float()
-        mbs = data.MicroBatches(cfg.hidden_dir, data.micro_batches(gb, prep.sup, cfg.train_micro_batch_size), prep.sup)
+        mbs = data.MicroBatches(job.hidden_dir, data.micro_batches(gb, prep.sup, cfg.train_micro_batch_size), prep.sup)
         plan.append(([mbs[j] for j in range(len(mbs))], weights / denom.clamp_min(1),
                      sum(prep.sup.length(i) for i in gb)))
     t0 = time.perf_counter()
@@ -106,20 +108,20 @@ def main() -> int:
         hidden_dir = Path(a.hidden) if a.hidden else make_hidden(target, Path(tmp) / "data", a.samples)
         n = len(HiddenShards(hidden_dir))
         epochs = a.steps / ((n - max(1, round(0.05 * n))) // a.batch)
-        cfg = TrainConfig(hidden_dir=str(hidden_dir), target_path=str(target), out_dir=str(Path(tmp) / "drafter"),
-                          draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt, train_epochs=epochs,
-                          train_batch_size=a.batch, train_micro_batch_size=a.micro, train_max_len=1024,
-                          train_lr=1e-3, train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
-                          train_holdout_fraction=0.05, seed=0, train_fsdp=False, train_eval_every=0,
-                          train_checkpoint_every=10 ** 9, export_fractions=[1.0], export_engine="sglang",
-                          export_dtype="bfloat16", train_resume=False)
+        cfg = DrafterConfig(draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt, train_epochs=epochs,
+                            train_batch_size=a.batch, train_micro_batch_size=a.micro, train_max_len=1024,
+                            train_lr=1e-3, train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
+                            train_holdout_fraction=0.05, seed=0, train_fsdp=False, train_eval_every=0,
+                            train_checkpoint_every=10 ** 9, export_fractions=[1.0], export_engine="sglang",
+                            export_dtype="bfloat16", train_resume=False)
+        job = TrainJob(hidden_dir=str(hidden_dir), target_path=str(target), out_dir=str(Path(tmp) / "drafter"))
         loop, limit = [], []
         for r in range(a.rounds):
-            s = train.train(cfg, log=lambda *m: None)
+            s = stage.train(cfg, job, log=lambda *m: None)
             if s["steps"] != a.steps:
                 print(f"note: the loop ran {s['steps']} steps", file=sys.stderr)
             loop.append((s["train_seconds"], s["tokens"], s["eval_save_seconds"], s["prep_seconds"]))
-            limit.append(bare(cfg, s["steps"]))
+            limit.append(bare(cfg, job, s["steps"]))
         lt, ltok, side, _ = min(loop)
         prep = loop[0][3]   # later rounds reuse the cached vocabulary and supervision
         bt, btok = min(limit)

@@ -89,7 +89,7 @@ def train_rate(kind: str, device: str) -> tuple[float, int, str]:
     import torch
 
     from draftsmith.drafter import dflash
-    from draftsmith.drafter.model import DrafterConfig
+    from draftsmith.drafter.model import DrafterShape
     from draftsmith.drafter.objective import TTTObjective, autocast, build_drafter
     from draftsmith.drafter.vocab import DraftVocab
     from draftsmith.targets.kimi_mini import SHAPE, text_config
@@ -99,7 +99,7 @@ def train_rate(kind: str, device: str) -> tuple[float, int, str]:
     dev = torch.device(device)
     torch.manual_seed(0)
     with torch.device(dev):
-        cfg = DrafterConfig.from_target(text_config(shape), s["draft_vocab"])
+        cfg = DrafterShape.from_target(text_config(shape), s["draft_vocab"])
         h, v, n = cfg.hidden_size, cfg.vocab_size, s["seq"]
         counts = torch.zeros(v, dtype=torch.int64)
         counts[torch.randperm(v)[:s["draft_vocab"]]] = 1

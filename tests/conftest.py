@@ -369,20 +369,21 @@ def stage_05_train(run: Path, target: Path, *, epochs: float, export_fractions: 
     """Stage 05 on `run`'s hidden states: a drafter trained with 20% held out on `train_layer_ids` of
     them (None: its own) and exported at `export_fractions` into `drafter/`; with `dflash` (DFlash
     settings), a DFlash drafter as well, trained the same way on the same features into `drafter-dflash/`."""
-    from draftsmith.drafter.config import TrainConfig
-    from draftsmith.drafter.train import train
+    from draftsmith.config import DrafterConfig
+    from draftsmith.drafter.stage import TrainJob, train
 
-    common = dict(hidden_dir=str(run / "hidden"), target_path=str(target), draft_vocab_size=512, ttt_steps=3,
+    common = dict(draft_vocab_size=512, ttt_steps=3,
                   train_epochs=epochs, train_batch_size=4, train_micro_batch_size=4, train_max_len=160, train_lr=lr,
                   train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
                   train_holdout_fraction=0.2, seed=0, train_fsdp=False, train_eval_every=0,
                   train_checkpoint_every=100, export_fractions=export_fractions, export_dtype="float32",
                   train_resume=True)
-    train(TrainConfig(out_dir=str(run / "drafter"), export_engine="sglang", train_layer_ids=train_layer_ids or [],
-                      **common), log=lambda *a: None)
+    paths = dict(hidden_dir=str(run / "hidden"), target_path=str(target))
+    train(DrafterConfig(export_engine="sglang", train_layer_ids=train_layer_ids or [], **common),
+          TrainJob(out_dir=str(run / "drafter"), **paths), log=lambda *a: None)
     if dflash is not None:
-        train(TrainConfig(out_dir=str(run / "drafter-dflash"), drafter_kind="dflash", export_engine="vllm",
-                          **{**common, "export_fractions": [1.0]}, **dflash), log=lambda *a: None)
+        train(DrafterConfig(export_engine="vllm", **{**common, "export_fractions": [1.0]}, **dflash),
+              TrainJob(out_dir=str(run / "drafter-dflash"), drafter_kind="dflash", **paths), log=lambda *a: None)
     return run
 
 

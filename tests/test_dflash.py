@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import layers
-from draftsmith.drafter import dflash, dflash_export, outputs, stage, train
-from draftsmith.drafter.model import DrafterConfig
+from draftsmith.drafter import dflash, outputs, stage
+from draftsmith.drafter.model import DrafterShape
 from draftsmith.evaluate.decode import decode
 from draftsmith.evaluate.proposers import Columns, DFlashProposer
 from draftsmith.evaluate.target_cache import Target
@@ -23,7 +23,7 @@ from draftsmith.hidden.extract import extract
 from draftsmith.paths import Run
 from draftsmith.targets.checkpoint import load_target, target_config
 from conftest import stage_config
-from test_drafter import quiet, resumes_identically, small_config, write_tokens
+from test_drafter import quiet, resumes_identically, small_config, train, write_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,7 +45,7 @@ def dflash_config(hidden, target, out, **kw):
 
 
 def tiny_drafter(block_size=4, num_aux=2) -> dflash.DFlashDrafter:
-    base = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    base = DrafterShape(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
                          vocab_size=200, draft_vocab_size=50, target_hidden_size=32)
     cfg = dflash.DFlashConfig(base=base, num_layers=2, block_size=block_size, num_aux=num_aux, mask_token_id=199)
@@ -107,8 +107,8 @@ def test_anchors_are_seeded_supervised_and_the_objective_counts_what_the_plan_co
 
 
 def test_dflash_trains_exports_vllms_format_and_reloads_bit_for_bit(both_dir, tiny_target, tmp_path):
-    cfg = dflash_config(both_dir, tiny_target, tmp_path / "d", train_epochs=2.0, train_eval_every=9)
-    s = train.train(cfg, log=quiet)
+    setup = dflash_config(both_dir, tiny_target, tmp_path / "d", train_epochs=2.0, train_eval_every=9)
+    s = train(setup)
     start, end = s["heldout_start"], s["heldout"]
     assert s["finished"] and s["kind"] == "dflash" and len(end["loss_i"]) == 3
     assert end["loss_i"][0] < start["loss_i"][0] - 1.0
@@ -121,33 +121,33 @@ def test_dflash_trains_exports_vllms_format_and_reloads_bit_for_bit(both_dir, ti
     assert config["num_hidden_layers"] == 2 and "layer_types" not in config
     d = config["dflash_config"]
     assert d["block_size"] == 4 and d["target_layer_ids"] == s["layer_ids"]
-    vocab = outputs.read_vocab(cfg.out_dir)
+    vocab = outputs.read_vocab(setup.job.out_dir)
     assert vocab.counts[d["mask_token_id"]] == 0          # never a response token
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
-    dcfg = dflash_export.config_of_export(config)
-    assert keys == set(dflash_export.expected_shapes(dcfg)) and "embed_tokens.weight" not in keys
+    dcfg = dflash.config_of_export(config)
+    assert keys == set(dflash.expected_shapes(dcfg)) and "embed_tokens.weight" not in keys
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t",
             "layers.1.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight"} <= keys
-    mask = torch.load(out / dflash_export.MASK_FILE, weights_only=True)
+    mask = torch.load(out / dflash.MASK_FILE, weights_only=True)
     assert mask["mask_token_id"] == d["mask_token_id"] and mask["embedding"].shape == (config["hidden_size"],)
-    ck = torch.load(outputs.checkpoints(Path(cfg.out_dir))[-1], weights_only=False)
-    loaded = dflash_export.load_exported(out, tiny_target)
+    ck = torch.load(outputs.checkpoints(Path(setup.job.out_dir))[-1], weights_only=False)
+    loaded = dflash.load_exported(out, tiny_target)
     for k, v in loaded.state_dict().items():
         if k not in ("embed_tokens.weight",):
             assert torch.equal(v, ck["model"]["drafter." + k]), k
-    assert "vllm serve" in dflash_export.serving_command(tiny_target, out, 4)
+    assert "vllm serve" in dflash.serving_command(tiny_target, out, 4)
 
 
 def test_dflash_resumes_from_a_checkpoint_identically_and_refuses_other_settings(both_dir, tiny_target, tmp_path):
     broken = resumes_identically(dflash_config(both_dir, tiny_target, tmp_path / "a"), tmp_path)
     with pytest.raises(ValueError, match="dflash_block_size"):
-        train.train(replace(broken, dflash_block_size=6), log=quiet)
+        train(broken.but(dflash_block_size=6))
 
 
 def test_our_decoder_drafts_dflash_blocks_losslessly(both_dir, tiny_target, tmp_path):
-    s = train.train(dflash_config(both_dir, tiny_target, tmp_path / "d"), log=quiet)
-    drafter = dflash_export.load_exported(s["exports"][-1]["dir"], tiny_target)
+    s = train(dflash_config(both_dir, tiny_target, tmp_path / "d"))
+    drafter = dflash.load_exported(s["exports"][-1]["dir"], tiny_target)
     stored = shards.HiddenShards(both_dir).index["layer_ids"]
     model = load_target(tiny_target, "cpu")
     target = Target(model, stored)

@@ -2,7 +2,7 @@
 
 import json
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -10,12 +10,13 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import layers
+from draftsmith.config import DrafterConfig, split
 from draftsmith.paths import Run
 from draftsmith.hidden import outputs as shards
 from draftsmith.hidden.extract import extract
-from draftsmith.drafter import checkpoints, data, export, outputs, stage, train
-from draftsmith.drafter.config import TrainConfig
-from draftsmith.drafter.model import DrafterConfig, Eagle3Drafter
+from draftsmith.drafter import data, export, outputs, stage
+from draftsmith.drafter.stage import TrainJob
+from draftsmith.drafter.model import DrafterShape, Eagle3Drafter
 from draftsmith.drafter.objective import TTTObjective
 from draftsmith.drafter.vocab import DraftVocab, token_counts, used_ids
 
@@ -47,14 +48,33 @@ def hidden_dir(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
     return root / "hidden"
 
 
-def small_config(hidden_dir, target, out, **kw) -> TrainConfig:
-    base = dict(hidden_dir=str(hidden_dir), target_path=str(target), out_dir=str(out), draft_vocab_size=512,
-                ttt_steps=3, train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2, train_max_len=192,
-                train_lr=3e-3, train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
+@dataclass(frozen=True)
+class Setup:
+    """One drafter's training as a test states it: stage 05's config and the job; `but` changes
+    fields of either by name."""
+    cfg: DrafterConfig
+    job: TrainJob
+
+    def but(self, **kw) -> "Setup":
+        job, cfg = split(TrainJob, kw)
+        return Setup(replace(self.cfg, **cfg), replace(self.job, **job))
+
+
+def train(s: Setup) -> dict:
+    return stage.train(s.cfg, s.job, log=quiet)
+
+
+def launch(s: Setup) -> dict:
+    return stage.launch(s.cfg, s.job, log=quiet)
+
+
+def small_config(hidden_dir, target, out, **kw) -> Setup:
+    job = TrainJob(hidden_dir=str(hidden_dir), target_path=str(target), out_dir=str(out))
+    base = dict(draft_vocab_size=512, ttt_steps=3, train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2,
+                train_max_len=192, train_lr=3e-3, train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
                 train_holdout_fraction=0.1, seed=0, train_fsdp=False, train_eval_every=0, train_checkpoint_every=3,
                 export_fractions=[0.5, 1.0], export_engine="sglang", export_dtype="float32", train_resume=True)
-    base.update(kw)
-    return TrainConfig(**base)
+    return Setup(DrafterConfig(**base), job).but(**kw)
 
 
 def quiet(*a, **k):
@@ -108,39 +128,38 @@ def test_read_heldout_says_to_run_stage_05_first(tmp_path):
         outputs.read_heldout(run)
 
 
-def test_notebook_05_holds_the_one_default_of_each_training_setting_under_the_field_name():
-    """Every parameter of notebook 05 is a TrainConfig field of the same name or one of stage.run's
-    own (where it runs, which drafters); TrainConfig has no default for any of them but the notebook's
-    own, taken from its declaration (the settings an EAGLE-3 run need not name)."""
-    from dataclasses import MISSING, fields
+def test_training_reads_notebook_05s_config_and_a_job_of_only_the_knobs_no_stage_declares():
+    """`stage.train` takes stage 05's config itself; `TrainJob` holds what no stage declares (the kind,
+    the paths, `step_weight`, `stop_at`), none of them a notebook parameter under its name or a
+    `train_` one, and the two survive the JSON file torchrun ranks read (`stage.read_settings`)."""
+    from dataclasses import fields
 
     from draftsmith import parameters
 
-    declared = set(parameters.select(parameters.discover(), "05")[0].params)
-    own = {"run_name", "outputs_dir", "target_model_path", "train_nproc", "nnodes", "rdzv_endpoint", "drafter_kinds"}
-    required = {f.name for f in fields(TrainConfig) if f.default is MISSING and f.default_factory is MISSING}
-    from_notebook = {f.name for f in fields(TrainConfig) if f.default_factory is not MISSING}
-    assert from_notebook == {"train_layer_ids", "dflash_layers", "dflash_block_size", "dflash_anchors"}
-    for name in from_notebook:
-        field = next(f for f in fields(TrainConfig) if f.name == name)
-        assert field.default_factory() == parameters.declaration(name).default, name
-    assert (required | from_notebook) - {"hidden_dir", "target_path", "out_dir"} == declared - own
-    for f in fields(TrainConfig):
-        if f.name not in required | from_notebook:   # a setting only TrainConfig knows: no notebook parameter
-            assert f.name not in declared and f"train_{f.name}" not in declared, f.name
-    assert set(TrainConfig.LIBRARY_ONLY) == {f.name for f in fields(TrainConfig)} - declared
-    with pytest.raises(TypeError, match="draft_vocab_size"):
-        TrainConfig(hidden_dir="h", target_path="t", out_dir="o")
+    declared = {name for st in parameters.discover() for name in st.params}
+    for f in fields(TrainJob):
+        assert f.name not in declared and f"train_{f.name}" not in declared, f.name
+    with pytest.raises(TypeError, match="out_dir"):
+        TrainJob(hidden_dir="h", target_path="t")
+
+
+def test_the_settings_torchrun_ranks_read_are_the_config_and_job_handed_over(tmp_path):
+    s = small_config("h", "t", tmp_path, drafter_kind="dflash", stop_at=3, train_lr=0.5, dflash_layers=2)
+    path = outputs.write_train_config(tmp_path, stage.settings(s.cfg, s.job))
+    assert stage.read_settings(path) == (s.cfg, s.job)
+    path.write_text(json.dumps({**stage.settings(s.cfg, s.job), "lr": 0.1}))
+    with pytest.raises(ValueError, match=r"unknown training settings \['lr'\]"):
+        stage.read_settings(path)
 
 
 def test_a_direct_call_is_held_to_the_bounds_notebook_05_declares(tmp_path):
     base = small_config("h", "t", tmp_path)
-    base.check()
+    stage.check(base.cfg, base.job)
     for name, bad, said in [("ttt_steps", 0, "at least 1"), ("train_max_len", 1, "at least 2"),
                             ("train_lr", 0.0, "more than 0"), ("train_holdout_fraction", 1.0, r"in \[0, 1\)"),
                             ("train_checkpoint_every", 0, "at least 1"), ("draft_vocab_size", 0, "at least 1")]:
         with pytest.raises(ValueError, match=f"{name} must be {said}"):
-            replace(base, **{name: bad}).check()
+            stage.check(replace(base.cfg, **{name: bad}), base.job)
     with pytest.raises(ValueError, match="draft_vocab_size must be at least 1"):
         DraftVocab.build(torch.ones(8, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match="draft_vocab_size 9 must be at most 8"):
@@ -172,7 +191,7 @@ def test_supervision_needs_a_response_token_next_and_the_teacher_argmax_in_the_d
 
 
 def tiny_drafter(seed=0, vocab=300, draft=40) -> Eagle3Drafter:
-    cfg = DrafterConfig(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+    cfg = DrafterShape(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=4, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
                         vocab_size=vocab, draft_vocab_size=draft, target_hidden_size=16)
     torch.manual_seed(seed)
@@ -242,8 +261,8 @@ def test_ttt_step_i_predicts_the_token_i_plus_1_ahead_against_the_teacher_there(
 # -- training ------------------------------------------------------------------------------------
 
 def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hidden_dir, tiny_target, tmp_path):
-    cfg = small_config(hidden_dir, tiny_target, tmp_path / "d", train_epochs=4.0, train_eval_every=4)
-    s = train.train(cfg, log=quiet)
+    setup = small_config(hidden_dir, tiny_target, tmp_path / "d", train_epochs=4.0, train_eval_every=4)
+    s = train(setup)
     start, end, base = s["heldout_start"], s["heldout"], s["unigram_baseline"]
     assert end["step"] == s["total_steps"] == 36 and s["finished"]
     assert end["loss_i"][0] < start["loss_i"][0] - 1.0
@@ -252,14 +271,14 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
     # demo target's numbers are in the notebook and the report)
     assert 0 < s["vocab"]["train_coverage"] <= 1
     assert [e["step"] for e in s["exports"]] == [18, 36]
-    assert [e["dir"] for e in outputs.read_exports(cfg.out_dir)] == [Path(e["dir"]) for e in s["exports"]]
+    assert [e["dir"] for e in outputs.read_exports(setup.job.out_dir)] == [Path(e["dir"]) for e in s["exports"]]
     # the held-out pairs stage 06 prompts with are the split training scored on
     hs = shards.HiddenShards(hidden_dir)
-    _, held = data.split(hs, cfg.train_holdout_fraction)
-    assert outputs.read_heldout(cfg.out_dir) == [(hs.samples[i].dataset, hs.samples[i].sample_id) for i in held]
+    _, held = data.split(hs, setup.cfg.train_holdout_fraction)
+    assert outputs.read_heldout(setup.job.out_dir) == [(hs.samples[i].dataset, hs.samples[i].sample_id) for i in held]
     assert len(held) == s["heldout_samples"] == 4
     assert Path(s["exports"][-1]["dir"]).name == "eagle3"
-    rows = outputs.read_metrics(cfg.out_dir)
+    rows = outputs.read_metrics(setup.job.out_dir)
     assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, 37))
 
     # the export: exactly EAGLE-3's keys and shapes, the config fields, ids for the engine
@@ -292,12 +311,12 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
     assert "vllm serve" in export.serving_command("vllm", tiny_target, vllm, 3)
 
     # reload bit for bit (float32 export) and draft the same as the checkpointed model
-    ck = torch.load(outputs.checkpoints(Path(cfg.out_dir))[-1], weights_only=False)
+    ck = torch.load(outputs.checkpoints(Path(setup.job.out_dir))[-1], weights_only=False)
     loaded = export.load_exported(out, tiny_target)
     for k, v in loaded.state_dict().items():
         if k != "embed_tokens.weight":
             assert torch.equal(v, weights[k]) and torch.equal(v, ck["model"]["drafter." + k]), k
-    vocab = outputs.read_vocab(cfg.out_dir)
+    vocab = outputs.read_vocab(setup.job.out_dir)
     assert torch.equal(loaded.to_target(torch.arange(512)), vocab.used)
     # a bf16 export holds the same weights rounded to bf16
     b16 = export.export(tmp_path / "b16", {k: v for k, v in loaded.state_dict().items()}, mcfg, output_ids,
@@ -306,18 +325,18 @@ def test_training_lowers_heldout_loss_below_the_unigram_baseline_and_exports(hid
     assert torch.equal(again.fc.weight, loaded.fc.weight.to(torch.bfloat16))
 
 
-def resumes_identically(straight: TrainConfig, tmp_path: Path) -> TrainConfig:
+def resumes_identically(straight: Setup, tmp_path: Path) -> Setup:
     """Train `straight` (9 steps) into tmp/a, and again into tmp/b stopped at step 5 with a torn
     metrics line, then resumed: the same weights, schedule and metrics. Returns b's config."""
-    train.train(straight, log=quiet)
-    broken = replace(straight, out_dir=str(tmp_path / "b"), stop_at=5)
-    first = train.train(broken, log=quiet)
+    train(straight)
+    broken = straight.but(out_dir=str(tmp_path / "b"), stop_at=5)
+    first = train(broken)
     assert first["steps"] == 5 and not first["finished"]
     with open(tmp_path / "b" / "metrics.jsonl", "a") as f:    # killed while writing a row
         f.write('{"split": "train", "step": 6, "lo')
     assert [r["step"] for r in outputs.read_metrics(tmp_path / "b") if r["split"] == "train"] == [1, 2, 3, 4, 5]
     assert [p.name for p in outputs.checkpoints(tmp_path / "b")] == ["step-0000003.pt", "step-0000005.pt"]
-    resumed = train.train(replace(broken, stop_at=0), log=quiet)
+    resumed = train(broken.but(stop_at=0))
     assert resumed["finished"]
     a = torch.load(tmp_path / "a" / "checkpoints" / "step-0000009.pt", weights_only=False)
     b = torch.load(tmp_path / "b" / "checkpoints" / "step-0000009.pt", weights_only=False)
@@ -331,26 +350,26 @@ def resumes_identically(straight: TrainConfig, tmp_path: Path) -> TrainConfig:
 def test_resume_from_a_checkpoint_continues_identically(hidden_dir, tiny_target, tmp_path):
     broken = resumes_identically(small_config(hidden_dir, tiny_target, tmp_path / "a", train_epochs=1.0), tmp_path)
     with pytest.raises(ValueError, match="lr"):
-        train.train(replace(broken, train_lr=1e-2), log=quiet)
+        train(broken.but(train_lr=1e-2))
 
 
 def test_a_checkpoint_written_under_the_old_setting_names_still_resumes(hidden_dir, tiny_target, tmp_path):
-    from draftsmith.drafter.config import OLD_NAMES
     from draftsmith.targets.checkpoint import target_config
 
-    cfg = small_config(hidden_dir, tiny_target, tmp_path / "d", stop_at=3)
-    train.train(cfg, log=quiet)
+    setup = small_config(hidden_dir, tiny_target, tmp_path / "d", stop_at=3)
+    train(setup)
     path = outputs.checkpoints(tmp_path / "d")[-1]
     state = torch.load(path, weights_only=False)
-    old = {new: old for old, new in OLD_NAMES.items()}
+    old = {new: old for old, new in stage.OLD_NAMES.items()}
     state["config"] = {old.get(k, k): v for k, v in state["config"].items()}
     assert "lr" in state["config"] and "train_lr" not in state["config"]
     torch.save(state, path)
-    fingerprint = cfg.fingerprint(shards.HiddenShards(hidden_dir).index, target_config(tiny_target))
-    found, resumed = checkpoints.latest_matching(tmp_path / "d", fingerprint)
+    fingerprint = stage.fingerprint(setup.cfg, setup.job, shards.HiddenShards(hidden_dir).index,
+                                    target_config(tiny_target))
+    found, resumed = stage.latest_checkpoint(tmp_path / "d", fingerprint)
     assert found == path and resumed["step"] == 3
     with pytest.raises(ValueError, match=f"{path}: .*train_lr"):
-        checkpoints.latest_matching(tmp_path / "d", {**fingerprint, "train_lr": 1.0})
+        stage.latest_checkpoint(tmp_path / "d", {**fingerprint, "train_lr": 1.0})
 
 
 def test_stage_run_trains_the_runs_drafter_from_notebook_05s_parameters(hidden_dir, tiny_target, tmp_path):
@@ -371,11 +390,11 @@ def test_stage_run_trains_the_runs_drafter_from_notebook_05s_parameters(hidden_d
 
 def test_two_gloo_processes_train_like_one_process_with_ddp_and_with_fsdp(hidden_dir, tiny_target, tmp_path):
     one = small_config(hidden_dir, tiny_target, tmp_path / "one", train_batch_size=4, train_micro_batch_size=1, train_epochs=1.0)
-    s1 = train.train(one, log=quiet)
+    s1 = train(one)
     w1 = export.load_exported(Path(s1["exports"][-1]["dir"]), tiny_target).state_dict()
     r1 = [r["loss"] for r in outputs.read_metrics(tmp_path / "one") if r["split"] == "train"]
     for name, fsdp in (("ddp", False), ("fsdp", True)):
-        s2 = train.launch(replace(one, out_dir=str(tmp_path / name), train_fsdp=fsdp), train_nproc=2, log=quiet)
+        s2 = launch(one.but(out_dir=str(tmp_path / name), train_fsdp=fsdp, train_nproc=2))
         assert s2["world_size"] == 2 and s2["steps"] == s1["steps"] == 9
         w2 = export.load_exported(Path(s2["exports"][-1]["dir"]), tiny_target).state_dict()
         for k in w1:
@@ -389,8 +408,8 @@ def test_fsdp_scores_a_held_out_split_that_two_ranks_cannot_share_evenly(hidden_
     fewer repeats one (left out of the sums) instead of leaving the other waiting forever."""
     one = small_config(hidden_dir, tiny_target, tmp_path / "one", train_batch_size=4, train_micro_batch_size=1,
                        train_epochs=1.0, train_holdout_fraction=0.075, export_fractions=[1.0])
-    train.train(one, log=quiet)
-    s2 = train.launch(replace(one, out_dir=str(tmp_path / "fsdp"), train_fsdp=True), train_nproc=2, log=quiet)
+    train(one)
+    s2 = launch(one.but(out_dir=str(tmp_path / "fsdp"), train_fsdp=True, train_nproc=2))
     assert s2["world_size"] == 2
     held = [[r for r in outputs.read_metrics(tmp_path / d) if r["split"] == "heldout"] for d in ("one", "fsdp")]
     assert held[0][-1]["count_i"][0] > 0 and held[0][-1]["count_i"] == held[1][-1]["count_i"]
@@ -412,5 +431,5 @@ def test_training_reads_fp8_shards(hidden_dir, tiny_target, tmp_path):
                                          "samples": [{"sample_id": s.sample_id, "dataset": s.dataset} for s in hs.samples]}]})
     with safe_open(str(fp8 / "shard-00000.safetensors"), framework="pt") as f:
         assert f.get_slice("aux").get_dtype() == "F8_E4M3"
-    s = train.train(small_config(fp8, tiny_target, tmp_path / "d", train_epochs=1.0, export_fractions=[1.0]), log=quiet)
+    s = train(small_config(fp8, tiny_target, tmp_path / "d", train_epochs=1.0, export_fractions=[1.0]))
     assert s["finished"] and s["heldout"]["loss_i"][0] < s["heldout_start"]["loss_i"][0] - 0.5

@@ -21,8 +21,9 @@ from draftsmith import cli, generate, tokens
 
 from draftsmith.hidden.extract import extract
 from draftsmith.openrouter.apikey import ApiKey
-from draftsmith.drafter import train
-from draftsmith.drafter.config import TrainConfig
+from draftsmith.config import DrafterConfig
+from draftsmith.drafter import stage
+from draftsmith.drafter.stage import TrainJob
 from draftsmith.emulator import running
 from draftsmith.paths import Run
 from draftsmith.hidden.outputs import HiddenShards
@@ -219,13 +220,13 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
     files = tokens.token_files(run, [d["name"] for d in datasets])
     extract(tiny_target, files, run.dir("hidden"), target_backend="hf", log=lambda *a: None)
     assert {s.source for s in HiddenShards(run.dir("hidden")).samples} == set(src)
-    s = train.train(TrainConfig(hidden_dir=str(run.dir("hidden")), target_path=str(tiny_target),
-                                out_dir=str(run.dir("drafter")), draft_vocab_size=512, ttt_steps=2,
-                                train_epochs=1.0, train_batch_size=4, train_micro_batch_size=2, train_max_len=128,
-                                train_lr=1e-4, train_warmup_fraction=0.015, train_weight_decay=0.0,
-                                train_grad_clip=0.5, train_holdout_fraction=0.1, seed=0, train_fsdp=False,
-                                train_eval_every=0, train_checkpoint_every=100, export_fractions=[1.0],
-                                export_engine="sglang", export_dtype="float32",
-                                train_resume=True), log=lambda *a: None)
+    s = stage.train(DrafterConfig(draft_vocab_size=512, ttt_steps=2, train_epochs=1.0, train_batch_size=4,
+                                  train_micro_batch_size=2, train_max_len=128, train_lr=1e-4,
+                                  train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
+                                  train_holdout_fraction=0.1, seed=0, train_fsdp=False, train_eval_every=0,
+                                  train_checkpoint_every=100, export_fractions=[1.0], export_engine="sglang",
+                                  export_dtype="float32", train_resume=True),
+                    TrainJob(hidden_dir=str(run.dir("hidden")), target_path=str(tiny_target),
+                             out_dir=str(run.dir("drafter"))), log=lambda *a: None)
     assert set(s["sources"]) == set(src) and set(s["heldout"]["by_source"]) == set(src)
     assert all(v["heldout_samples"] >= 1 and v["heldout"]["count_i"][0] > 0 for v in s["sources"].values())

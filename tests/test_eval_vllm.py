@@ -17,7 +17,7 @@ import torch
 
 from draftsmith import layers
 from draftsmith.drafter.export import export, for_engine
-from draftsmith.drafter.model import DrafterConfig
+from draftsmith.drafter.model import DrafterShape
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.vocab import DraftVocab
 from draftsmith.evaluate import engine, engine_summary, figures, results
@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(900)]
 
 
 def random_export(tiny_target, out: Path, layer_ids, engine="vllm") -> Path:
-    cfg = DrafterConfig.from_target(target_config(tiny_target), 512)
+    cfg = DrafterShape.from_target(target_config(tiny_target), 512)
     counts = torch.zeros(cfg.vocab_size, dtype=torch.int64)
     counts[torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:600]] = 1
     d = build_drafter(cfg, target_tensors(tiny_target)["embed"], DraftVocab.build(counts, 512), 0)

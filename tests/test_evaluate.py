@@ -9,7 +9,7 @@ import torch
 
 from draftsmith.drafter import outputs as drafter_outputs, load_exported
 from draftsmith.drafter.export import export
-from draftsmith.drafter.model import DrafterConfig
+from draftsmith.drafter.model import DrafterShape
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.vocab import DraftVocab
 from draftsmith import parameters
@@ -63,7 +63,7 @@ def trained_run(shared_run, tmp_path_factory, tiny_target):
 
 def random_export(tiny_target, out: Path, seed: int = 0) -> Path:
     """A drafter that was never trained, exported: drafts garbage, must not change the output."""
-    cfg = DrafterConfig.from_target(target_config(tiny_target), 512)
+    cfg = DrafterShape.from_target(target_config(tiny_target), 512)
     counts = torch.zeros(cfg.vocab_size, dtype=torch.int64)
     counts[torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:600]] = 1
     d = build_drafter(cfg, target_tensors(tiny_target)["embed"], DraftVocab.build(counts, 512), seed)

@@ -258,12 +258,12 @@ def test_stage_04_in_vllm_on_int4_experts_says_gpu_only_in_one_line(kimi_mini_ta
 def kimi_export(target: Path, out: Path, layer_ids: list[int]) -> Path:
     """A random EAGLE-3 drafter for `target`, exported for vLLM (enough to start an engine)."""
     from draftsmith.drafter.export import export
-    from draftsmith.drafter.model import DrafterConfig
+    from draftsmith.drafter.model import DrafterShape
     from draftsmith.drafter.objective import build_drafter
     from draftsmith.drafter.vocab import DraftVocab
     from draftsmith.targets.checkpoint import target_config, target_tensors
 
-    cfg = DrafterConfig.from_target(target_config(target), 512)
+    cfg = DrafterShape.from_target(target_config(target), 512)
     counts = torch.zeros(cfg.vocab_size, dtype=torch.int64)
     counts[torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:600]] = 1
     d = build_drafter(cfg, target_tensors(target)["embed"].float(), DraftVocab.build(counts, 512), 0)

@@ -18,8 +18,9 @@ import psutil
 import pytest
 import torch
 
-from draftsmith.drafter import outputs as drafter_outputs, train
-from draftsmith.drafter.config import TrainConfig
+from draftsmith.config import DrafterConfig
+from draftsmith.drafter import outputs as drafter_outputs, stage as drafter_stage
+from draftsmith.drafter.stage import TrainJob
 from draftsmith.hidden.extract import extract
 from draftsmith.paths import Run
 from draftsmith.hidden.outputs import HiddenShards
@@ -32,9 +33,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # One node: the call notebook 04 or 05 makes, on one of `nnodes` (default 2).
 NODE = """
 import json, sys
-from draftsmith.drafter import train
-from draftsmith.drafter.config import TrainConfig
-from draftsmith.config import HiddenConfig
+from dataclasses import replace
+from draftsmith.drafter import stage as drafter_stage
+from draftsmith.drafter.stage import TrainJob
+from draftsmith.config import DrafterConfig, HiddenConfig
 from draftsmith.hidden import stage
 from draftsmith.paths import Run
 a = json.loads(sys.argv[1])
@@ -42,7 +44,8 @@ log = lambda *m: print(*m, flush=True)
 if a["stage"] == "04":
     s = stage.run(Run(a["outputs"], "r"), HiddenConfig(**a["params"]), log=log)
 else:
-    s = train.launch(TrainConfig(**a["config"]), train_nproc=1, nnodes=2, rdzv_endpoint=a["endpoint"], log=log)
+    cfg = replace(DrafterConfig(**a["config"]), train_nproc=1, nnodes=2, rdzv_endpoint=a["endpoint"])
+    s = drafter_stage.launch(cfg, TrainJob(**a["job"]), log=log)
 print("SUMMARY " + json.dumps(s), flush=True)
 """
 HIDDEN = {"target_backend": "hf", "max_tokens_per_batch": 256, "shard_mb": 0.01}
@@ -225,8 +228,9 @@ def test_nodes_with_other_settings_or_unshared_folders_stop_before_anything_is_w
     assert stage.CONFIG not in {p.name for p in (node_a / "hidden").iterdir()}
 
 
-def train_config(hidden: Path, target: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(hidden_dir=str(hidden), target_path=str(target), out_dir=str(out), draft_vocab_size=512,
+def train_config(hidden: Path, target: Path, out: Path, **kw) -> dict:
+    """What a node's notebook 05 hands its training, as JSON: stage 05's config and the job."""
+    base = dict(draft_vocab_size=512,
                 ttt_steps=3, train_epochs=1.0, train_batch_size=4, train_micro_batch_size=1, train_max_len=160,
                 train_lr=3e-3, train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5, seed=0,
                 train_fsdp=False,
@@ -234,7 +238,8 @@ def train_config(hidden: Path, target: Path, out: Path, **kw) -> TrainConfig:
                 train_holdout_fraction=0.05,
                 train_eval_every=0, train_checkpoint_every=2, export_fractions=[1.0], export_engine="sglang",
                 export_dtype="float32", train_resume=True)
-    return TrainConfig(**{**base, **kw})
+    job = TrainJob(hidden_dir=str(hidden), target_path=str(target), out_dir=str(out))
+    return {"config": asdict(DrafterConfig(**{**base, **kw})), "job": asdict(job)}
 
 
 def train_losses(out: Path) -> list[float]:
@@ -248,9 +253,9 @@ LOSS_TOLERANCE = 1e-4  # relative, per step
 
 def test_stage_05_on_two_nodes_trains_like_two_processes_on_one_with_ddp_and_fsdp_and_resumes_after_a_lost_node(
         one_node, tiny_target, tmp_path):
-    one_by_two = train.launch(train_config(one_node, tiny_target, tmp_path / "1x2"), train_nproc=2, log=lambda *a: None)
-    args = {"stage": "05", "endpoint": f"localhost:{free_port()}",
-            "config": asdict(train_config(one_node, tiny_target, tmp_path / "2x1"))}
+    one = train_config(one_node, tiny_target, tmp_path / "1x2", train_nproc=2)
+    one_by_two = drafter_stage.launch(DrafterConfig(**one["config"]), TrainJob(**one["job"]), log=lambda *a: None)
+    args = {"stage": "05", "endpoint": f"localhost:{free_port()}", **train_config(one_node, tiny_target, tmp_path / "2x1")}
     results = two_nodes(args, (tmp_path, tmp_path))
     for rc, out, _ in results:
         assert rc == 0, out[-3000:]
@@ -259,14 +264,14 @@ def test_stage_05_on_two_nodes_trains_like_two_processes_on_one_with_ddp_and_fsd
     assert two_by_one["steps"] == one_by_two["steps"] >= 4
     assert train_losses(tmp_path / "2x1") == pytest.approx(train_losses(tmp_path / "1x2"), rel=LOSS_TOLERANCE)
     assert len(drafter_outputs.checkpoints(tmp_path / "2x1")) == 2   # written once, by rank 0 (two kept)
-    fsdp = {**args, "config": asdict(train_config(one_node, tiny_target, tmp_path / "2x1-fsdp", train_fsdp=True))}
+    fsdp = {**args, **train_config(one_node, tiny_target, tmp_path / "2x1-fsdp", train_fsdp=True)}
     for rc, out, _ in two_nodes(fsdp, (tmp_path, tmp_path)):
         assert rc == 0, out[-3000:]
     assert train_losses(tmp_path / "2x1-fsdp") == pytest.approx(train_losses(tmp_path / "1x2"), rel=LOSS_TOLERANCE)
 
     # a node lost after the first checkpoint: the run continues from it and ends as the unbroken one
     out = tmp_path / "lost"
-    args["config"] = asdict(train_config(one_node, tiny_target, out))
+    args.update(train_config(one_node, tiny_target, out))
     first, second = start_node(args, tmp_path), start_node(args, tmp_path)
     deadline = time.time() + 300
     while not drafter_outputs.checkpoints(out) and time.time() < deadline and second.poll() is None:

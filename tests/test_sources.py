@@ -12,8 +12,9 @@ import pytest
 from draftsmith import tokens
 from draftsmith.hidden.extract import extract
 from draftsmith.targets.corpus import chat_examples
-from draftsmith.drafter import train
-from draftsmith.drafter.config import TrainConfig
+from draftsmith.config import DrafterConfig
+from draftsmith.drafter import stage
+from draftsmith.drafter.stage import TrainJob
 from draftsmith.imports import parse_imports
 from draftsmith.paths import Run
 from draftsmith.hidden.outputs import HiddenShards
@@ -217,14 +218,14 @@ def test_source_reaches_the_hidden_index_and_the_drafters_report(merged, tiny_ta
     extract(tiny_target, files, tmp_path / "hidden", target_backend="hf", log=lambda *a: None)
     assert {(s.dataset, s.sample_id): s.source for s in HiddenShards(tmp_path / "hidden").samples} == got
 
-    cfg = TrainConfig(hidden_dir=str(tmp_path / "hidden"), target_path=str(tiny_target),
-                      out_dir=str(tmp_path / "drafter"), draft_vocab_size=512, ttt_steps=2, train_epochs=1.0,
-                      train_batch_size=4, train_micro_batch_size=2, train_max_len=128, train_lr=1e-4,
-                      train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
-                      train_holdout_fraction=0.2, seed=0, train_fsdp=False, train_eval_every=0,
-                      train_checkpoint_every=100, export_fractions=[1.0], export_engine="sglang",
-                      export_dtype="float32", train_resume=True)
-    s = train.train(cfg, log=lambda *a: None)
+    cfg = DrafterConfig(draft_vocab_size=512, ttt_steps=2, train_epochs=1.0,
+                        train_batch_size=4, train_micro_batch_size=2, train_max_len=128, train_lr=1e-4,
+                        train_warmup_fraction=0.015, train_weight_decay=0.0, train_grad_clip=0.5,
+                        train_holdout_fraction=0.2, seed=0, train_fsdp=False, train_eval_every=0,
+                        train_checkpoint_every=100, export_fractions=[1.0], export_engine="sglang",
+                        export_dtype="float32", train_resume=True)
+    job = TrainJob(hidden_dir=str(tmp_path / "hidden"), target_path=str(tiny_target), out_dir=str(tmp_path / "drafter"))
+    s = stage.train(cfg, job, log=lambda *a: None)
     per = s["sources"]
     assert set(per) == {"openrouter", "vllm", "sglang-h100"}
     # the held-out split is taken per source (20% of 8, 8 and 9 samples, rounded up)

@@ -19,7 +19,7 @@ def setting(default, help: str, bound: str | None = None):
 
 def split(cls, values: dict) -> tuple[dict, dict]:
     """(the entries of `values` that name fields of dataclass `cls`, the rest): to build one settings
-    class from another's values (`split(TrainConfig, vars(cfg))[0]`) or from mixed keyword arguments."""
+    class from another's values (`split(TrainJob, settings)`) or from mixed keyword arguments."""
     names = {f.name for f in fields(cls)}
     return ({k: v for k, v in values.items() if k in names}, {k: v for k, v in values.items() if k not in names})
 

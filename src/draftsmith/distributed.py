@@ -177,7 +177,7 @@ def torchrun(nproc: int, module: str, args: list[str], *, nnodes: int = 1, rdzv_
     """Run `python -m module *args` as `nproc` ranks here (one per GPU, or gloo on CPU), alone
     (`--standalone`) or as one of `nnodes` machines joined by torchrun's c10d rendezvous at
     `rdzv_endpoint` (host:port of one of them), streaming their output into `log`. The stages hand
-    their ranks one JSON file of settings (`hidden.stage.write_config`, `drafter.train.launch`).
+    their ranks one JSON file of settings (`hidden.stage.write_config`, `drafter.stage.launch`).
 
     Each machine runs the same command; torchrun's rendezvous admits them, numbers them and picks
     the master (nothing of ours takes part in membership). The rendezvous id is the module's name:

@@ -1,20 +1,37 @@
-"""The drafter's training data, read from the hidden-state shards: split, supervision, micro-batches.
+"""The drafter's training data, read from the hidden-state shards: split, supervision, micro-batches,
+and `prepare`, what a training run sets up before its first step (`Prepared`).
 
 Target position u gives the teacher for token u+1, softmax(lm_head(last[u])) over the draft
 vocabulary, where `supervision` marks it supervised. `step_counts` fixes every loss denominator
 before training starts, so the means of a global batch are exact for any split over micro-batches
 and processes. A global batch is `batch_size` samples of a seeded per-epoch permutation, cut into
-micro-batches by length; process r of W takes micro-batches r, r+W, ..."""
+micro-batches by length; process r of W takes micro-batches r, r+W, ...
+
+`prepare` writes the held-out part of the split to the drafter folder (stage 06 prompts with it) and
+caches the vocabulary and the teacher masks there under a key of the inputs they come from
+(`digest`), so a resumed or repeated run skips them and a run with other data, vocabulary size or
+train_max_len rebuilds them."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..progress import Progress
 from ..hidden.outputs import HiddenShards
+from . import outputs
+from .vocab import DraftVocab, token_counts
+
+if TYPE_CHECKING:
+    from ..config import DrafterConfig
+    from ..distributed import Dist
 
 
 def split(shards: HiddenShards, holdout_fraction: float) -> tuple[list[int], list[int]]:
@@ -211,3 +228,68 @@ def to_device(batch: dict, device: torch.device) -> tuple:
     collated micro-batch, on `device`."""
     keys = ("aux", "input_ids", "sup", "last") + (("anchors",) if "anchors" in batch else ())
     return tuple(batch[k].to(device, non_blocking=True) for k in keys)
+
+
+# -- before training ------------------------------------------------------------------------------
+
+@dataclass
+class Prepared:
+    """A training run's data as prepared: train and held-out indices, vocabulary, supervision."""
+    train: list[int]
+    held: list[int]
+    vocab: DraftVocab
+    sup: Supervision
+    counts: torch.Tensor                 # [samples, k] supervised positions per TTT step
+    held_counts: torch.Tensor | None     # loss-masked token counts of the held-out split
+    seconds: float
+    sources: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # source -> {train, held} indices
+
+
+def prepare(cfg: "DrafterConfig", out: Path, shards: HiddenShards, lm_head: torch.Tensor, d: "Dist",
+            log=print) -> Prepared:
+    """The split, the draft vocabulary and the teacher masks of `shards` for stage 05's `cfg`, cached
+    in the drafter folder `out`; each process computes its share of the masks, rank 0 writes."""
+    t0 = time.time()
+    vocab_size = lm_head.shape[0]
+    train, held = split(shards, cfg.train_holdout_fraction)
+    key = digest([shards.index, cfg.train_holdout_fraction, cfg.draft_vocab_size, cfg.train_max_len, vocab_size])
+    if d.main:
+        outputs.write_heldout(out, [(shards.samples[i].dataset, shards.samples[i].sample_id) for i in held],
+                              cfg.train_holdout_fraction)
+        if outputs.read_vocab(out, key) is None:
+            counts = token_counts(shards, train, vocab_size, cfg.train_max_len)
+            outputs.write_vocab(out, DraftVocab.build(counts, cfg.draft_vocab_size), key)
+    d.barrier()
+    vocab = outputs.read_vocab(out, key)
+    log(f"draft vocab: {vocab.size} of {vocab.distinct()} distinct response tokens, "
+        f"training coverage {vocab.coverage():.1%}")
+    held_counts = token_counts(shards, held, vocab_size, cfg.train_max_len) if held and d.main else None
+
+    cached = outputs.read_supervision(out, key)
+    if cached is not None:
+        sup = Supervision(*cached)
+    else:   # each process does its share of the teacher-argmax pass, the first merges
+        part = supervision(shards, list(range(d.rank, len(shards), d.world)), lm_head, vocab.t2d,
+                           cfg.train_max_len, d.device, desc=f"teacher argmax (rank {d.rank})")
+        if d.world > 1:
+            part = {i: s for p in d.all_gather(part) for i, s in p.items()}
+        sup = Supervision.from_parts(part, len(shards))
+        if d.main:
+            outputs.write_supervision(out, sup.flat, sup.offsets, key)
+        d.barrier()
+    counts = sup.step_counts(cfg.ttt_steps)
+    kept = int(counts[train, 0].sum())
+    log(f"supervised positions: {kept:,} of {int(vocab.counts.sum()):,} response tokens have the target's "
+        f"argmax in the draft vocab ({kept / max(1, int(vocab.counts.sum())):.1%}); the rest are dropped")
+    if kept == 0:
+        raise ValueError(f"{shards.dir}: the target's argmax is never in the {vocab.size}-token draft vocabulary, "
+                         f"so there is nothing to train on; raise draft_vocab_size")
+    train_by, held_by = by_source(shards, train), by_source(shards, held)
+    sources = {src: {"train": train_by.get(src, []), "held": held_by.get(src, [])}
+               for src in by_source(shards, range(len(shards)))}
+    return Prepared(train, held, vocab, sup, counts, held_counts, time.time() - t0, sources)
+
+
+def digest(obj) -> str:
+    """A short hash of a JSON-able object (the inputs a cache or checkpoint was made from)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]

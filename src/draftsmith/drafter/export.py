@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from .. import layers
 from ..targets.checkpoint import target_tensors
-from .model import DrafterConfig, Eagle3Drafter
+from .model import DrafterShape, Eagle3Drafter
 from .vocab import used_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -34,7 +34,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 CONFIG, WEIGHTS = "config.json", "model.safetensors"   # an export folder's files (EAGLE-3's and DFlash's)
 
 
-def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: DrafterShape) -> dict[str, tuple[int, ...]]:
     """Every key of an export and its shape."""
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
@@ -57,7 +57,7 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def export_config(cfg: DrafterConfig, layer_ids: list[int], engine: str, dtype: str,
+def export_config(cfg: DrafterShape, layer_ids: list[int], engine: str, dtype: str,
                   extra: dict | None = None) -> dict:
     """config.json of an export; `layer_ids` in draftsmith's (output) convention."""
     engine_ids = layers.engine_layer_ids(layer_ids, engine)
@@ -103,7 +103,7 @@ def _portable(extra: dict) -> dict:
     return out
 
 
-def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DrafterConfig, layer_ids: list[int],
+def export(out_dir: str | Path, weights: dict[str, torch.Tensor], cfg: DrafterShape, layer_ids: list[int],
            engine: str, dtype: str, extra: dict | None = None) -> Path:
     """Write an export folder (replacing any old one whole). `weights`: the drafter's state dict;
     the embedding is left out, float tensors are cast to `dtype`."""
@@ -158,12 +158,12 @@ def is_export(folder: str | Path) -> bool:
     return (Path(folder) / CONFIG).is_file()
 
 
-def config_of_export(config: dict) -> DrafterConfig:
-    fields = DrafterConfig.__dataclass_fields__
+def config_of_export(config: dict) -> DrafterShape:
+    fields = DrafterShape.__dataclass_fields__
     missing = [f for f in fields if f not in config]
     if missing:
         raise ValueError(f"export config.json lacks {missing}")
-    return DrafterConfig(**{f: config[f] for f in fields})
+    return DrafterShape(**{f: config[f] for f in fields})
 
 
 def read_export(export_dir: str | Path, architecture: str, config_of, shapes_of) -> tuple[dict, object, dict]:

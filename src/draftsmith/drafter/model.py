@@ -16,7 +16,10 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
+class DrafterShape:
+    """The drafter's architecture (sizes, heads, RoPE, vocabularies), derived from the target's config
+    (`from_target`); DFlash's config builds on it (`dflash.DFlashConfig.base`)."""
+
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -30,10 +33,10 @@ class DrafterConfig:
     target_hidden_size: int
 
     @classmethod
-    def from_target(cls, target_config: dict, draft_vocab_size: int) -> "DrafterConfig":
+    def from_target(cls, target_config: dict, draft_vocab_size: int) -> "DrafterShape":
         """The drafter's shape from the target's config.json: same hidden size (the embedding is
         shared), the target's MLP width, heads and RoPE base. draft_vocab_size's own bound is held by
-        `TrainConfig.check` (`parameters.check_bounds`); this checks it against the target's vocabulary."""
+        `stage.check` (`parameters.check`); this checks it against the target's vocabulary."""
         c = target_config.get("text_config", target_config)  # multimodal checkpoints nest it
         try:
             h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
@@ -99,7 +102,7 @@ def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.theta = cfg.rope_theta
@@ -119,7 +122,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -133,7 +136,7 @@ class MidLayer(nn.Module):
     """The one decoder layer: attention over concat(norm(embedding), norm(hidden)); the residual
     stream is the hidden state."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -211,7 +214,7 @@ class Eagle3Drafter(nn.Module):
     Parameters: `fc.weight`, `midlayer.self_attn.q_proj.weight`, ..., `lm_head.weight`, buffers
     `d2t`, `t2d` (docs/eagle3.md), and `embed_tokens.weight` (not exported)."""
 
-    def __init__(self, cfg: DrafterConfig, embed: torch.Tensor | None = None, d2t: torch.Tensor | None = None,
+    def __init__(self, cfg: DrafterShape, embed: torch.Tensor | None = None, d2t: torch.Tensor | None = None,
                  t2d: torch.Tensor | None = None):
         super().__init__()
         self.config = cfg

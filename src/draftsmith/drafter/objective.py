@@ -4,7 +4,7 @@ For TTT steps i = 0..k-1: soft cross-entropy between the drafter's draft-vocab d
 target's (softmax of lm_head(last) restricted to the draft vocabulary), summed over the supervised
 positions (see `data.py`); the loop divides by their number in the global batch and weighs step i
 by step_weight**i. The same sums give KL to the target (CE minus the teacher's entropy) and top-1
-agreement, which `scoring.py` reports.
+agreement, which `stage.py` reports as held-out scores.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TrainConfig
-from .model import DrafterConfig, Eagle3Drafter
+from .model import DrafterShape, Eagle3Drafter
 from .vocab import DraftVocab
 
 
@@ -65,11 +64,12 @@ def teacher_distribution(last: torch.Tensor, head: torch.Tensor) -> tuple[torch.
         return p, logits.argmax(-1), -(p * logp).sum(-1)
 
 
-def step_weights(cfg: TrainConfig) -> torch.Tensor:
-    return torch.tensor([cfg.step_weight ** i for i in range(cfg.ttt_steps)])
+def step_weights(ttt_steps: int, step_weight: float) -> torch.Tensor:
+    """TTT step i's loss weight, step_weight**i."""
+    return torch.tensor([step_weight ** i for i in range(ttt_steps)])
 
 
-def build_drafter(cfg: DrafterConfig, embed: torch.Tensor, vocab: DraftVocab, seed: int) -> Eagle3Drafter:
+def build_drafter(cfg: DrafterShape, embed: torch.Tensor, vocab: DraftVocab, seed: int) -> Eagle3Drafter:
     """A freshly initialised drafter (seeded) with the target's embedding, frozen."""
     torch.manual_seed(seed)
     return init_linears(Eagle3Drafter(cfg, embed, vocab.d2t, vocab.t2d))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import layers
-from ..drafter import dflash_export, load_exported
+from ..drafter import dflash, load_exported
 from ..drafter.outputs import has_exports, read_exports
 from ..drafter.export import for_engine, read_export_config
 from ..targets.identity import fingerprint
@@ -70,7 +70,7 @@ def methods_for(drafter_dir: str | os.PathLike, target_path: str | os.PathLike, 
         cols = [captured.index(k) for k in ids]
         if kind == "eagle3":
             return lambda: Columns(Eagle3Proposer(load_exported(d, target_path, device=device)), cols, len(captured))
-        return lambda: Columns(DFlashProposer(dflash_export.load_exported(d, target_path, device=device)),
+        return lambda: Columns(DFlashProposer(dflash.load_exported(d, target_path, device=device)),
                                cols, len(captured))
 
     ms = [Method("none", "none", "none", lambda: None),
