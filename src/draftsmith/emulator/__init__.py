@@ -1,12 +1,12 @@
 """The local OpenRouter emulator: the embedded default of the demo and the ground truth of tests.
 
-`api_base: local` (`open_api`) runs it as a child process for a stage: its state in
-`run.dir("emulator")` so every stage of the run sees the same account, serving the target
-checkpoint, stopped on exit (it also stops by itself if the parent dies). In a test, `running(config, state_dir=...)` serves it from a background thread for the duration of
-a block; as a process (`python -m draftsmith.emulator`, see its `__main__`) it serves tests that
-SIGKILL the client and `api_base: local`. The key comes from the environment, never argv. State
-(account and ledger) lives in the state dir and survives restarts; `top_up(state_dir, usd)` adds
-credits with the server up or down."""
+`api_base: local` (`open_api`) runs it as a child process (`emulator_process`, `python -m
+draftsmith.emulator`) serving the target checkpoint, its state in `run.dir("emulator")` so every
+stage of the run sees the same account; it stops on exit, or by itself if the parent dies. In a
+test, `running(config, state_dir=...)` serves it from a background thread for the duration of a
+block; tests that SIGKILL the client use the process. The key comes from the environment, never
+argv. State (account and ledger) lives in the state dir and survives restarts;
+`top_up(state_dir, usd)` adds credits with the server up or down."""
 
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ markers are read off the target's chat template (`templates.response_layout`), s
 target ends its turn with `<|im_end|>` and a DeepSeek-style one with its end-of-sentence token. The
 stream ends after the end-of-turn token (finish `stop`) or after `max_tokens` ids (finish `length`).
 `completion_tokens` is the number of ids in the stream, `</think>` and end-of-turn included.
+
+Two backends: `SyntheticBackend` (below: canonical text from an offline corpus, for load tests)
+and the model backend (model.py: the target checkpoint itself).
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ class Vocab:
 # own). Sentences end in punctuation and the next one starts with a space and a word, a boundary the
 # tokenizer's pre-tokenizer always splits at, so a window starting at a sentence is exactly what the
 # tokenizer makes of its text (canonical), and the token counts are those of the target tokenizer.
-# A response is two slices of the stream (reasoning, content): no per-token work. Lengths are lognormal around `median_tokens`; the text is a function of the job's key
-# (prompt, seed, or a fresh draw), so temperature 0 gives the same response every time.
+# A response is two slices of the stream (reasoning, content): no per-token work. Lengths are
+# lognormal around `median_tokens`; the text is a function of the job's key (prompt, seed, or a
+# fresh draw), so temperature 0 gives the same response every time.
 
 
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")

@@ -10,6 +10,9 @@ The default catalogue imitates Kimi-K2.5 on OpenRouter in 2026: several int4 end
 different prices (one of them cheap and secretly serving a perturbed model), two `unknown`, one
 nvfp4, one fp4 that is up and one fp4 that is down. Six of the int4 endpoints list `logprobs`: two
 return them exactly, one with its token splits quirk, and one each none, rounded and placeholders.
+
+Below the catalogue: what a request costs at an endpoint (`prices`, `bill`, `worst_case`), and
+OpenRouter's provider routing, which endpoints may serve a request and in what order (`route`).
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class Quirks(Strict):
     tokenizer.json with most of its BPE merges dropped), so usage disagrees with the ids served.
     `strip_whitespace`: leading/trailing whitespace stripped from the returned content.
     `reasoning_truncate_rate` / `reasoning_drop_rate`: the returned reasoning is cut to its first
-    `quirks.TRUNCATE_CHARS` characters / null on that fraction of responses (reasoning_tokens and
+    `output.TRUNCATE_CHARS` characters / null on that fraction of responses (reasoning_tokens and
     completion_tokens still billed in full); the draws follow each other evenly, so an endpoint's
     responses, however few or reordered, carry the rate give or take two.
     `perturbed_model`: serves the target with Gaussian noise of this relative size added to its

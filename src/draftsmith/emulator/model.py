@@ -5,7 +5,8 @@ One worker thread runs a step loop (`Engine.step`): it admits waiting requests (
 into a slot of a preallocated KV cache), then decodes one token for every slot in one batched
 forward of fixed shapes, so a seeded request samples the same ids under any load. Sampling honours
 temperature (0 = greedy), top_p and seed; tokens a real model never emits are masked, and a
-candidate that would re-tokenize differently is redrawn (`canonical`)."""
+candidate that would re-tokenize differently is redrawn (`canonical`). The logprobs it returns are
+the model's own, before any sampling setting (`model_logprobs`)."""
 
 from __future__ import annotations
 

@@ -2,12 +2,14 @@
 
 Endpoints (under /api/v1): POST chat/completions (JSON or SSE), GET key, credits, generation?id=,
 models, models/{author}/{slug}/endpoints; POST admin/topup and GET admin/state (emulator only,
-admin key). The parts, one concern each: `accounts` (keys, credits, the ledger, the 403/402 money
-checks), `listing` (the public catalogue), `chat` (a request from its body to the endpoint that
-answers it: `request` parses it, `routing` orders the endpoints), `cache` (OpenRouter's response
-cache) and `response` (generating, pacing, faults, quirks, billing, the ledger line). The wire format is the one OpenRouter documents
-(field names, error envelope, `X-Generation-Id` header, padding, SSE comments, usage chunk); every
-response validates against the official SDK's models (tests/test_openrouter_conformance.py).
+admin key). This file holds the app (`Emulator`) and its handlers, in sections: the public
+catalogue (`Listing`), chat (`Chat`: a request from its body to the endpoint that answers it) and
+the request it parses (`parse`, `PromptIds`). The other parts, one concern each: `accounts` (keys,
+credits, the ledger, the 403/402 money checks), `catalogue` (endpoints, prices, routing) and
+`response` (generating, pacing, faults, quirks, billing, the cache, the ledger line). The wire
+format is the one OpenRouter documents (field names, error envelope, `X-Generation-Id` header,
+padding, SSE comments, usage chunk); every response validates against the official SDK's models
+(tests/test_openrouter_conformance.py).
 """
 
 from __future__ import annotations
@@ -35,110 +37,89 @@ from .response import Responses
 from .wire import API, availability, error_response
 
 
-# ------------------------------------------------------------------------------------------------
-# A chat request's body, checked as OpenRouter checks it, and its prompt as token ids.
-#
-# `parse` turns the JSON body into the settings the rest of the pipeline uses (or raises BadRequest,
-# a 400 naming the field); `PromptIds` applies the target's chat template, as the provider would,
-# remembering recent prompts (a run asks each one many times: retries, samples, the pilot).
+def _tokenizer(target_model_path: str | None):
+    """The target tokenizer (of the checkpoint, or the built-in one). The emulator plays the
+    provider, which runs the tokenizer code a checkpoint ships (Kimi-K2.5's): it trusts that code.
+    The runner never gets here with such a checkpoint unless the user set trust_remote_code
+    (`draftsmith.preflight`)."""
+    from ..targets.checkpoint import load_tokenizer
+    from ..targets.tiny import make_tokenizer
+
+    if not target_model_path:
+        return make_tokenizer()
+    return load_tokenizer(target_model_path, trust_remote_code=True, log=lambda *a: None)
 
 
-SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "stop", "reasoning", "include_reasoning", "logprobs",
-                   "top_logprobs")
-MAX_TOP_LOGPROBS = 20
-_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-_SUMMARIES = ("auto", "concise", "detailed")
-_REMEMBERED = 50_000  # prompts whose ids are kept
+@lru_cache(maxsize=4)
+def _vocab(target_model_path: str | None) -> Vocab:
+    """The target's tokenizer and token facts; loaded once per process."""
+    return Vocab(_tokenizer(target_model_path))
 
 
-class BadRequest(Exception):
-    pass
+class Emulator:
+    """One emulator: its target, backend and ledger, and the parts that answer; `app()` serves them."""
 
+    def __init__(self, config: EmulatorConfig, key: str, state_dir: str | Path, admin_key: str | None = None):
+        if not key:
+            raise ValueError("the emulator needs an API key to accept")
+        self.cfg = config
+        endpoints = config.endpoints()
+        if config.backend == "synthetic":  # no model to compute logprobs with: no endpoint lists them
+            endpoints = [e.model_copy(update={"supported_parameters": [p for p in e.supported_parameters
+                                                                        if p not in LOGPROB_PARAMETERS]})
+                         for e in endpoints]
+        self.ledger = Ledger(state_dir, config.credits)
+        self.state_dir = Path(state_dir)
+        self.vocab = _vocab(config.target_model_path)
+        self.tokenizer = self.vocab.tokenizer
+        self.backend = self._load_backend()
+        self.stats: Counter[str] = Counter()
+        self.accounts = Accounts(config, key, admin_key or config.admin_key, self.ledger)
+        self.listing = Listing(config.model, endpoints)
+        self.chat = Chat(config, endpoints, self.vocab, self.accounts,
+                         Responses(config, self.vocab, self.backend, self.ledger, self.stats), self.stats)
 
-def parse(body, model: str, default_max_tokens: int) -> dict:
-    """The request's settings: messages, sampling, stream, reasoning, and its prompt's `prompt_key`."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    if body.get("model") != model:
-        raise BadRequest(f"{body.get('model')} is not a valid model ID")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("messages: expected a non-empty array")
-    messages = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(m.get("content"), str):
-            raise BadRequest(f"messages[{i}]: expected {{role: system|user|assistant, content: string}}")
-        messages.append({"role": m["role"], "content": m["content"]})
-    max_tokens = body.get("max_tokens", default_max_tokens)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise BadRequest("max_tokens: expected a positive integer")
-    temperature = body.get("temperature", 1.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
-        raise BadRequest("temperature: expected a number in [0, 2]")
-    top_p = body.get("top_p", 1.0)
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise BadRequest("top_p: expected a number in (0, 1]")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest("seed: expected an integer")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise BadRequest("stop: expected a string or an array of strings")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream: expected a boolean")
-    reasoning = body.get("reasoning") or {}
-    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "max_tokens", "exclude", "enabled", "summary"}:
-        raise BadRequest("reasoning: expected {effort, max_tokens, exclude, enabled, summary}")
-    if reasoning.get("effort") is not None and reasoning["effort"] not in _EFFORTS:
-        raise BadRequest(f"reasoning.effort: expected one of {list(_EFFORTS)}")
-    if reasoning.get("summary") is not None and reasoning["summary"] not in _SUMMARIES:
-        raise BadRequest(f"reasoning.summary: expected one of {list(_SUMMARIES)}")
-    think = reasoning.get("enabled", True) is not False and reasoning.get("effort") != "none"
-    exclude = bool(reasoning.get("exclude", False)) or body.get("include_reasoning") is False
-    rmax = reasoning.get("max_tokens")
-    if rmax is not None and (isinstance(rmax, bool) or not isinstance(rmax, int) or rmax < 0):
-        raise BadRequest("reasoning.max_tokens: expected a non-negative integer")
-    logprobs = body.get("logprobs", False)
-    if logprobs is None:
-        logprobs = False
-    if not isinstance(logprobs, bool):
-        raise BadRequest("logprobs: expected a boolean")
-    top = body.get("top_logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise BadRequest(f"top_logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}]")
-    if top and not logprobs:
-        raise BadRequest("top_logprobs: needs logprobs true")
-    return {"messages": messages, "max_tokens": max_tokens, "temperature": float(temperature),
-            "top_p": float(top_p), "seed": seed, "stop": stop, "stream": stream, "think": think,
-            "exclude_reasoning": exclude, "reasoning_max_tokens": rmax, "logprobs": logprobs,
-            "top_logprobs": top or 0, "prompt_key": stable_id(messages)}
+    def _load_backend(self):
+        if self.cfg.backend == "model":
+            if not self.cfg.target_model_path:
+                raise ValueError("emulator config: backend 'model' needs target_model_path")
+            from ..targets.checkpoint import resolve_target
+            from .model import ModelBackend
 
+            return ModelBackend(resolve_target(self.cfg.target_model_path, log=lambda *a: None), self.vocab,
+                                max_batch=self.cfg.max_batch, threads=self.cfg.threads,
+                                canonical=self.cfg.canonical, seed=self.cfg.seed)
+        return SyntheticBackend(self.vocab, self.cfg.synthetic_tokens, self.cfg.synthetic_reasoning_fraction)
 
-class PromptIds:
-    """The prompt as the target sees it; with reasoning off, `</think>` closes it at once."""
+    def close(self) -> None:
+        if hasattr(self.backend, "close"):
+            self.backend.close()
+        self.ledger.close()
 
-    def __init__(self, vocab: Vocab):
-        self.vocab = vocab
-        self._prompts: OrderedDict[str, list[int]] = OrderedDict()
+    def app(self) -> web.Application:
+        acc, listing = self.accounts, self.listing
+        app = web.Application(middlewares=[acc.auth], client_max_size=64 * 2**20)
+        app.add_routes([
+            web.post(f"{API}/chat/completions", self.chat.handle),
+            web.get(f"{API}/key", acc.key),
+            web.get(f"{API}/credits", acc.credits),
+            web.get(f"{API}/generation", acc.generation),
+            web.get(f"{API}/models", listing.models),
+            web.get(f"{API}/models/{{author}}/{{slug}}/endpoints", listing.model_endpoints),
+            web.post(f"{API}/admin/topup", acc.admin_topup),
+            web.get(f"{API}/admin/state", self.admin_state),
+        ])
+        return app
 
-    def __call__(self, messages: list[dict], think: bool) -> list[int]:
-        key = stable_id(messages)
-        ids = self._prompts.get(key)
-        if ids is None:
-            try:
-                text = self.vocab.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # the template raises on conversations it cannot render
-                raise BadRequest(f"messages: cannot apply the chat template: {e}") from None
-            # what apply_chat_template(tokenize=True) does, minus its Python overhead
-            ids = self.vocab.encoding.template([text])[0]
-            self._prompts[key] = ids
-            if len(self._prompts) > _REMEMBERED:
-                self._prompts.popitem(last=False)
-        return ids if think else ids + [self.vocab.end_think]
+    async def admin_state(self, request):
+        bad = self.accounts.admin_denied(request)
+        if bad:
+            return bad
+        acc = self.accounts
+        return web.json_response({"data": {
+            "in_flight": acc.in_flight, "reserved": acc.reserved, "active": dict(self.chat.active),
+            "balance": self.ledger.balance, "ledger_lines": self.ledger.count, "stats": dict(self.stats),
+            "model_steps": getattr(self.backend, "steps", None)}})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -233,7 +214,7 @@ class Listing:
 #
 # validate (an unknown model: 400 `model_not_found`) -> prompt ids (chat template) -> key checks (403)
 # -> the router's own faults (faults.Router) -> routing (404/503) -> credit checks
-# (402) -> reserve its worst-case cost -> the response cache (cache.py: a hit is answered at once)
+# (402) -> reserve its worst-case cost -> the response cache (`ResponseCache`: a hit is answered at once)
 # -> try endpoints in order: a provider that is down, at
 # capacity (429) or fails before its first token (an injected fault) hands the request on to the
 # next one silently; when none is left the last one's error goes back -> the response
@@ -354,86 +335,108 @@ class Chat:
         if self.cfg.time_scale > 0 and simulated_s > 0:
             await asyncio.sleep(simulated_s * self.cfg.time_scale)
 
-def _tokenizer(target_model_path: str | None):
-    """The target tokenizer (of the checkpoint, or the built-in one). The emulator plays the
-    provider, which runs the tokenizer code a checkpoint ships (Kimi-K2.5's): it trusts that code.
-    The runner never gets here with such a checkpoint unless the user set trust_remote_code
-    (`draftsmith.preflight`)."""
-    from ..targets.checkpoint import load_tokenizer
-    from ..targets.tiny import make_tokenizer
 
-    if not target_model_path:
-        return make_tokenizer()
-    return load_tokenizer(target_model_path, trust_remote_code=True, log=lambda *a: None)
+# ------------------------------------------------------------------------------------------------
+# A chat request's body, checked as OpenRouter checks it, and its prompt as token ids.
+#
+# `parse` turns the JSON body into the settings the rest of the pipeline uses (or raises BadRequest,
+# a 400 naming the field); `PromptIds` applies the target's chat template, as the provider would,
+# remembering recent prompts (a run asks each one many times: retries, samples, the pilot).
 
 
-@lru_cache(maxsize=4)
-def _vocab(target_model_path: str | None) -> Vocab:
-    """The target's tokenizer and token facts; loaded once per process."""
-    return Vocab(_tokenizer(target_model_path))
+SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "stop", "reasoning", "include_reasoning", "logprobs",
+                   "top_logprobs")
+MAX_TOP_LOGPROBS = 20
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_SUMMARIES = ("auto", "concise", "detailed")
+_REMEMBERED = 50_000  # prompts whose ids are kept
 
 
-class Emulator:
-    """One emulator: its target, backend and ledger, and the parts that answer; `app()` serves them."""
+class BadRequest(Exception):
+    pass
 
-    def __init__(self, config: EmulatorConfig, key: str, state_dir: str | Path, admin_key: str | None = None):
-        if not key:
-            raise ValueError("the emulator needs an API key to accept")
-        self.cfg = config
-        endpoints = config.endpoints()
-        if config.backend == "synthetic":  # no model to compute logprobs with: no endpoint lists them
-            endpoints = [e.model_copy(update={"supported_parameters": [p for p in e.supported_parameters
-                                                                        if p not in LOGPROB_PARAMETERS]})
-                         for e in endpoints]
-        self.ledger = Ledger(state_dir, config.credits)
-        self.state_dir = Path(state_dir)
-        self.vocab = _vocab(config.target_model_path)
-        self.tokenizer = self.vocab.tokenizer
-        self.backend = self._load_backend()
-        self.stats: Counter[str] = Counter()
-        self.accounts = Accounts(config, key, admin_key or config.admin_key, self.ledger)
-        self.listing = Listing(config.model, endpoints)
-        self.chat = Chat(config, endpoints, self.vocab, self.accounts,
-                         Responses(config, self.vocab, self.backend, self.ledger, self.stats), self.stats)
 
-    def _load_backend(self):
-        if self.cfg.backend == "model":
-            if not self.cfg.target_model_path:
-                raise ValueError("emulator config: backend 'model' needs target_model_path")
-            from ..targets.checkpoint import resolve_target
-            from .model import ModelBackend
+def parse(body, model: str, default_max_tokens: int) -> dict:
+    """The request's settings: messages, sampling, stream, reasoning, and its prompt's `prompt_key`."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if body.get("model") != model:
+        raise BadRequest(f"{body.get('model')} is not a valid model ID")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages: expected a non-empty array")
+    messages = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
+            raise BadRequest(f"messages[{i}]: expected {{role: system|user|assistant, content: string}}")
+        messages.append({"role": m["role"], "content": m["content"]})
+    max_tokens = body.get("max_tokens", default_max_tokens)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BadRequest("max_tokens: expected a positive integer")
+    temperature = body.get("temperature", 1.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
+        raise BadRequest("temperature: expected a number in [0, 2]")
+    top_p = body.get("top_p", 1.0)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise BadRequest("top_p: expected a number in (0, 1]")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest("seed: expected an integer")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise BadRequest("stop: expected a string or an array of strings")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream: expected a boolean")
+    reasoning = body.get("reasoning") or {}
+    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "max_tokens", "exclude", "enabled", "summary"}:
+        raise BadRequest("reasoning: expected {effort, max_tokens, exclude, enabled, summary}")
+    if reasoning.get("effort") is not None and reasoning["effort"] not in _EFFORTS:
+        raise BadRequest(f"reasoning.effort: expected one of {list(_EFFORTS)}")
+    if reasoning.get("summary") is not None and reasoning["summary"] not in _SUMMARIES:
+        raise BadRequest(f"reasoning.summary: expected one of {list(_SUMMARIES)}")
+    think = reasoning.get("enabled", True) is not False and reasoning.get("effort") != "none"
+    exclude = bool(reasoning.get("exclude", False)) or body.get("include_reasoning") is False
+    rmax = reasoning.get("max_tokens")
+    if rmax is not None and (isinstance(rmax, bool) or not isinstance(rmax, int) or rmax < 0):
+        raise BadRequest("reasoning.max_tokens: expected a non-negative integer")
+    logprobs = body.get("logprobs", False)
+    if logprobs is None:
+        logprobs = False
+    if not isinstance(logprobs, bool):
+        raise BadRequest("logprobs: expected a boolean")
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise BadRequest(f"top_logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if top and not logprobs:
+        raise BadRequest("top_logprobs: needs logprobs true")
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": float(temperature),
+            "top_p": float(top_p), "seed": seed, "stop": stop, "stream": stream, "think": think,
+            "exclude_reasoning": exclude, "reasoning_max_tokens": rmax, "logprobs": logprobs,
+            "top_logprobs": top or 0, "prompt_key": stable_id(messages)}
 
-            return ModelBackend(resolve_target(self.cfg.target_model_path, log=lambda *a: None), self.vocab,
-                                max_batch=self.cfg.max_batch, threads=self.cfg.threads,
-                                canonical=self.cfg.canonical, seed=self.cfg.seed)
-        return SyntheticBackend(self.vocab, self.cfg.synthetic_tokens, self.cfg.synthetic_reasoning_fraction)
 
-    def close(self) -> None:
-        if hasattr(self.backend, "close"):
-            self.backend.close()
-        self.ledger.close()
+class PromptIds:
+    """The prompt as the target sees it; with reasoning off, `</think>` closes it at once."""
 
-    def app(self) -> web.Application:
-        acc, listing = self.accounts, self.listing
-        app = web.Application(middlewares=[acc.auth], client_max_size=64 * 2**20)
-        app.add_routes([
-            web.post(f"{API}/chat/completions", self.chat.handle),
-            web.get(f"{API}/key", acc.key),
-            web.get(f"{API}/credits", acc.credits),
-            web.get(f"{API}/generation", acc.generation),
-            web.get(f"{API}/models", listing.models),
-            web.get(f"{API}/models/{{author}}/{{slug}}/endpoints", listing.model_endpoints),
-            web.post(f"{API}/admin/topup", acc.admin_topup),
-            web.get(f"{API}/admin/state", self.admin_state),
-        ])
-        return app
+    def __init__(self, vocab: Vocab):
+        self.vocab = vocab
+        self._prompts: OrderedDict[str, list[int]] = OrderedDict()
 
-    async def admin_state(self, request):
-        bad = self.accounts.admin_denied(request)
-        if bad:
-            return bad
-        acc = self.accounts
-        return web.json_response({"data": {
-            "in_flight": acc.in_flight, "reserved": acc.reserved, "active": dict(self.chat.active),
-            "balance": self.ledger.balance, "ledger_lines": self.ledger.count, "stats": dict(self.stats),
-            "model_steps": getattr(self.backend, "steps", None)}})
+    def __call__(self, messages: list[dict], think: bool) -> list[int]:
+        key = stable_id(messages)
+        ids = self._prompts.get(key)
+        if ids is None:
+            try:
+                text = self.vocab.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # the template raises on conversations it cannot render
+                raise BadRequest(f"messages: cannot apply the chat template: {e}") from None
+            # what apply_chat_template(tokenize=True) does, minus its Python overhead
+            ids = self.vocab.encoding.template([text])[0]
+            self._prompts[key] = ids
+            if len(self._prompts) > _REMEMBERED:
+                self._prompts.popitem(last=False)
+        return ids if think else ids + [self.vocab.end_think]
