@@ -36,9 +36,8 @@ VLLM = "from vllm import LLM, SamplingParams"
 EMULATOR = """
 import os, tempfile
 from pathlib import Path
-from draftsmith.emulator import KEY_ENV, new_key
+from draftsmith.emulator import KEY_ENV, emulator_process, new_key
 from draftsmith.emulator.config import load_config
-from draftsmith.local import emulator_process
 cfg = load_config({"backend": "model", "target_model_path": "tiny-test"})
 with emulator_process(Path(tempfile.mkdtemp()), cfg.model_dump_json(), {**os.environ, KEY_ENV: new_key()}):
     pass

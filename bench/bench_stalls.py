@@ -32,10 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from bench_generate import write_prompts  # noqa: E402
-from draftsmith.emulator import KEY_ENV, new_key, read_ledger  # noqa: E402
+from draftsmith.emulator import KEY_ENV, emulator_process, new_key, read_ledger  # noqa: E402
 from draftsmith.emulator.config import load_config  # noqa: E402
 from draftsmith.generate.outputs import RESPONSES  # noqa: E402
-from draftsmith.local import emulator_process  # noqa: E402
 from draftsmith.targets.checkpoint import resolve_target  # noqa: E402
 
 MODEL = "moonshotai/kimi-k2.5"

@@ -3,7 +3,7 @@
 For each built-in target, its own answers are sampled first (transformers, temperature 1, top_p 1) to
 prompts of the demo's chat data and written as a stage-03 tokens file; their per-token logprobs are
 computed by float32 transformers on the clean target, as the emulator's providers return them
-(`emulator.logprobs`), and written as stage 01's logprobs.jsonl. Then stage 04 runs on them the way a
+(`emulator.model.model_logprobs`), and written as stage 01's logprobs.jsonl. Then stage 04 runs on them the way a
 user runs it (`extract`, the check on, `check_answers` on, the reference given) on three copies of
 the target's folder: as built, its middle layer's MLP zeroed (down_proj weight x 0), and a 15% error
 in that MLP's output (down_proj x 0.85). Each row: what the old bounds (mean NLL <= 7 nat, argmax
@@ -58,7 +58,7 @@ def prompts(n: int) -> list[list[dict]]:
 def own_answers(target: Path, tokens: Path, reference: Path, n: int, max_new_tokens: int, seed: int) -> int:
     """Sample the target's own answers to `n` prompts into a stage-03 tokens file, and their float32
     logprobs (the emulator's providers') into a logprobs.jsonl; returns the response tokens."""
-    from draftsmith.emulator.logprobs import model_logprobs
+    from draftsmith.emulator.model import model_logprobs
     from draftsmith.encoding import Encoding
 
     tok = load_tokenizer(target, trust_remote_code=True)

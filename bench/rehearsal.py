@@ -55,8 +55,7 @@ import rehearsal_data  # noqa: E402
 from draftsmith.generate import outputs
 from draftsmith.datasets import stable_id  # noqa: E402
 
-from draftsmith.emulator import ADMIN_KEY_ENV, KEY_ENV, new_key  # noqa: E402
-from draftsmith.local import emulator_process  # noqa: E402
+from draftsmith.emulator import ADMIN_KEY_ENV, KEY_ENV, emulator_process, new_key  # noqa: E402
 from draftsmith.report import report_file  # noqa: E402
 from draftsmith.paths import REPO_ROOT, Run  # noqa: E402
 from draftsmith.providers import outputs as stage_01  # noqa: E402

@@ -26,7 +26,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from draftsmith.emulator.synthetic import corpus_sentences
+from draftsmith.emulator.backends import corpus_sentences
 
 DATASETS = ("code", "math", "chat", "multiturn", "longdoc", "writing")
 

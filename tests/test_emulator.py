@@ -13,7 +13,7 @@ from draftsmith.datasets import stable_id
 from draftsmith.emulator import read_ledger, running, top_up
 from draftsmith.emulator.catalogue import default_catalogue
 from draftsmith.emulator.config import load_config
-from draftsmith.emulator.quirks import TRUNCATE_CHARS
+from draftsmith.emulator.output import TRUNCATE_CHARS
 
 from conftest import wait_until
 

@@ -8,8 +8,7 @@ import httpx
 import pytest
 
 from draftsmith.emulator import running
-from draftsmith.emulator.catalogue import Endpoint
-from draftsmith.emulator.prices import bill, prices, worst_case
+from draftsmith.emulator.catalogue import Endpoint, bill, prices, worst_case
 
 from conftest import wait_until
 

@@ -1,4 +1,4 @@
-"""The emulator as a separate process, and `api_base: local` through draftsmith.local.open_api."""
+"""The emulator as a separate process, and `api_base: local` through draftsmith.emulator.open_api."""
 
 import json
 import os
@@ -9,8 +9,7 @@ import sys
 import httpx
 import pytest
 
-from draftsmith.emulator import KEY_ENV, read_ledger
-from draftsmith.local import open_api
+from draftsmith.emulator import KEY_ENV, open_api, read_ledger
 from draftsmith.paths import Run
 
 from conftest import wait_until

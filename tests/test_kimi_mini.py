@@ -132,7 +132,7 @@ ALWAYS_VISIBLE = {"billing": "other_tokenizer", "reasoning_dropped": "dropped_re
 
 def test_kimi_chain_stage_03_clears_honest_providers_and_names_every_quirk(kimi_run):
     """The emulator's ledger says which quirks each provider applied to the samples stage 02 kept."""
-    from draftsmith.emulator.ledger import read_ledger
+    from draftsmith.emulator import read_ledger
 
     report = json.loads((kimi_run / "tokens" / "report.json").read_text())
     assert report["target"]["tokenizer_kind"] == "tiktoken" and report["target"]["vocab_size"] == 163840

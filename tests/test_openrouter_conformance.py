@@ -356,7 +356,7 @@ def test_logprobs_conform_and_are_the_served_models_own(model_client):
     float32 logits at each id served (before temperature), with the requested alternatives."""
     import torch
 
-    from draftsmith.emulator.logprobs import model_logprobs
+    from draftsmith.emulator.model import model_logprobs
     from draftsmith.targets.checkpoint import load_target, load_tokenizer, resolve_target
 
     r = model_client.post("/chat/completions", json=pinned("deepinfra", logprobs=True, top_logprobs=3,

@@ -19,9 +19,8 @@ import psutil
 import pytest
 
 from draftsmith.datasets import DatasetReader, DatasetSpec, stable_id
-from draftsmith.emulator import KEY_ENV, read_ledger
+from draftsmith.emulator import KEY_ENV, emulator_process, read_ledger
 from draftsmith.emulator.config import load_config
-from draftsmith.local import emulator_process
 
 from conftest import wait_until
 

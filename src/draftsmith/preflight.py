@@ -161,7 +161,7 @@ def _names(values: dict, datasets: bool, where) -> list[str]:
 
 def _api_key(values: dict, where) -> list[str]:
     """The key the stages will read (openrouter/apikey.py). With `api_base: local` a key file, when given, is
-    read as local.py reads it; without one the emulator gets a throwaway key."""
+    read as emulator.open_api reads it; without one the emulator gets a throwaway key."""
     base, key_file = str(values.get("api_base")), values.get("api_key_file")
     try:
         if base != "local":

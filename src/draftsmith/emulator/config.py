@@ -35,7 +35,7 @@ class EmulatorConfig(Strict):
     faults: Faults | None = None  # if given, replaces every provider's fault rates (then fault_scale)
     hang_s: float = Field(30.0, ge=0)  # real seconds a hung connection stays silent before closing
     stall_s: float = Field(900.0, ge=0)  # real seconds a `stall` fault keeps the connection alive before its 524
-    response_cache: Literal["off", "preset", "always"] = "off"  # OpenRouter's response cache (cache.py): off
+    response_cache: Literal["off", "preset", "always"] = "off"  # OpenRouter's response cache (response.py): off
     #   (only for a request sending `X-OpenRouter-Cache: true`), preset (the key's preset turns it on; a request
     #   sending `X-OpenRouter-Cache: false` is not cached), always (on whatever the request sends)
     cache_ttl_s: float = Field(300.0, gt=0)  # real seconds a cached response is served again

@@ -5,7 +5,8 @@ One worker thread runs a step loop (`Engine.step`): it admits waiting requests (
 into a slot of a preallocated KV cache), then decodes one token for every slot in one batched
 forward of fixed shapes, so a seeded request samples the same ids under any load. Sampling honours
 temperature (0 = greedy), top_p and seed; tokens a real model never emits are masked, and a
-candidate that would re-tokenize differently is redrawn (`canonical`)."""
+candidate that would re-tokenize differently is redrawn (`canonical`). The logprobs it returns are
+the model's own, before any sampling setting (`model_logprobs`)."""
 
 from __future__ import annotations
 
@@ -379,10 +380,8 @@ class ModelBackend:
             return self.engines[perturbed]
 
     def logprobs(self, prompt_ids: list[int], ids: list[int], perturbed: float, top: int):
-        """`logprobs.model_logprobs` of `ids` under the weights that served them (thread-safe: a plain
+        """`model_logprobs` of `ids` under the weights that served them (thread-safe: a plain
         forward of the same modules, beside the step loop's own cache)."""
-        from .logprobs import model_logprobs
-
         return model_logprobs(self.engine(perturbed).model, prompt_ids, ids, top)
 
     async def stream(self, job: Job):
@@ -433,3 +432,29 @@ class ModelBackend:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The logprobs an endpoint returns are the served model's own: log_softmax of its float32 logits
+# over the whole vocabulary at each position (prompt and answer read in one forward), BEFORE
+# temperature, top-p and the masks the sampler applies. That is what vLLM returns by default
+# (`logprobs_mode` raw_logprobs) and what a prompt_logprobs pass of another engine reads on the same
+# ids, so the two describe one distribution whatever the request's sampling settings (the probe still
+# asks at temperature 1 and top_p 1, where the sampled tokens are drawn from that same distribution).
+# The endpoint's `logprobs` quirk is applied after (output.logprobs_content).
+
+@torch.inference_mode()
+def model_logprobs(model, prompt_ids: list[int], ids: list[int],
+                   top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Per id of `ids` (served after `prompt_ids`): its logprob under `model`, and the `top` most
+    likely ids with theirs."""
+    if not ids:
+        return [], []
+    seq = torch.tensor([list(prompt_ids) + list(ids)])
+    logits = model(seq).logits[0, len(prompt_ids) - 1:-1].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
+    if top <= 0:
+        return chosen, [[] for _ in ids]
+    vals, idx = lp.topk(top, dim=-1)
+    return chosen, [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]

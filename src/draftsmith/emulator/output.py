@@ -5,16 +5,18 @@ content, until the end-of-turn id. What the client is shown passes through the p
 (stripped whitespace, truncated or dropped reasoning) and the request's `reasoning.exclude` and
 `stop`; what is billed is counted from the ids (or by the provider's billing tokenizer quirk).
 `reasoning_tokens` counts the ids before `</think>`; `completion_tokens` every id served,
-`</think>` and the end-of-turn id included.
+`</think>` and the end-of-turn id included. Below `Output`: the quirks themselves (`Billing`,
+`StripStream`) and the logprobs as returned (`logprobs_content`, after the endpoint's quirk).
 """
 
 from __future__ import annotations
 
+import json
 import time
+from functools import lru_cache
 
-from .catalogue import Endpoint
-from .prices import bill, prices
-from .quirks import TRUNCATE_CHARS, Billing, StripStream
+from ..targets.tiny import tokenizer_json_path
+from .catalogue import Endpoint, bill, prices
 
 
 def _find(ids: list[int], x: int, start: int, stop: int) -> int:
@@ -58,7 +60,7 @@ class Output:
         if q.perturbed_model:
             self.quirks.append(f"perturbed:{q.perturbed_model}")
         self._raw_content = ""  # content before stripping, for stop strings
-        self.logprobs: list[dict] | None = None  # `choices[0].logprobs.content`, when returned (logprobs.py)
+        self.logprobs: list[dict] | None = None  # `choices[0].logprobs.content`, when returned (logprobs_content)
 
     def extend(self, ids: list[int], texts: list[str]) -> int:
         """Add ids (and the text each adds) until the response ends; returns how many were taken.
@@ -191,3 +193,94 @@ class Output:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": finish,
                   "native_finish_reason": finish, "logprobs": None}
         return self._head("chat.completion.chunk") | {"choices": [choice], "usage": usage}
+
+
+# ------------------------------------------------------------------------------------------------
+# Provider quirks applied to what is returned and billed (the ids served stay the truth).
+#
+# `merges-dropped` billing: the target's tokenizer.json with only the first tenth of its BPE merges
+# kept, so it splits words into more pieces and bills more tokens than the ids served, like a provider
+# counting with the wrong tokenizer: on the demo's prompts and answers it disagrees with the target on
+# nearly every text (about +17% tokens), so even a few samples show both counts off. (No other
+# tokenizer ships offline; this one is real BPE with the same vocabulary and special tokens, just
+# fewer merges.)
+
+
+TRUNCATE_CHARS = 40  # a truncated reasoning stops after this many characters
+
+
+@lru_cache(maxsize=4)
+def merges_dropped_tokenizer(tokenizer_json: str | None = None, keep: float = 0.1):
+    from tokenizers import Tokenizer
+
+    spec = json.loads(open(tokenizer_json or tokenizer_json_path(), encoding="utf-8").read())
+    merges = spec["model"]["merges"]
+    spec["model"]["merges"] = merges[: int(len(merges) * keep)]
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+class Billing:
+    """Token counts as a provider reports and bills them."""
+
+    def __init__(self, encoding, kind: str):
+        self.kind = kind
+        self._other = merges_dropped_tokenizer() if kind == "merges-dropped" else None
+        self._target = encoding
+
+    def count(self, ids: list[int], true_count: int) -> int:
+        if self._other is None:
+            return true_count
+        text = self._target.decode(ids)
+        return len(self._other.encode(text, add_special_tokens=False).ids)
+
+
+class StripStream:
+    """Content with leading and trailing whitespace stripped, streamed: leading whitespace is
+    dropped, trailing whitespace is held back until more text follows (and dropped at the end)."""
+
+    def __init__(self):
+        self.started = False
+        self.held = ""
+
+    def feed(self, text: str) -> str:
+        if not self.started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.started = True
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body):]
+        return body
+
+
+# ------------------------------------------------------------------------------------------------
+# The logprobs an endpoint returns, as OpenRouter passes them on from an OpenAI-style provider:
+# `choices[0].logprobs.content`, one entry per id served (reasoning, `</think>`, answer, end of turn),
+# each `{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}, ...]}`; the values are the
+# model's own (model.model_logprobs), then the endpoint's `logprobs` quirk returns none, rounded ones
+# or placeholders (`catalogue.Quirks`).
+
+ROUND_DECIMALS = 2     # the `rounded` quirk
+PLACEHOLDER = 0.0      # the `placeholder` quirk: every token and alternative
+
+
+def logprobs_content(encoding, ids: list[int], chosen: list[float], tops: list[list[tuple[int, float]]],
+                     quirk: str) -> list[dict] | None:
+    """`logprobs.content` of the ids served, after the endpoint's `quirk` (None: `absent`)."""
+    if quirk == "absent":
+        return None
+
+    def value(x: float) -> float:
+        if quirk == "placeholder":
+            return PLACEHOLDER
+        return round(x, ROUND_DECIMALS) if quirk == "rounded" else x
+
+    every = sorted({i for row in tops for i, _ in row} | set(ids))
+    names = dict(zip(every, encoding.decode_each(every)))
+    raw = dict(zip(every, encoding.token_bytes(every)))
+
+    def entry(i: int, x: float) -> dict:
+        return {"token": names[i], "logprob": value(x), "bytes": list(raw[i])}
+
+    return [entry(i, x) | {"top_logprobs": [entry(j, y) for j, y in row]} for i, x, row in zip(ids, chosen, tops)]

@@ -5,6 +5,9 @@ tokens/s (scaled by `time_scale`), as SSE chunks or one JSON body; the endpoint'
 request is acted out (a hang, an error mid-stream, an empty or error body with status 200, an
 answer billed but cut on the wire), its quirks applied (`Output`), its bill counted by its own
 tokenizer (`Billing`), and the ledger line written before the client has the last byte.
+
+Here too, each in its section below `Responses`: the pacing (`Pace`, `paced`, `Sender`), the
+faults acted out (`act`: one small class a fault) and OpenRouter's response cache (`ResponseCache`).
 """
 
 from __future__ import annotations
@@ -13,26 +16,24 @@ import asyncio
 import contextlib
 import copy
 import functools
+import math
 import random
 import secrets
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Protocol
 
 from aiohttp import web
 
-from .acts import act
-from .backends import Job, Vocab
-from .cache import STATUS_HEADER, ResponseCache
+from .accounts import Ledger
+from .backends import Job, SyntheticBackend, Vocab
 from .catalogue import Endpoint
 from .config import EmulatorConfig
-from . import logprobs
 from .faults import uniform
-from .ledger import Ledger
-from .output import Output
-from .pacing import Pace, Sender, paced
-from .quirks import Billing
-from .synthetic import SyntheticBackend
+from .output import Billing, Output, logprobs_content
 from .wire import JSONWriter, SSEWriter, error_body
+
 
 GOLDEN = (5 ** 0.5 - 1) / 2  # the step of an endpoint's quirk draws
 
@@ -136,7 +137,7 @@ class Responses:
         top = req["top_logprobs"] if "top_logprobs" in ep.supported_parameters else 0
         chosen, tops = await asyncio.to_thread(self.backend.logprobs, prompt_ids, out.ids, ep.quirks.perturbed_model,
                                                top)
-        out.logprobs = logprobs.content(self.vocab.encoding, out.ids, chosen, tops, ep.quirks.logprobs)
+        out.logprobs = logprobs_content(self.vocab.encoding, out.ids, chosen, tops, ep.quirks.logprobs)
 
     def _writer(self, request, stream: bool, gen_id: str, caching: bool) -> SSEWriter | JSONWriter:
         """A stream's writer or a JSON body's, with the generation id (and a cache MISS when asked)."""
@@ -292,3 +293,332 @@ class Responses:
             "latency_ms": round(1000 * ttft_s) if ttft_s is not None else None,
             "generation_ms": round(1000 * (now - t_start)),
         }, visible_after_s=self.cfg.generation_delay_s)
+
+
+# ------------------------------------------------------------------------------------------------
+# A response's ids at its endpoint's simulated speed, and the stream that carries them.
+#
+# `Pace` says when each id is produced (time to first token, then tokens/s, drawn per response, on
+# the event loop's clock scaled by `time_scale`); `paced` hands out the backend's ids in the pieces a
+# stream sends, each when it is due; `Sender` writes those pieces as chunks and cuts the connection
+# where a fault says.
+
+
+MAX_CHUNK_TOKENS = 16  # a stream chunk carries at most this many tokens
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+@dataclass(frozen=True)
+class Pace:
+    """When each id of one response is produced; a stream sends a chunk at most every `interval`."""
+    t0: float        # the loop's clock when the response began
+    ttft: float      # simulated seconds to the first id
+    tps: float       # ids per simulated second after it
+    interval: float  # simulated seconds between stream chunks
+    scale: float     # real seconds per simulated second (0: nothing waits)
+
+    @classmethod
+    def draw(cls, rng: random.Random, ep: Endpoint, interval: float, scale: float) -> Pace:
+        ttft = rng.lognormvariate(math.log(ep.latency_s.median), ep.latency_s.sigma)
+        tps = rng.lognormvariate(math.log(ep.tokens_per_s.median), ep.tokens_per_s.sigma)
+        return cls(_now(), ttft, tps, interval, scale)
+
+    def due(self, n: int) -> float:
+        """When the n-th id (from 0) is produced, on the loop's clock."""
+        return self.t0 + (self.ttft + n / self.tps) * self.scale
+
+    def produced(self) -> int:
+        """How many ids are produced by now (`scale` > 0)."""
+        return int(((_now() - self.t0) / self.scale - self.ttft) * self.tps) + 1
+
+    async def until(self, n: int, last_write: float | None = None) -> None:
+        """Wait for the n-th id; after a stream's write at `last_write`, also for its next chunk's time."""
+        next_write = last_write + self.interval * self.scale if last_write is not None else 0.0
+        await asyncio.sleep(max(self.due(n), next_write) - _now())
+
+
+class Sender:
+    """Writes a stream's chunks as ids are added to `out` (a JSON body: nothing) and closes the
+    connection once `cut_at` ids are in (None: never). `gone` once the connection is closed;
+    `going` while the endpoint keeps generating: not once gone, if it `cancels`."""
+
+    def __init__(self, writer, out: Output, stream: bool, cut_at: int | None, cancels: bool):
+        self.writer, self.out, self.stream, self.cut_at, self.cancels = writer, out, stream, cut_at, cancels
+        self.gone = False
+
+    @property
+    def going(self) -> bool:
+        return not (self.gone and self.cancels)
+
+    @property
+    def last_write(self) -> float | None:
+        """When the stream last wrote (None: it is gone)."""
+        return None if self.gone else self.writer.last_write
+
+    def room(self) -> float:
+        """How many ids may be added before the cut: at least one while it is ahead."""
+        if self.cut_at is None or self.gone:
+            return math.inf
+        return max(1, self.cut_at - len(self.out.ids))
+
+    async def added(self) -> None:
+        """Ids were added: queue their text as one chunk; at the cut, send it and cut."""
+        if self.stream and not self.gone:
+            self._queue()
+            if self._at_cut():
+                await self.flush()
+
+    async def flush(self) -> None:
+        """Send the queued chunks of a stream still open; cut the connection there if the cut is reached."""
+        if not self.stream or self.gone:
+            return
+        self._queue()
+        try:
+            await self.writer.flush()
+        except ConnectionResetError:
+            self.gone = True
+        if not self.gone and self._at_cut():
+            self._cut()
+
+    def end(self) -> None:
+        """The response is complete: a stream shorter than its cut is cut before its end."""
+        if self.cut_at is not None and not self.gone:
+            self._cut()
+
+    def _cut(self) -> None:
+        self.writer.close_connection()
+        self.gone = True
+
+    def _at_cut(self) -> bool:
+        return self.cut_at is not None and len(self.out.ids) >= self.cut_at
+
+    def _queue(self) -> None:
+        r, c = self.out.take_delta()
+        if r or c:
+            self.writer.event(self.out.chunk(r, c))
+
+
+async def paced(tokens, out: Output, pace: Pace, stop_after: float, sender: Sender) -> AsyncIterator[tuple[list, list]]:
+    """The backend's (ids, texts) in the pieces to add to `out`: on a stream each as it comes due, at
+    most MAX_CHUNK_TOKENS (none due: the queued chunks go out and it waits); never past `stop_after`
+    ids in all or the sender's cut; until the response stops, or the sender (`going`) does."""
+    async for ids, texts in tokens:
+        pos = 0
+        while sender.going and pos < len(ids) and not out.stopped:
+            n = min(len(ids) - pos, stop_after - len(out.ids), sender.room())
+            if n <= 0:
+                break
+            if sender.stream:
+                if pace.scale > 0:
+                    due = pace.produced() - len(out.ids)
+                    if due <= 0:
+                        await sender.flush()
+                        await pace.until(len(out.ids), sender.last_write)
+                        continue
+                    n = min(n, due)
+                n = min(n, MAX_CHUNK_TOKENS)
+            yield ids[pos:pos + n], texts[pos:pos + n]
+            pos += n
+        await sender.flush()
+        if not sender.going or out.stopped or len(out.ids) >= stop_after:
+            break
+
+
+# ------------------------------------------------------------------------------------------------
+# How a response that started acts out the fault drawn for it (or none), one small class a fault.
+#
+# An `Act` says how many ids the endpoint adds before the fault strikes (`stop_after`), where a
+# stream is cut (`cut_at`), whether its text carries bytes that are not UTF-8 (`spoil`), whether it
+# is billed, the finish reason the ledger records, and how the response ends on the wire (`end`).
+# A `hang` or a `stall` takes the whole response instead (`Responses`).
+
+
+Usage = Callable[[bool], dict]  # the usage object, billed or not, counted when called
+
+
+class Act(Protocol):
+    stop_after: float       # ids the endpoint adds in all (math.inf: until the response ends)
+    cut_at: int | None      # a stream's connection closes once it has this many ids
+    spoil: bool
+    billed: bool
+
+    def finish(self, out: Output) -> str | None: ...
+    async def end(self, writer, out: Output, usage: Usage) -> web.StreamResponse: ...
+
+
+class Answer:
+    """No fault, or `bad_bytes` (`spoil`): the whole response, billed, ending with its finish reason
+    (a stream: a finish chunk, the usage chunk and [DONE])."""
+    stop_after, cut_at, billed = math.inf, None, True
+
+    def __init__(self, spoil: bool):
+        self.spoil = spoil
+
+    def finish(self, out: Output) -> str:
+        return out.finish_reason
+
+    async def end(self, writer, out: Output, usage: Usage) -> web.StreamResponse:
+        if isinstance(writer, SSEWriter):
+            writer.event(out.chunk("", "", finish=out.finish_reason))
+            writer.event(out.usage_chunk(usage(True), out.finish_reason))
+            await writer.done()
+            return writer.resp
+        return await writer.body(out.message(usage(True), out.finish_reason))
+
+
+class Cut:
+    """`cut_after_billing`: generated and billed in full; a stream's connection closes after `cut_at`
+    ids (so it ends there), a JSON body's half way through."""
+    stop_after, spoil, billed = math.inf, False, True
+
+    def __init__(self, cut_at: int | None):
+        self.cut_at = cut_at
+
+    def finish(self, out: Output) -> str:
+        return out.finish_reason
+
+    async def end(self, writer, out: Output, usage: Usage) -> web.StreamResponse:
+        return await writer.cut(out.message(usage(True), out.finish_reason))
+
+
+class MidStream:
+    """`mid_stream`: `stop_after` ids, then an error (a stream: an error chunk and no [DONE]); not billed."""
+    cut_at, spoil, billed = None, False, False
+
+    def __init__(self, stop_after: int, ep: Endpoint):
+        self.stop_after, self.error = stop_after, _upstream_lost(ep)
+
+    def finish(self, out: Output) -> str:
+        return "error"
+
+    async def end(self, writer, out: Output, usage: Usage) -> web.StreamResponse:
+        if isinstance(writer, SSEWriter):
+            return await _error_chunk(writer, out, self.error)
+        return await writer.body(out.message(usage(False), "error", error=self.error))
+
+
+class Error200:
+    """`error_200`: no ids, status 200 with an error body (a stream: an error chunk); not billed."""
+    stop_after, cut_at, spoil, billed = 0, None, False, False
+
+    def __init__(self, ep: Endpoint):
+        self.error = _upstream_lost(ep)
+
+    def finish(self, out: Output) -> str:
+        return "error"
+
+    async def end(self, writer, out: Output, usage: Usage) -> web.StreamResponse:
+        if isinstance(writer, SSEWriter):
+            return await _error_chunk(writer, out, self.error)
+        return await writer.body(error_body(502, self.error["message"], self.error["metadata"]))
+
+
+class Empty200:
+    """`empty_200`: no ids, no text and no finish reason, as on a cold start; not billed."""
+    stop_after, cut_at, spoil, billed = 0, None, False, False
+
+    def finish(self, out: Output) -> None:
+        return None
+
+    async def end(self, writer, out: Output, usage: Usage) -> web.StreamResponse:
+        if isinstance(writer, SSEWriter):
+            writer.event(out.usage_chunk(usage(False), None))
+            await writer.done()
+            return writer.resp
+        out.content, out.reasoning = "", ""
+        return await writer.body(out.message(usage(False) | {"cost": 0.0}, None))
+
+
+def act(fault: str | None, rng: random.Random, req: dict, ep: Endpoint) -> Act:
+    """The act of `fault` for one response; `rng` draws where `mid_stream` strikes and a stream is cut
+    (each within the first 64 ids and `max_tokens`)."""
+    strike, cut = (max(1, int(rng.random() * min(req["max_tokens"], 64))) for _ in range(2))
+    match fault:
+        case None | "bad_bytes":
+            return Answer(spoil=fault == "bad_bytes")
+        case "cut_after_billing":
+            return Cut(cut if req["stream"] else None)
+        case "mid_stream":
+            return MidStream(strike, ep)
+        case "error_200":
+            return Error200(ep)
+        case "empty_200":
+            return Empty200()
+    raise ValueError(f"{fault!r} is not a fault of a response that started")
+
+
+def _upstream_lost(ep: Endpoint) -> dict:
+    return {"code": 502, "message": "Provider returned error",
+            "metadata": {"raw": "upstream connection lost", "provider_name": ep.name,
+                         "error_type": "provider_unavailable"}}
+
+
+async def _error_chunk(writer: SSEWriter, out: Output, error: dict) -> web.StreamResponse:
+    """The text not yet sent with finish reason `error` and `error`, then the end (no [DONE])."""
+    r, c = out.take_delta()
+    writer.event(out.chunk(r, c, finish="error", error=error))
+    await writer.end()
+    return writer.resp
+
+
+# ------------------------------------------------------------------------------------------------
+# OpenRouter's response cache, as its docs describe it: off unless a request sends
+# `X-OpenRouter-Cache: true` or the key's preset turns it on. A cached request asked again within
+# the time to live gets the earlier response verbatim (whatever the temperature), with `usage`
+# zeroed, a new generation id and the header `X-OpenRouter-Cache-Status: HIT`; a cached request
+# that is not found gets `MISS`. Nothing is billed for a hit.
+#
+# The config's `response_cache` picks the account: `off`, `preset` (on, unless the request sends
+# `X-OpenRouter-Cache: false`), `always` (on whatever the request sends: the reply a client must
+# recognise when caching comes anyway).
+
+
+REQUEST_HEADER = "X-OpenRouter-Cache"
+STATUS_HEADER = "X-OpenRouter-Cache-Status"
+MAX_ENTRIES = 100_000
+
+
+class ResponseCache:
+    """The cached responses (the `Output` each answer was made of), by request."""
+
+    def __init__(self, mode: str, ttl_s: float):
+        self.mode, self.ttl_s = mode, ttl_s
+        self._entries: OrderedDict[str, tuple[float, object]] = OrderedDict()
+
+    def enabled(self, headers) -> bool:
+        """Whether caching applies to a request with these headers."""
+        asked = str(headers.get(REQUEST_HEADER, "")).strip().lower()
+        if self.mode == "always" or asked == "true":
+            return True
+        return self.mode == "preset" and asked != "false"
+
+    @staticmethod
+    def key(req: dict) -> str:
+        """What makes two requests the same to the cache: the prompt and every sampling setting."""
+        return "|".join(str(req[k]) for k in ("prompt_key", "max_tokens", "temperature", "top_p", "seed", "stop",
+                                              "think", "exclude_reasoning", "reasoning_max_tokens", "logprobs",
+                                              "top_logprobs"))
+
+    def get(self, req: dict, headers):
+        """The cached answer to this request, or None (not cached, expired, or caching off for it)."""
+        if not self.enabled(headers):
+            return None
+        key = self.key(req)
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        if time.monotonic() - hit[0] > self.ttl_s:
+            del self._entries[key]
+            return None
+        return hit[1]
+
+    def put(self, req: dict, headers, out) -> None:
+        if not self.enabled(headers):
+            return
+        self._entries[self.key(req)] = (time.monotonic(), out)
+        self._entries.move_to_end(self.key(req))
+        if len(self._entries) > MAX_ENTRIES:
+            self._entries.popitem(last=False)

@@ -11,7 +11,8 @@ import signal
 import threading
 from pathlib import Path
 
-from .. import local, parameters
+from .. import parameters
+from ..emulator import open_api
 from ..openrouter import client
 from . import outputs
 from ..datasets import parse_datasets
@@ -28,8 +29,8 @@ def run(run: Run, cfg: GenerateConfig, *, log=print, **knobs) -> GenerationResul
     """Stage 02 with notebook 02's settings: opens the API (the local emulator, or `api_base` with
     its key) and generates (`run_at`). Holds the run's writer lock from before the local emulator
     starts to the end."""
-    with outputs.writer_lock(run), local.open_api(cfg.api_base, cfg.api_key_file, run, cfg.target_model_path,
-                                                  cfg.emulator, cfg.model) as (base_url, api_key):
+    with outputs.writer_lock(run), open_api(cfg.api_base, cfg.api_key_file, run, cfg.target_model_path,
+                                            cfg.emulator, cfg.model) as (base_url, api_key):
         return run_at(base_url, api_key, run, cfg, log=log, **knobs)
 
 

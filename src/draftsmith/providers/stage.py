@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .. import parameters
 from ..datasets import parse_datasets
-from ..local import open_api
+from ..emulator import open_api
 from ..openrouter import client, endpoints
 from ..openrouter.api import Api
 from ..config import ProvidersConfig
