@@ -2,7 +2,7 @@
 
 Every setting a user chooses is a required field: its one default is in stage 05's config
 (`config.DrafterConfig`: `draft_vocab_size`, `train_lr`, ...), and each field is named as the config
-names it; the bounds declared there are checked here (`parameters.check_bounds`). Only the settings
+names it; their bounds are checked where that config is built. Only the settings
 the stage does not offer have defaults here, and DFlash's, which take the config's
 (`parameters.default_field`), so an EAGLE-3 run need not name them.
 
@@ -80,7 +80,6 @@ class TrainConfig:
             raise ValueError(f"export_dtype must be one of {sorted(DTYPES)}, got {self.export_dtype!r}")
         if not all(0 < f <= 1 for f in self.export_fractions):
             raise ValueError(f"export_fractions must lie in (0, 1], got {self.export_fractions}")
-        parameters.check_bounds({k: v for k, v in asdict(self).items() if k not in self.LIBRARY_ONLY})
 
     def to_dict(self) -> dict:
         return asdict(self)

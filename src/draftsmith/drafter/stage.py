@@ -9,7 +9,6 @@ node or several).
 
 from __future__ import annotations
 
-from .. import parameters
 from ..hidden.outputs import broken_shards, broken_shards_message, hidden_dir
 from ..config import DrafterConfig, split
 from ..paths import Run
@@ -22,7 +21,6 @@ def run(run: Run, cfg: DrafterConfig, *, log=print) -> dict[str, dict]:
     """Train each kind of `cfg.drafter_kinds` (resuming from its latest checkpoint when `train_resume`),
     export, and return the summaries by kind (`outputs.write_summary`). A shard of stage 04's that is
     missing or cut short is a ValueError naming it, before anything is set up."""
-    parameters.check(cfg)
     kinds = cfg.drafter_kinds
     if not kinds or len(set(kinds)) != len(kinds) or not set(kinds) <= set(outputs.KINDS):
         raise ValueError(f"drafter_kinds must list distinct kinds of {outputs.KINDS}, got {kinds!r}")

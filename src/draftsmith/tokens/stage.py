@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import parameters, sources
+from .. import sources
 from ..datasets import parse_datasets
 from ..imports import parse_imports, source_files
 from ..config import TokensConfig
@@ -85,7 +85,6 @@ def run(run: Run, cfg: TokensConfig, *, batch_size: int = 256, log=print) -> dic
     `cfg.imports` (see `draftsmith.imports`), analyse, write outputs and report.json (returned)."""
     from ..targets.checkpoint import resolve_target
 
-    parameters.check(cfg)
     datasets = parse_datasets(cfg.datasets)
     thresholds = Thresholds(cfg.sample_tolerance, cfg.min_clean_rate, cfg.max_relative_error)
     specs = parse_imports(list(cfg.imports), [s.name for s in datasets])
