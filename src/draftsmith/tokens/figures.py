@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..paths import Run
-from ..plotting import dataset_color, none_panel
+from ..tables import dataset_color, none_panel
 from .outputs import read_checks
 
 
