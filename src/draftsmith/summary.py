@@ -3,13 +3,12 @@
 Each stage says its own verdict, beside its files: `<stage>/outputs.verdict(run, anchor)` reads
 them (providers/summary.json, generate/manifest.json, tokens/report.json, hidden/check.json,
 drafter/summary.json, eval/report.json) and returns its numbers, verdict, figures and notes in the
-vocabulary here (`Verdict`, `Figure`, `Note`, `Reason`); this module only assembles them with each
-stage's executed notebook (time, and whether a cell failed), so a stage re-run alone is summed up
-with the others as they stand. `build(run)` returns a `Summary`; `write(run, summary)` saves `<run>/summary.json`;
+words of `draftsmith.verdicts`; this module only assembles them with each stage's executed notebook
+(time, and whether a cell failed), so a stage re-run alone is summed up with the others as they
+stand. `build(run)` returns a `Summary`; `write(run, summary)` saves `<run>/summary.json`;
 `lines(summary)` is what `draftsmith run` prints last; report.html puts the same block at its top.
 
-Verdicts: ok; warning (the output is usable, something in it needs a look); failed (the stage did
-not finish, or its own check says its output is unfit). The run's verdict is its worst stage's.
+The run's verdict is its worst stage's; a stage whose notebook did not finish is failed.
 A stage of the chain that did not start (an earlier one failed, `runner.run_stages`) is a `NotRun`
 beside them, with its cause; an executed notebook it left from an earlier run is not summed up.
 """
@@ -24,22 +23,12 @@ from typing import TYPE_CHECKING
 
 from .files import write_json_atomic
 from .paths import Run
+from .verdicts import Figure, Note, Reason, Unreadable, Verdict
 
 if TYPE_CHECKING:
     from .evaluate.results import RunHeadline
 
 SUMMARY = "summary.json"
-
-
-class Verdict(str, Enum):
-    OK = "ok"
-    WARNING = "warning"
-    FAILED = "failed"
-
-    @staticmethod
-    def worst(verdicts) -> "Verdict":
-        order = [Verdict.OK, Verdict.WARNING, Verdict.FAILED]
-        return max(verdicts, key=order.index, default=Verdict.OK)
 
 
 class StopCause(str, Enum):
@@ -64,42 +53,6 @@ class NotRun:
                 StopCause.WARNING: f"{self.after} warning, and --strict stops at a warning",
                 StopCause.DID_NOT_FINISH: f"{self.after} did not finish",
                 StopCause.INTERRUPTED: f"the run was interrupted in {self.after}"}[self.cause]
-
-
-@dataclass(frozen=True)
-class Figure:
-    """One figure of a stage's line, as a person reads it, and the anchor of its section in report.html."""
-
-    text: str
-    section: str
-
-
-class Reason(str, Enum):
-    """Why a stage's verdict is not ok, as a program reads it (`Note.reason`; summary.json `notes[].reason`)."""
-    STOPPED = "stopped"                         # a cell raised, the notebook did not end, its files unreadable
-    NO_ENDPOINT = "no_endpoint"
-    PLAN_NOT_COVERED = "plan_not_covered"
-    SESSION_ENDED_SHORT = "session_ended_short"
-    BELOW_BUDGET = "below_budget"
-    NO_SAMPLE = "no_sample"
-    FLAGGED_KEPT = "flagged_kept"
-    NO_SAMPLE_KEPT = "no_sample_kept"
-    MALFORMED_LINES = "malformed_lines"
-    CHECK_FAILED = "check_failed"
-    SHARDS_REJECTED = "shards_rejected"
-    TRAINING_UNFINISHED = "training_unfinished"
-    LOSS_DID_NOT_FALL = "loss_did_not_fall"
-    NOT_LOSSLESS = "not_lossless"
-    BELOW_NGRAM = "below_ngram"
-    NOTHING_MEASURED = "nothing_measured"
-
-
-@dataclass(frozen=True)
-class Note:
-    """One reason a stage is not ok: its machine-readable `reason` and the line a person reads."""
-
-    reason: Reason
-    text: str
 
 
 @dataclass
@@ -201,30 +154,6 @@ class Summary:
                            for s in self.stages],
                 "not_run": [{"title": n.title, "after": n.after, "cause": n.cause.value, "reason": n.reason}
                             for n in self.not_run]}
-
-
-# ---- what each stage's `outputs.verdict` says its verdict with ----------------------------------
-
-class Unreadable(Exception):
-    """A stage's file is missing or not what the stage writes: the message names it."""
-
-
-def read_file(run: Run, read, *args):
-    """`read(*args)`, a stage's own reader of one of its files in `run`; Unreadable, with the reader's
-    words (paths relative to the run), when the file is missing, damaged or empty."""
-    try:
-        out = read(*args)
-    except FileNotFoundError as e:
-        raise Unreadable(str(e).replace(f"{run.root}/", "")) from None
-    except ValueError as e:
-        raise Unreadable(f"not valid JSON: {e}".replace(f"{run.root}/", "")) from None
-    if not out:
-        raise Unreadable(f"{getattr(read, '__qualname__', read)} found nothing: the stage did not finish")
-    return out
-
-
-def usd(x: float | None) -> str:
-    return "n/a" if x is None else f"${x:,.2f}" if abs(x) >= 1 else f"${x:.4f}"
 
 
 def _verdicts() -> dict:

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from ..files import read_jsonl, replacing, write_json_atomic, write_text_atomic
 from ..paths import Run
-from ..summary import Figure, Note, Reason, Verdict, read_file
+from ..verdicts import Figure, Note, Reason, Verdict, read_file
 from .export import is_export
 from .vocab import DraftVocab
 

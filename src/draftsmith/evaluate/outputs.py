@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..files import read_jsonl, repair_tail, write_json_atomic, write_text_atomic
 from ..paths import Run
-from ..summary import Figure, Note, Reason, Verdict, read_file
+from ..verdicts import Figure, Note, Reason, Verdict, read_file
 
 ROUNDS = "rounds.jsonl"
 ENGINE_ROUNDS = "engine_rounds.jsonl"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..files import read_jsonl, repair_tail, write_json_atomic
 from ..paths import Run
-from ..summary import Figure, Note, Reason, Verdict, read_file, usd
+from ..verdicts import Figure, Note, Reason, Verdict, read_file, usd
 
 RESPONSES, ERRORS = "raw_responses.jsonl", "errors.jsonl"        # per dataset
 SUPERSEDED = "superseded.jsonl"                                  # per dataset: answers set aside

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from ..files import replacing, write_json_atomic
 from ..paths import Run
-from ..summary import Figure, Note, Reason, Unreadable, Verdict, read_file
+from ..verdicts import Figure, Note, Reason, Unreadable, Verdict, read_file
 
 INDEX = "index.json"
 SUMMARY = "summary.json"

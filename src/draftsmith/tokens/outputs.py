@@ -29,7 +29,7 @@ from ..datasets import stable_id
 from ..files import read_jsonl, replacing, write_json_atomic
 from ..paths import Run
 from ..progress import Progress
-from ..summary import Figure, Note, Reason, Verdict, read_file
+from ..verdicts import Figure, Note, Reason, Verdict, read_file
 from .rebuild import Rebuilt
 from .responses import Response
 
