@@ -204,25 +204,25 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     """Every process the tests start tallies its engine starts, papermill runs, torchrun launches and
-    target builds into one file (`draftsmith.events`); the terminal summary prints the counts."""
+    target builds into one file (`draftsmith.progress.note`); the terminal summary prints the counts."""
     import tempfile
 
-    from draftsmith import events
+    from draftsmith import progress
 
-    if not os.environ.get(events.ENV):
+    if not os.environ.get(progress.EVENTS_ENV):
         fd, path = tempfile.mkstemp(prefix="draftsmith-events-", suffix=".txt")
         os.close(fd)
-        os.environ[events.ENV] = path
+        os.environ[progress.EVENTS_ENV] = path
 
 
 def pytest_terminal_summary(terminalreporter):
-    from draftsmith import events
+    from draftsmith import progress
 
-    path = os.environ.get(events.ENV)
-    counts = events.tally(path) if path else {}
+    path = os.environ.get(progress.EVENTS_ENV)
+    counts = progress.tally(path) if path else {}
     if counts:
         terminalreporter.write_line("expensive steps of this run: " + ", ".join(f"{k} {n}" for k, n in counts.items()))
-        for where, steps in list(events.by_file(path).items())[:10]:
+        for where, steps in list(progress.by_file(path).items())[:10]:
             terminalreporter.write_line(f"  {where}: " + ", ".join(f"{k} {n}" for k, n in sorted(steps.items())))
 
 

@@ -139,8 +139,3 @@ def test_prices_rise_when_a_bill_exceeds_the_worst_case():
     sb.set_prices(1e-6, 2e-6)
     sb.settle(0.0, 0.01, prompt_tokens=1000, completion_tokens=1000)   # priced 0.003, billed 0.01
     assert sb.worst_cost(1000, 1000) >= 0.01 - 1e-12
-
-
-def test_spend_limit_must_be_positive():
-    with pytest.raises(ValueError, match="spend_limit_usd"):
-        SpendBudget(0)

@@ -18,7 +18,7 @@ import pytest
 
 from draftsmith import summary
 from draftsmith.paths import Run
-from draftsmith.tokens.summary import verdict as tokens_verdict
+from draftsmith.tokens.outputs import verdict_line as tokens_verdict
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -283,20 +283,20 @@ def test_the_makefiles_recipes_keep_bytecode_where_the_environment_forbids_it():
 
 
 def test_the_tally_counts_each_expensive_step_by_kind_and_by_the_test_file_that_caused_it(tmp_path, monkeypatch):
-    from draftsmith import events
+    from draftsmith import progress
 
     path = tmp_path / "events.txt"
-    monkeypatch.setenv(events.ENV, str(path))
+    monkeypatch.setenv(progress.EVENTS_ENV, str(path))
     for test, kinds in (("tests/test_a.py::test_x (setup)", ["engine start", "engine start", "papermill run"]),
                         ("tests/test_b.py::test_y (call)", ["engine start"])):
         monkeypatch.setenv("PYTEST_CURRENT_TEST", test)
         for kind in kinds:
-            events.note(kind)
+            progress.note(kind)
     monkeypatch.delenv("PYTEST_CURRENT_TEST")
-    events.note("target build")
-    assert events.tally(path) == {"engine start": 3, "papermill run": 1, "target build": 1}
-    assert events.by_file(path) == {"tests/test_a.py": {"engine start": 2, "papermill run": 1},
+    progress.note("target build")
+    assert progress.tally(path) == {"engine start": 3, "papermill run": 1, "target build": 1}
+    assert progress.by_file(path) == {"tests/test_a.py": {"engine start": 2, "papermill run": 1},
                                     "tests/test_b.py": {"engine start": 1}, "(outside a test)": {"target build": 1}}
-    monkeypatch.delenv(events.ENV)
-    events.note("engine start")             # without the variable: nothing is written
-    assert events.tally(path)["engine start"] == 3
+    monkeypatch.delenv(progress.EVENTS_ENV)
+    progress.note("engine start")             # without the variable: nothing is written
+    assert progress.tally(path)["engine start"] == 3

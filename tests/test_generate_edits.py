@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import cli, summary
+from draftsmith import cli
 from draftsmith.datasets import DatasetReader, DatasetSpec, prompt_hash
 from draftsmith.emulator import running
 from draftsmith.generate import outputs, prompt_edits
@@ -94,7 +94,7 @@ def test_an_edited_prompt_file_is_said_asked_in_its_words_and_only_its_answers_a
     first = rows_of("ed", 60)
     path = write(tmp_path / "e.jsonl", first)
     r1 = generate(emu, tmp_path, path)
-    assert not any("reworded" in f.text for f in summary.generate(Run(tmp_path, "r"), "02_generate")[2])
+    assert not any("reworded" in f.text for f in outputs.verdict(Run(tmp_path, "r"), "02_generate")[2])
     before = {x["sample_id"]: x for x in lines(tmp_path, outputs.RESPONSES)}
     assert len(before) == 60 and all(x["prompt_hash"] == prompt_hash(x["messages"]) for x in before.values())
 
@@ -141,8 +141,8 @@ def test_an_edited_prompt_file_is_said_asked_in_its_words_and_only_its_answers_a
                                          abs=1e-9)
     manifest = outputs.read_manifest(Run(tmp_path, "r"))
     assert manifest["sessions"][-1]["prompt_edits"]["e"]["reworded"] == 3
-    # the stage line and the run summary say it too (summary.generate reads the manifest)
-    figures = [f.text for f in summary.generate(Run(tmp_path, "r"), "02_generate")[2]]
+    # the stage line and the run summary say it too (generate.outputs.verdict reads the manifest)
+    figures = [f.text for f in outputs.verdict(Run(tmp_path, "r"), "02_generate")[2]]
     assert "3 reworded (asked again), 6 removed, 6 added; 9 answers set aside" in figures
     assert r1.spent_usd < r2.spent_usd == pytest.approx(manifest["spent_usd"], abs=1e-8)
 

@@ -1,10 +1,13 @@
 """Params files: one default per setting (the notebook's), a params file holds only overrides, and
 the demo still runs on exactly the values it ran on before the files were trimmed."""
 
+import dataclasses
+import re
+
 import pytest
 import yaml
 
-from draftsmith import cli, parameters
+from draftsmith import cli, config, parameters
 from draftsmith.paths import REPO_ROOT
 
 PARAMS = sorted((REPO_ROOT / "params").glob("*.yaml"))
@@ -94,22 +97,45 @@ def test_a_setting_several_notebooks_declare_has_one_default():
     assert not two, f"declared with different defaults: {two}"
 
 
-def test_a_bound_is_declared_once_in_the_notebook_line_and_both_preflight_and_the_library_hold_to_it(tmp_path, capsys):
+def test_a_bound_is_declared_once_on_its_field_and_preflight_names_the_params_file(tmp_path, capsys):
     p = parameters.declaration("top_p")
-    assert str(p.bound) == "in (0, 1]" and p.help == "nucleus sampling (pilot)"
+    assert str(p.bound) == "in (0, 1]" and p.bound.written == "(0, 1]" and p.help == "nucleus sampling (pilot)"
     assert cli.main(["run", "02", "-f", str(PARAMS[0]), "--check", "-p", "top_p", "1.5"]) == 2
     assert "-p top_p: top_p must be in (0, 1] (nucleus sampling), got 1.5" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"train_holdout_fraction must be in \[0, 1\) .*got 1"):
-        parameters.check_bounds({"top_p": 1.0, "train_holdout_fraction": 1})
-    parameters.check_bounds({"concurrency": 1, "shard_mb": 0.01})
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"run_name": "b", "outputs_dir": str(tmp_path / "out"), "train_holdout_fraction": 1}))
+    assert cli.main(["run", "05", "-f", str(f), "--check"]) == 2
+    assert f"{f}: train_holdout_fraction must be in [0, 1) (" in capsys.readouterr().err
 
 
-def test_a_config_whose_default_breaks_its_own_bound_or_bounds_a_string_is_refused():
-    import dataclasses
+def _bounded():
+    """(config, setting, its bound) for every bounded setting of every stage config."""
+    return [pytest.param(cls, f.name, config.Bound.of(f.metadata["bound"]), id=f"{cls.__name__}.{f.name}")
+            for _, cls in config.STAGES.values() for f in dataclasses.fields(cls) if f.metadata.get("bound")]
 
-    from draftsmith import config
 
-    for name, default, says in [("concurrency", 0, "concurrency must be at least 1"), ("model", "m", "a bound is for numbers")]:
-        cls = dataclasses.make_dataclass("X", [(name, type(default), config.setting(default, "help", bound="[1, inf)"))])
-        with pytest.raises(parameters.ParamError, match=says):
-            parameters.config_parameters(cls, "09_x.ipynb")
+@pytest.mark.parametrize("cls, name, bound", _bounded())
+def test_every_stage_config_refuses_a_value_just_outside_a_bound_naming_it_and_takes_the_bound(cls, name, bound):
+    """Building a stage config (what preflight, a notebook and a direct call do) is where a bound is
+    checked: just outside it is refused, naming the setting and the bound; the bound itself (or, where
+    it is open, just inside it) is taken."""
+    step = 1 if isinstance(getattr(cls(), name), int) else 1e-6
+    edges = [(bound.low, bound.low_closed, -step)] + ([(bound.high, bound.high_closed, step)]
+                                                      if bound.high != float("inf") else [])
+    for edge, closed, out in edges:
+        outside = edge + out if closed else edge
+        with pytest.raises(config.BoundError, match=rf"^{name} must be {re.escape(str(bound))} \(.*\), got "):
+            cls(**{name: type(getattr(cls(), name))(outside)})
+        inside = edge if closed else edge - out
+        assert getattr(cls(**{name: type(getattr(cls(), name))(inside)}), name) == inside
+
+
+def test_a_config_whose_default_breaks_its_own_bound_or_bounds_a_string_is_refused_as_it_is_declared():
+    with pytest.raises(config.BoundError, match=r"concurrency must be at least 1 \(help\), got 0"):
+        @config.stage_settings
+        class Zero:
+            concurrency: int = config.setting(0, "help", ge=1)
+    with pytest.raises(config.BoundError, match=r"model must be a number at least 1 \(help\), got 'm'"):
+        @config.stage_settings
+        class Named:
+            model: str = config.setting("m", "help", ge=1)

@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import events
+from . import progress
 
 
 @dataclass
@@ -190,7 +190,7 @@ def torchrun(nproc: int, module: str, args: list[str], *, nnodes: int = 1, rdzv_
            f"--nproc-per-node={nproc}", "-m", module, *args]
     log("$ " + " ".join(cmd))
     for attempt in range(1, attempts + 1):
-        events.note("torchrun launch")
+        progress.note("torchrun launch")
         tail = collections.deque(maxlen=400)
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             for line in proc.stdout:

@@ -6,7 +6,8 @@ is only where the runner finds it); the notebooks' parameters cells are written 
 (`python -m draftsmith.parameters --write-cells`) and a test holds them equal. A params file (and
 `-p` overrides) hold only what differs: they are merged over the defaults, a key no stage declares
 or a value of the wrong type is rejected (naming the file and key), relative paths become absolute
-(`effective_params`); `preflight.prepare` then checks every value of the chosen stages.
+(`effective_params`); `preflight.prepare` then builds the chosen stages' configs (each checks its
+bounds as it is built) and checks what a bound cannot say.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import difflib
 import functools
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,48 +33,13 @@ class ParamError(ValueError):
     """A parameter problem the user must fix; the message names the file and key."""
 
 
-BOUND = re.compile(r"^([\[(])\s*(-?inf|-?[\d.]+(?:e-?\d+)?)\s*,\s*(inf|-?[\d.]+(?:e-?\d+)?)\s*([\])])\s*")
-
-
-@dataclass(frozen=True)
-class Bound:
-    """An interval a number must lie in, as its declaration writes it: `[1, inf)`, `(0, 1]`."""
-    low: float
-    high: float
-    low_closed: bool
-    high_closed: bool
-
-    def holds(self, v) -> bool:
-        return ((v >= self.low if self.low_closed else v > self.low) and
-                (v <= self.high if self.high_closed else v < self.high))
-
-    @property
-    def written(self) -> str:
-        """As a config writes it: `[1, inf)`."""
-        return f"{'[' if self.low_closed else '('}{self.low:g}, {self.high:g}{']' if self.high_closed else ')'}"
-
-    def __str__(self) -> str:
-        low = f"{self.low:g}"
-        if self.high == float("inf"):
-            return f"at least {low}" if self.low_closed else f"more than {low}"
-        return f"in {'[' if self.low_closed else '('}{low}, {self.high:g}{']' if self.high_closed else ')'}"
-
-
-def parse_bound(help_: str) -> tuple[Bound | None, str]:
-    """(the bound a help text starts with, or None; the rest of the text)."""
-    m = BOUND.match(help_)
-    if not m:
-        return None, help_
-    return Bound(float(m[2]), float(m[3]), m[1] == "[", m[4] == "]"), help_[m.end():]
-
-
 @dataclass
 class Param:
     name: str
     default: object
     help: str
     notebook: str
-    bound: Bound | None = None
+    bound: config.Bound | None = None
     annotation: str | None = None   # the config's type, e.g. "str | None"
 
     @property
@@ -82,14 +47,6 @@ class Param:
         if self.annotation:
             return self.annotation
         return "any" if self.default is None else type(self.default).__name__
-
-    def problem(self, value) -> str | None:
-        """What is wrong with a number outside the declared bound (None: nothing)."""
-        if self.bound is None or not isinstance(value, (int, float)) or isinstance(value, bool):
-            return None
-        if self.bound.holds(value):
-            return None
-        return f"{self.name} must be {self.bound} ({self.help}), got {value!r}"
 
 
 @dataclass
@@ -149,29 +106,11 @@ def default_field(name: str):
     return field(default_factory=lambda: copy.deepcopy(declaration(name).default))
 
 
-def check_bounds(values: dict) -> None:
-    """Raise ValueError naming the first setting of `values` outside its declared bound; the
-    library calls this where a stage takes its settings, so a direct call is held to the same
-    bounds as a `draftsmith run`."""
-    for name, value in values.items():
-        problem = declaration(name).problem(value)
-        if problem:
-            raise ValueError(problem)
-
-
-def check(cfg) -> None:
-    """Raise ValueError naming the first setting of `cfg` (a stage's config) outside its bound: each
-    stage's `run` calls this first, so a direct call is held to the same bounds as `draftsmith run`."""
-    check_bounds({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
-
-
 def stage_config(number: str, namespace: dict):
     """Stage `number`'s config (`config.STAGES`) from `namespace`, a notebook's globals: what its
-    stage's `run(run, cfg)` takes, checked."""
+    stage's `run(run, cfg)` takes, its bounds checked as it is built."""
     cls = config.STAGES[number][1]
-    cfg = cls(**{f.name: namespace[f.name] for f in dataclasses.fields(cls)})
-    check(cfg)
-    return cfg
+    return cls(**{f.name: namespace[f.name] for f in dataclasses.fields(cls)})
 
 
 def discover(notebooks_dir: Path = NOTEBOOKS_DIR, configs: dict | None = None) -> list[Stage]:
@@ -186,21 +125,13 @@ def discover(notebooks_dir: Path = NOTEBOOKS_DIR, configs: dict | None = None) -
 
 
 def config_parameters(cls, notebook: str) -> dict[str, Param]:
-    """The settings a config class declares, in order, each held to its own bound."""
+    """The settings a config class declares, in order, with their bounds (a config checks its own
+    defaults against them as it is declared: `config.stage_settings`)."""
     out: dict[str, Param] = {}
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        bound = None
-        if f.metadata.get("bound"):
-            bound, rest = parse_bound(f.metadata["bound"])
-            if bound is None or rest:
-                raise ParamError(f"{cls.__name__}.{f.name}: bound {f.metadata['bound']!r} is not an interval")
-            if not (isinstance(default, (int, float)) and not isinstance(default, bool)):
-                raise ParamError(f"{cls.__name__}.{f.name}: a bound is for numbers, its default is {default!r}")
-        param = out[f.name] = Param(f.name, default, f.metadata.get("help", ""), notebook, bound, str(f.type))
-        problem = param.problem(default)
-        if problem:
-            raise ParamError(f"{cls.__name__}: {problem} (its own default)")
+        bound = config.Bound.of(f.metadata["bound"]) if f.metadata.get("bound") else None
+        out[f.name] = Param(f.name, default, f.metadata.get("help", ""), notebook, bound, str(f.type))
     return out
 
 

@@ -1,7 +1,7 @@
 """Checks of a run's parameter values and inputs, made before any stage starts or pays.
 
-The runner already checks names and types; this checks what a type cannot say: counts and limits
-that must be positive, run and dataset names that are safe as folder names, prompt files that exist
+The runner already checks names and types; this checks what a type cannot say: the bounds of counts
+and limits (building each chosen stage's config, which checks them), run and dataset names that are safe as folder names, prompt files that exist
 and hold at least one usable prompt, import files that exist and hold at least one usable answer,
 the API key each api_base needs (a key file given with `api_base: local` is read too), a target
 that exists and whose tokenizer loads (one shipped as code only with trust_remote_code), an
@@ -21,7 +21,7 @@ from pathlib import Path
 from .openrouter.apikey import api_key_for, read_api_key
 from .datasets import DatasetReader, parse_datasets, stable_id
 from .imports import ImportSpec, answered, parse_imports, to_raw
-from . import parameters
+from . import config, parameters
 from .paths import Run, check_name
 from .distributed import rendezvous_args
 from .generate import prompt_edits
@@ -51,9 +51,7 @@ def check(stages, values: dict, sources: dict[str, str]) -> list[str]:
     """Every problem of the selected stages' parameters, one line each (empty: all good)."""
     declared = {name for s in stages for name in s.params}
     where = lambda k: sources.get(k, "default")  # noqa: E731
-    params = parameters.declared(stages)
-    said = ((name, params[name].problem(values.get(name))) for name in sorted(declared))
-    problems = [f"{where(name)}: {problem}" for name, problem in said if problem]
+    problems = [f"{where(name)}: {problem}" for name, problem in bound_problems(stages, values).items()]
     problems += _names(values, "datasets" in declared, where)
     if "nnodes" in declared and isinstance(values.get("nnodes"), int) and values["nnodes"] > 1:
         try:
@@ -70,6 +68,19 @@ def check(stages, values: dict, sources: dict[str, str]) -> list[str]:
     if "imports" in declared:
         problems += _imports(values.get("imports") or [], values.get("datasets") or [], where("imports"))
     return problems
+
+
+def bound_problems(stages, values: dict) -> dict[str, str]:
+    """{setting: its line} for each value outside its bound: the stages' configs built from `values`
+    say them (`config.stage_settings`), a setting several stages take named once."""
+    out: dict[str, str] = {}
+    for s in stages:
+        try:
+            s.config(**{name: values[name] for name in s.params if name in values})
+        except config.BoundError as e:
+            for name, line in e.problems.items():
+                out.setdefault(name, line)
+    return out
 
 
 def warnings(stages, values: dict, sources: dict[str, str]) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from . import events
+from . import progress
 from . import summary as run_summary
 from .files import write_text_atomic
 from .parameters import Stage, parameters_cell, read_notebook
@@ -176,7 +176,7 @@ def _run_stage(run: Run, stage: Stage, values: dict, echo: bool, first: bool, co
     stop = _Stop()
     try:
         stop.install()
-        events.note("papermill run")
+        progress.note("papermill run")
         pm.execute_notebook(str(stage.path), str(out_nb), parameters=params, kernel_name="python3",
                             log_output=True, progress_bar=False, cwd=str(run.root),
                             kernel_manager_class=_kernel_manager(log_path, stop))

@@ -1,13 +1,14 @@
 """The run summary: one line per stage that ran, its verdict and the figures that decide it.
 
-Every figure is read from the stage's own files (providers/summary.json, generate/manifest.json,
-tokens/report.json, hidden/check.json, drafter/summary.json, eval/report.json) and its executed
-notebook (time, and whether a cell failed), so a stage re-run alone is summed up with the others as
-they stand. `build(run)` returns a `Summary`; `write(run, summary)` saves `<run>/summary.json`;
+Each stage says its own verdict, beside its files: `<stage>/outputs.verdict(run, anchor)` reads
+them (providers/summary.json, generate/manifest.json, tokens/report.json, hidden/check.json,
+drafter/summary.json, eval/report.json) and returns its numbers, verdict, figures and notes in the
+words of `draftsmith.verdicts`; this module only assembles them with each stage's executed notebook
+(time, and whether a cell failed), so a stage re-run alone is summed up with the others as they
+stand. `build(run)` returns a `Summary`; `write(run, summary)` saves `<run>/summary.json`;
 `lines(summary)` is what `draftsmith run` prints last; report.html puts the same block at its top.
 
-Verdicts: ok; warning (the output is usable, something in it needs a look); failed (the stage did
-not finish, or its own check says its output is unfit). The run's verdict is its worst stage's.
+The run's verdict is its worst stage's; a stage whose notebook did not finish is failed.
 A stage of the chain that did not start (an earlier one failed, `runner.run_stages`) is a `NotRun`
 beside them, with its cause; an executed notebook it left from an earlier run is not summed up.
 """
@@ -18,23 +19,16 @@ import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .evaluate.results import Headline, RunHeadline, Versus
 from .files import write_json_atomic
 from .paths import Run
+from .verdicts import Figure, Note, Reason, Unreadable, Verdict
+
+if TYPE_CHECKING:
+    from .evaluate.results import RunHeadline
 
 SUMMARY = "summary.json"
-
-
-class Verdict(str, Enum):
-    OK = "ok"
-    WARNING = "warning"
-    FAILED = "failed"
-
-    @staticmethod
-    def worst(verdicts) -> "Verdict":
-        order = [Verdict.OK, Verdict.WARNING, Verdict.FAILED]
-        return max(verdicts, key=order.index, default=Verdict.OK)
 
 
 class StopCause(str, Enum):
@@ -59,151 +53,6 @@ class NotRun:
                 StopCause.WARNING: f"{self.after} warning, and --strict stops at a warning",
                 StopCause.DID_NOT_FINISH: f"{self.after} did not finish",
                 StopCause.INTERRUPTED: f"the run was interrupted in {self.after}"}[self.cause]
-
-
-@dataclass(frozen=True)
-class Figure:
-    """One figure of a stage's line, as a person reads it, and the anchor of its section in report.html."""
-
-    text: str
-    section: str
-
-
-class Reason(str, Enum):
-    """Why a stage's verdict is not ok, as a program reads it (`Note.reason`; summary.json `notes[].reason`)."""
-    STOPPED = "stopped"                         # a cell raised, the notebook did not end, its files unreadable
-    NO_ENDPOINT = "no_endpoint"
-    PLAN_NOT_COVERED = "plan_not_covered"
-    SESSION_ENDED_SHORT = "session_ended_short"
-    BELOW_BUDGET = "below_budget"
-    NO_SAMPLE = "no_sample"
-    FLAGGED_KEPT = "flagged_kept"
-    NO_SAMPLE_KEPT = "no_sample_kept"
-    MALFORMED_LINES = "malformed_lines"
-    CHECK_FAILED = "check_failed"
-    SHARDS_REJECTED = "shards_rejected"
-    TRAINING_UNFINISHED = "training_unfinished"
-    LOSS_DID_NOT_FALL = "loss_did_not_fall"
-    NOT_LOSSLESS = "not_lossless"
-    BELOW_NGRAM = "below_ngram"
-    NOTHING_MEASURED = "nothing_measured"
-
-
-@dataclass(frozen=True)
-class Note:
-    """One reason a stage is not ok: its machine-readable `reason` and the line a person reads."""
-
-    reason: Reason
-    text: str
-
-
-# ---- the numbers of each stage, as its own files have them -------------------------------------
-
-@dataclass
-class ProvidersNumbers:
-    allowed: list[str]
-    excluded: dict[str, str]            # endpoint tag -> why it is left out
-    balance_usd: float | None
-    spent_usd: float
-    fits_fraction: float                # share of the planned cost the balance and the limit cover
-
-
-@dataclass
-class DatasetTokens:
-    name: str
-    output_tokens: int                  # completion tokens saved
-    budget: int | None                  # output_token_budget
-    samples: int
-    failed_for_good: int
-
-
-@dataclass
-class GenerateNumbers:
-    spent_usd: float
-    spend_limit_usd: float | None
-    balance_usd: float | None           # the last balance stage 02 saw
-    status: str                         # how its last session ended
-    message: str
-    datasets: list[DatasetTokens]
-
-
-@dataclass
-class TokensNumbers:
-    samples: int
-    kept: int
-    excluded: int
-    flagged_samples: int
-    exclude_flagged: bool
-    providers_used: list[str]
-    providers_flagged: dict[str, str]   # provider -> cause
-    providers_excluded: list[str]       # flagged providers whose samples are left out
-    billed_tokens: int                  # completion tokens billed, over `tokens_scope`
-    rebuilt_tokens: int                 # ... and rebuilt from the text
-    tokens_scope: str                   # "kept" (what stage 04 reads), or "all samples" in an older report
-    response_tokens_kept: int
-
-
-@dataclass
-class HiddenNumbers:
-    passed: bool
-    samples: int
-    positions: int
-    engine: str                         # what ran the check: hf, or vLLM's version, model runner, dtype
-    logprob_mean_abs_err: float         # the stored final state's next-token logprobs against the engine's
-    max_mean_abs_err: float
-    top1_agreement: float
-    min_top1: float
-    answers_tokens: int | None          # the engine on the target's own answers (check.json `answers`; a
-    answers_mean_nll: float | None      # check.json written before the stage recorded it has none)
-    answers_argmax_agreement: float | None
-    answers_gated: bool | None          # whether the bounds below held the check (check_answers)
-    max_nll: float | None
-    min_agreement: float | None
-    problems: list[str]
-    cause: str | None
-    tokens: int | None                  # hidden/summary.json: tokens extracted, shards written and rejected
-    shards_written: int | None
-    shards_rejected: int | None
-
-
-@dataclass
-class DrafterNumbers:
-    kind: str                           # eagle3 | dflash
-    steps: int
-    total_steps: int
-    finished: bool
-    train_loss: float | None            # the last training step's, first draft position, nats (stage 05's table)
-    train_accuracy: float | None        # ... its first draft position's accuracy
-    heldout_loss: float | None          # the held-out split at the end (first draft position, nats)
-    heldout_accuracy: float | None
-    heldout_loss_start: float | None    # ... and before the first step
-    heldout_accuracy_start: float | None
-
-
-@dataclass
-class DrafterStageNumbers:
-    drafters: list[DrafterNumbers]      # eagle3, and dflash where it was trained too
-
-
-@dataclass
-class EngineRan:
-    method: str                         # the engine's method (none, ngram, an export)
-    prompt_sets: str                    # "held-out" or "benchmarks": each set of prompts has its engines
-    model_runner: str | None            # v1 or v2; where the engine did not start, the one asked for
-    model_runner_class: str | None      # the runner's class as the worker held it; None: it did not start
-    started: bool
-
-
-@dataclass
-class EvalNumbers:
-    source: str                         # "vllm" (the engine's counters) or "decoder" (ours, eval_backend hf)
-    drafter: str                        # the method measured as "the drafter"
-    rows: list[Headline]                # the final drafter, n-gram and no drafter per prompt set and T
-    engines: list[EngineRan] = field(default_factory=list)  # every vLLM engine of the report (none: no vLLM)
-    engine_env: dict = field(default_factory=dict)          # the job's engine settings as the engines held them
-    disable_custom_all_reduce: bool | None = None
-    kv_cache_dtype: str | None = None
-    headline: RunHeadline | None = None     # the run's headline (`results.run_headline`)
 
 
 @dataclass
@@ -307,304 +156,20 @@ class Summary:
                             for n in self.not_run]}
 
 
-# ---- reading each stage ------------------------------------------------------------------------
+def _verdicts() -> dict:
+    """The stage notebooks' titles -> each stage's own `outputs.verdict(run, anchor)`: the stage's
+    numbers, verdict, figures and notes from its files (Unreadable when they are missing or damaged).
+    A notebook of another name is summed up from its executed notebook alone (time, and whether a
+    cell failed)."""
+    from .drafter import outputs as drafter
+    from .evaluate import outputs as evaluate
+    from .generate import outputs as generate
+    from .hidden import outputs as hidden
+    from .providers import outputs as providers
+    from .tokens import outputs as tokens
 
-class Unreadable(Exception):
-    """A stage's file is missing or not what the stage writes: the message names it."""
-
-
-def _read(run: Run, read, *args):
-    """`read(*args)`, a stage's own reader of one of its files in `run`; Unreadable, with the reader's
-    words (paths relative to the run), when the file is missing, damaged or empty."""
-    try:
-        out = read(*args)
-    except FileNotFoundError as e:
-        raise Unreadable(str(e).replace(f"{run.root}/", "")) from None
-    except ValueError as e:
-        raise Unreadable(f"not valid JSON: {e}".replace(f"{run.root}/", "")) from None
-    if not out:
-        raise Unreadable(f"{getattr(read, '__qualname__', read)} found nothing: the stage did not finish")
-    return out
-
-
-def _usd(x: float | None) -> str:
-    return "n/a" if x is None else f"${x:,.2f}" if abs(x) >= 1 else f"${x:.4f}"
-
-
-def _num(x: float | None, digits: int = 3) -> str:
-    return "n/a" if x is None else f"{x:.{digits}g}"
-
-
-def _length(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
-
-
-# Each reader takes the run and the anchor of the stage's section in report.html, and returns the
-# stage's numbers, verdict, figures and notes; a missing or unreadable file raises (`stage` says so).
-
-def providers(run: Run, anchor: str):
-    from .providers import outputs as providers_outputs
-
-    s = _read(run, providers_outputs.read_summary, run)
-    routing = _read(run, providers_outputs.read_routing_record, run)
-    n = ProvidersNumbers(allowed=list(routing["allowed"]),
-                         excluded={e["tag"]: e["reason"] for e in routing.get("excluded", [])},
-                         balance_usd=s["balance_usd"], spent_usd=s["stage_01_spent_usd"],
-                         fits_fraction=s["fits_fraction"])
-    figures = [Figure(f"{len(n.allowed)} endpoints allowed, {len(n.excluded)} excluded", anchor),
-               Figure(f"balance {_usd(n.balance_usd)}, the plan fits {n.fits_fraction:.0%}", anchor)]
-    notes = []
-    if not n.allowed:
-        notes.append(Note(Reason.NO_ENDPOINT, "no endpoint is allowed: stage 02 has nowhere to send a request"))
-    elif n.fits_fraction < 1:
-        notes.append(Note(Reason.PLAN_NOT_COVERED, f"the balance and spend limit cover {n.fits_fraction:.0%} of the "
-                          f"planned cost: stage 02 will stop short of the budgets"))
-    verdict = Verdict.FAILED if not n.allowed else Verdict.WARNING if notes else Verdict.OK
-    return n, verdict, figures, notes
-
-
-_GENERATE_OK = ("finished", "nothing_to_do")
-_GENERATE_FAILED = ("fatal", "write_error", "no_room", "killed")
-
-
-def generate(run: Run, anchor: str):
-    from .generate import outputs
-
-    from .generate import prompt_edits
-    from .generate.outputs import read_manifest
-
-    m = _read(run, read_manifest, run)
-    timeline = outputs.read_timeline(run)
-    last = (m.get("sessions") or [{}])[-1]
-    n = GenerateNumbers(
-        spent_usd=m["spent_usd"], spend_limit_usd=(m.get("config") or {}).get("spend_limit_usd"),
-        balance_usd=next((p["balance"] for p in reversed(timeline) if p.get("balance") is not None), None),
-        status=last.get("status", "none"), message=last.get("message") or "",
-        datasets=[DatasetTokens(name, d["completion_tokens"], d.get("budget"), d["samples"], d.get("failed_for_good", 0))
-                  for name, d in (m.get("datasets") or {}).items()])
-    short = [d for d in n.datasets if d.budget and d.output_tokens < d.budget]
-    ran_out = n.status in _GENERATE_OK   # a session that finished below a budget asked every prompt it has
-    figures = [Figure(f"spent {_usd(n.spent_usd)} of {_usd(n.spend_limit_usd)} limit, balance {_usd(n.balance_usd)}",
-                      anchor)]
-    figures += [Figure(f"{d.name} {d.output_tokens:,}" + (f" / {d.budget:,}" if d.budget else "") + " tokens"
-                       + (" (its prompts ran out)" if ran_out and d in short else ""), anchor) for d in n.datasets]
-    edits = prompt_edits.stage_line(prompt_edits.from_record(last.get("prompt_edits")))
-    if edits:   # the prompt files changed since the answers were saved (its last session's comparison)
-        figures.append(Figure(edits, anchor))
-    notes = []
-    if not ran_out:
-        notes.append(Note(Reason.SESSION_ENDED_SHORT, f"its last session ended {n.status}"
-                          + (f": {n.message}" if n.message else "")
-                          + ("" if n.status in _GENERATE_FAILED else "; re-run stage 02 to go on")))
-        if short:
-            notes.append(Note(Reason.BELOW_BUDGET, "below budget: " + ", ".join(
-                f"{d.name} {d.output_tokens:,} of {d.budget:,} tokens" for d in short)))
-    if not sum(d.samples for d in n.datasets):
-        notes.append(Note(Reason.NO_SAMPLE, "no sample was saved"))
-    verdict = (Verdict.FAILED if n.status in _GENERATE_FAILED or not sum(d.samples for d in n.datasets)
-               else Verdict.WARNING if notes else Verdict.OK)
-    return n, verdict, figures, notes
-
-
-def tokens(run: Run, anchor: str):
-    from .tokens.summary import BILLING_ONLY
-
-    from .tokens.outputs import read_report
-
-    r = _read(run, read_report, run)
-    t, flagged = r["totals"], r["flagged_providers"]
-    kept_totals = r.get("totals_kept")
-    scope = kept_totals or t
-    excluded_providers = sorted(flagged) if r["exclude_flagged"] else []
-    n = TokensNumbers(samples=t["samples"], kept=t["kept"], excluded=t["excluded"], flagged_samples=t["flagged"],
-                      exclude_flagged=r["exclude_flagged"], providers_used=sorted(r["providers"]),
-                      providers_flagged={p: f["cause"] or (f["reasons"] or ["flagged"])[0] for p, f in flagged.items()},
-                      providers_excluded=excluded_providers, billed_tokens=scope["billed_completion_tokens"],
-                      rebuilt_tokens=scope["reconstructed_completion_tokens"],
-                      tokens_scope="kept" if kept_totals else "all samples",
-                      response_tokens_kept=t["response_tokens_kept"])
-    flagged_text = ", ".join(f"{p} ({c})" for p, c in n.providers_flagged.items()) or "none"
-    figures = [Figure(f"{len(n.providers_used)} providers, flagged: {flagged_text}", anchor),
-               Figure(f"{n.kept:,} of {n.samples:,} samples kept ({n.response_tokens_kept:,} response tokens)", anchor),
-               Figure(f"billed vs rebuilt on {n.tokens_scope}: {n.billed_tokens:,} vs {n.rebuilt_tokens:,} tokens", anchor)]
-    if n.excluded:   # the flagged providers' samples, and samples flagged one by one from the other providers
-        left_out = sum(r["providers"][p]["samples"] for p in excluded_providers)
-        why = ([f"{left_out:,} from the flagged providers ({', '.join(excluded_providers)})"] if excluded_providers
-               else []) + ([f"{n.excluded - left_out:,} flagged one by one from the others"]
-                           if n.exclude_flagged and n.excluded > left_out else [])
-        figures.append(Figure(f"excluded {n.excluded:,} samples" + (f": {' + '.join(why)}" if why else ""), anchor))
-    notes = []
-    harmful = {p: c for p, c in n.providers_flagged.items() if flagged[p]["cause"] not in BILLING_ONLY}
-    if harmful and not n.exclude_flagged:
-        notes.append(Note(Reason.FLAGGED_KEPT, "not fit to train on as kept: " + ", ".join(
-            f"{p} ({c})" for p, c in harmful.items())
-            + " returned text unlike the target's and their samples are kept; set exclude_flagged: true"))
-    if not n.kept:
-        notes.append(Note(Reason.NO_SAMPLE_KEPT, "no sample is kept"))
-    malformed = {name: d["malformed_lines"] for name, d in r["datasets"].items() if d.get("malformed_lines")}
-    if malformed:
-        notes.append(Note(Reason.MALFORMED_LINES,
-                          "malformed lines skipped: " + ", ".join(f"{k} {v}" for k, v in malformed.items())))
-    verdict = (Verdict.FAILED if (harmful and not n.exclude_flagged) or not n.kept
-               else Verdict.WARNING if notes else Verdict.OK)
-    return n, verdict, figures, notes
-
-
-def hidden(run: Run, anchor: str):
-    from .hidden import outputs as hidden_outputs
-
-    try:
-        s = hidden_outputs.read_summary(run.root / "hidden")
-    except FileNotFoundError:
-        s = {}
-    if s.get("gpu_only"):  # no engine ran, so no check: nothing to train on from this machine
-        raise Unreadable(f"no features: {s['gpu_only']} (vLLM's CPU build cannot run this target; run stage 04 on "
-                         f"GPUs, docs/gpu-runbook.md)")
-    c = _read(run, hidden_outputs.read_check, run.root / "hidden")
-    engine = (f"vllm {c.ran['vllm']}, model runner {c.ran.get('model_runner') or '-'}" if c.ran.get("vllm")
-              else c.engine)
-    answers = c.answers or {}
-    bounds = answers.get("bounds") or {}
-    n = HiddenNumbers(passed=bool(c.passed), samples=c.samples, positions=c.positions,
-                      engine=f"{engine}, {c.engine_dtype}" if c.engine_dtype else engine,
-                      logprob_mean_abs_err=c.logprob_mean_abs_err, max_mean_abs_err=c.tolerance["mean_abs"],
-                      top1_agreement=c.top1_agreement, min_top1=c.tolerance["min_top1"],
-                      answers_tokens=answers.get("tokens"), answers_mean_nll=answers.get("mean_nll"),
-                      answers_argmax_agreement=answers.get("argmax_agreement"), answers_gated=answers.get("gated"),
-                      max_nll=bounds.get("max_nll"), min_agreement=bounds.get("min_agreement"),
-                      problems=list(c.problems), cause=c.cause,
-                      tokens=s.get("tokens_extracted", s.get("tokens")), shards_written=s.get("shards_written"),
-                      shards_rejected=s.get("shards_rejected"))
-    figures = [Figure(f"check {'passed' if n.passed else 'FAILED'} on {n.samples} samples ({n.positions:,} positions; "
-                      f"{n.engine})", anchor),
-               Figure(f"logprob error {n.logprob_mean_abs_err:.3g} nat (<= {n.max_mean_abs_err:g}), top-1 agreement "
-                      f"{n.top1_agreement:.1%} (>= {n.min_top1:.0%})", anchor)]
-    if n.answers_tokens:
-        held = (f" (<= {n.max_nll:g})" if n.answers_gated and n.max_nll is not None else "",
-                f" (>= {n.min_agreement:.0%})" if n.answers_gated and n.min_agreement is not None else "")
-        figures.append(Figure(f"own answers ({n.answers_tokens:,} tokens{'' if n.answers_gated else ', not held'}): "
-                              f"mean NLL {n.answers_mean_nll:.3g} nat{held[0]}, argmax agreement "
-                              f"{n.answers_argmax_agreement:.1%}{held[1]}", anchor))
-    if n.shards_written is not None:
-        figures.append(Figure(f"{n.tokens or 0:,} tokens stored; shards: {n.shards_written} written, "
-                              f"{n.shards_rejected or 0} rejected", anchor))
-    notes = []
-    if not n.passed:
-        notes.append(Note(Reason.CHECK_FAILED, "its own check failed: " + "; ".join(n.problems)
-                          + (f"; likely cause: {n.cause}" if n.cause else "")))
-    if n.shards_rejected:
-        notes.append(Note(Reason.SHARDS_REJECTED, f"{n.shards_rejected} shards failed their health check and are left out"))
-    verdict = Verdict.FAILED if not n.passed else Verdict.WARNING if notes else Verdict.OK
-    return n, verdict, figures, notes
-
-
-def _drafter(run: Run, folder: str, kind: str) -> DrafterNumbers:
-    from .drafter import outputs as drafter_outputs
-
-    where = drafter_outputs.drafter_dir(run, kind, create=False)
-    s = _read(run, drafter_outputs.read_summary, where)
-    train = [row for row in drafter_outputs.read_metrics(where) if row.get("split") == "train"]
-    last, end, start = (train[-1] if train else {}), s.get("heldout") or {}, s.get("heldout_start") or {}
-
-    def acc(row):
-        return row["acc_i"][0] if row.get("acc_i") else None
-
-    def loss(row):   # the first draft position's, as stage 05's table has it (`loss` sums every TTT step's)
-        return row["loss_i"][0] if row.get("loss_i") else row.get("loss")
-
-    return DrafterNumbers(kind=s.get("kind", kind), steps=s["steps"], total_steps=s["total_steps"],
-                          finished=bool(s["finished"]), train_loss=loss(last), train_accuracy=acc(last),
-                          heldout_loss=loss(end), heldout_accuracy=acc(end),
-                          heldout_loss_start=loss(start), heldout_accuracy_start=acc(start))
-
-
-def drafter(run: Run, anchor: str):
-    from .drafter import outputs as drafter_outputs
-
-    kinds = [("drafter", "eagle3")]
-    try:   # DFlash beside it when it was trained too
-        drafter_outputs.read_summary(drafter_outputs.drafter_dir(run, "dflash", create=False))
-        kinds.append(("drafter-dflash", "dflash"))
-    except FileNotFoundError:
-        pass
-    n = DrafterStageNumbers([_drafter(run, folder, kind) for folder, kind in kinds])
-    figures, notes = [], []
-    for d in n.drafters:
-        figures += [Figure(f"{d.kind}: {d.steps}/{d.total_steps} steps, final train loss {_num(d.train_loss)} nat, "
-                           f"accuracy {_pct(d.train_accuracy)}", anchor),
-                    Figure(f"held-out loss {_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)} nat, accuracy "
-                           f"{_pct(d.heldout_accuracy_start)} -> {_pct(d.heldout_accuracy)} (first draft token)", anchor)]
-        if not d.finished:
-            notes.append(Note(Reason.TRAINING_UNFINISHED, f"{d.kind}: training stopped at step {d.steps} of "
-                              f"{d.total_steps}; re-run stage 05 to resume"))
-        if d.heldout_loss is not None and d.heldout_loss_start is not None and d.heldout_loss >= d.heldout_loss_start:
-            notes.append(Note(Reason.LOSS_DID_NOT_FALL, f"{d.kind}: the held-out loss did not fall "
-                              f"({_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)})"))
-    return n, Verdict.WARNING if notes else Verdict.OK, figures, notes
-
-
-def _pm(x: float | None, se: float | None) -> str:
-    """An acceptance length with its standard error: `1.76 ± 0.05`."""
-    return _length(x) + ("" if x is None or se is None else f" ± {se:.2f}")
-
-
-def _count(prompts: int | None) -> str:
-    return "" if prompts is None else f" ({prompts} prompt{'s' * (prompts != 1)})"
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.1%}"
-
-
-def evaluate(run: Run, anchor: str):
-    from .evaluate import results
-    from .evaluate.outputs import read_report as read_eval_report
-
-    r = _read(run, read_eval_report, run)
-    n = EvalNumbers("vllm" if r.get("engine") else "decoder", "eagle3", results.headlines(results.results(r)),
-                    headline=results.run_headline(r))
-    parts = [("held-out", r.get("engine")), ("benchmarks", (r.get("benchmarks") or {}).get("engine"))]
-    n.engines = [EngineRan(name, where, e.get("model_runner"), e.get("model_runner_class"), bool(e.get("started")))
-                 for where, part in parts if part for name, e in (part.get("engines") or {}).items()]
-    if r.get("engine"):
-        n.engine_env = r["engine"].get("engine_env") or {}
-        n.disable_custom_all_reduce = r["engine"].get("disable_custom_all_reduce")
-        n.kv_cache_dtype = r["engine"].get("kv_cache_dtype")
-    engines = ([Figure(f"vLLM engines ({where}): " + ", ".join(
-        f"{e.method} {e.model_runner or '?'} ({e.model_runner_class if e.started else 'did not start'})"
-        for e in n.engines if e.prompt_sets == where), anchor) for where in ("held-out", "benchmarks")
-        if any(e.prompt_sets == where for e in n.engines)] +
-        ([Figure(f"engine settings: engine_env {' '.join(f'{k}={v}' for k, v in n.engine_env.items()) or 'none'}, "
-                 f"custom all-reduce {'off' if n.disable_custom_all_reduce else 'on'}, KV cache {n.kv_cache_dtype}",
-                 anchor)] if n.kv_cache_dtype is not None else []))
-    figures = engines + [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_pm(row.drafter, row.drafter_se)}"
-                                f"{_count(row.drafter_prompts)} vs ngram {_pm(row.ngram, row.ngram_se)}, none "
-                                f"{_length(row.no_drafter)}" + ("" if row.lossless is None else
-                                                             ", lossless" if row.lossless else ", NOT lossless"), anchor)
-                         for row in n.rows]
-    notes = []
-    lossy = sorted({f"T={row.temperature:g}" for row in n.rows if row.lossless is False})
-    if lossy:
-        notes.append(Note(Reason.NOT_LOSSLESS, f"the drafter's outputs differ from no drafter's at {', '.join(lossy)}: "
-                          f"speculative decoding must not change greedy outputs"))
-    for row in n.rows:
-        v = row.versus_ngram()
-        if v and v[0] == Versus.BELOW:
-            gap, margin = v[1], v[2]
-            notes.append(Note(Reason.BELOW_NGRAM, f"the drafter is below ngram beyond noise on {row.prompt_set} "
-                              f"T={row.temperature:g}: {_length(row.drafter)} vs {_length(row.ngram)}, gap {gap:+.2f}"
-                              + (f" (beyond 2 standard errors of the difference, {margin:.2f})" if margin is not None
-                                 else " (no standard error recorded: any gap counts)")))
-    if not n.rows:
-        notes.append(Note(Reason.NOTHING_MEASURED, "no acceptance length was measured"))
-    verdict = Verdict.FAILED if lossy or not n.rows else Verdict.WARNING if notes else Verdict.OK
-    return n, verdict, figures, notes
-
-
-# the stage notebooks' titles -> the reader of the stage's files; a notebook of another name is
-# summed up from its executed notebook alone (time, and whether a cell failed)
-READERS = {"01_providers": providers, "02_generate": generate, "03_validate_tokens": tokens,
-           "04_hidden_states": hidden, "05_train_drafter": drafter, "06_evaluate": evaluate}
+    return {"01_providers": providers.verdict, "02_generate": generate.verdict, "03_validate_tokens": tokens.verdict,
+            "04_hidden_states": hidden.verdict, "05_train_drafter": drafter.verdict, "06_evaluate": evaluate.verdict}
 
 
 # ---- the whole run -----------------------------------------------------------------------------
@@ -663,7 +228,7 @@ def stage(run: Run, paths: list[Path]) -> StageSummary:
     seconds = max((s for s, _ in states if s is not None), default=None)
     error = next((e for _, e in states if e), None)
     anchor = paths[0].stem
-    reader = READERS.get(anchor.split("@")[0])
+    reader = _verdicts().get(anchor.split("@")[0])
     numbers, figures, notes, verdict = None, [], [], Verdict.OK
     if reader:
         try:
@@ -688,9 +253,9 @@ def build(run: Run, not_run: list[NotRun] | tuple = (), params_file: str | None 
         if p.stem.split("@")[0] not in skipped:
             by_number.setdefault(p.stem[:2], []).append(p)
     stages = [stage(run, paths) for _, paths in sorted(by_number.items())]
-    evaluated = next((s.numbers for s in stages if isinstance(s.numbers, EvalNumbers)), None)
-    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages,
-                   evaluated.headline if evaluated else None, meta(run, params_file), list(not_run))
+    headline = next((s.numbers.headline for s in stages if s.title == "06_evaluate" and s.numbers), None)
+    return Summary(run.name, Verdict.worst(s.verdict for s in stages), stages, headline, meta(run, params_file),
+                   list(not_run))
 
 
 def write(run: Run, summary: Summary) -> Path:

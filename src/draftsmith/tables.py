@@ -3,7 +3,11 @@ figures (whole numbers whole, with thousands separators), row labels as the firs
 in the headers, yes/no for booleans, every cell whole (a long one wraps between words inside a
 bounded column, never inside a word: a table wider than the page scrolls in its box); a column
 with one value in every row is dropped and said once above the table; a dict as a small
-two-column table."""
+two-column table.
+
+What every stage's figures share: a panel with nothing to show is switched off and says "none" in
+its title (`none_panel`) rather than drawing empty axes or a flat line; a dataset has one colour in
+every stage's figures (`dataset_color`); a log axis is labelled in plain numbers (`plain_log_ticks`)."""
 
 from __future__ import annotations
 
@@ -94,3 +98,41 @@ def show_all(frames: dict[str, pd.DataFrame], units: dict | None = None) -> HTML
     return HTML("".join(show(df, units, title).set_table_styles(
         [{"selector": "caption", "props": [("text-align", "left"), ("font-weight", "bold"), ("padding", "0.8em 0 0.3em")]}],
         overwrite=False).to_html() for title, df in frames.items()) or "none")
+
+
+# ---- what every stage's figures share ----
+
+def none_panel(ax, what: str) -> None:
+    """Turn `ax` into a titled blank: "<what>: none"."""
+    ax.set_axis_off()
+    ax.set_title(f"{what}: none")
+
+
+def plain_log_ticks(axis) -> None:
+    """Label a log `axis` (`ax.yaxis`) in plain numbers, not 4×10⁰ or 6e-01: every power of ten,
+    and 2 and 5 times it while the axis spans at most two decades (0.2, 0.5, 1, 2, 5, 10)."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter
+
+    def major(value, pos):
+        return f"{value:g}"
+
+    def minor(value, pos):
+        lo, hi = sorted(axis.get_view_interval())
+        if lo <= 0 or math.log10(hi / lo) > 2:
+            return ""
+        mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+        return f"{value:g}" if round(mantissa, 6) in (2.0, 5.0) else ""
+    axis.set_major_formatter(FuncFormatter(major))
+    axis.set_minor_formatter(FuncFormatter(minor))
+
+
+DATASET_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+def dataset_color(name: str, names) -> str:
+    """The colour of dataset `name` among the run's datasets `names`, the same in every stage: by its
+    place in the sorted names, whatever order a stage meets them in."""
+    ordered = sorted(set(names) | {name})
+    return DATASET_COLORS[ordered.index(name) % len(DATASET_COLORS)]

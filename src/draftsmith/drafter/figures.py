@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from .. import parameters
-from ..plotting import plain_log_ticks
+from ..tables import plain_log_ticks
 from .dflash import serving_command as dflash_serving_command
 from .export import for_engine, serving_command
 from .vocab import DraftVocab, coverage_curve

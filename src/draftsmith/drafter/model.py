@@ -36,7 +36,7 @@ class DrafterShape:
     def from_target(cls, target_config: dict, draft_vocab_size: int) -> "DrafterShape":
         """The drafter's shape from the target's config.json: same hidden size (the embedding is
         shared), the target's MLP width, heads and RoPE base. draft_vocab_size's own bound is held by
-        `stage.check` (`parameters.check`); this checks it against the target's vocabulary."""
+        stage 05's config (`config.DrafterConfig`); this checks it against the target's vocabulary."""
         c = target_config.get("text_config", target_config)  # multimodal checkpoints nest it
         try:
             h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])

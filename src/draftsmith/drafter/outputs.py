@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from safetensors.torch import save_file
 
 from ..files import read_jsonl, replacing, write_json_atomic, write_text_atomic
 from ..paths import Run
+from ..verdicts import Figure, Note, Reason, Verdict, read_file
 from .export import is_export
 from .vocab import DraftVocab
 
@@ -225,3 +227,75 @@ def read_summary(run_or_dir) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no training summary (run stage 05 first)")
     return json.loads(path.read_text())
+
+
+# ---- the stage's verdict, for the run summary (`draftsmith.summary` assembles the stages') ----
+
+def _num(x: float | None, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}g}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+@dataclass
+class DrafterNumbers:
+    kind: str                           # eagle3 | dflash
+    steps: int
+    total_steps: int
+    finished: bool
+    train_loss: float | None            # the last training step's, first draft position, nats (stage 05's table)
+    train_accuracy: float | None        # ... its first draft position's accuracy
+    heldout_loss: float | None          # the held-out split at the end (first draft position, nats)
+    heldout_accuracy: float | None
+    heldout_loss_start: float | None    # ... and before the first step
+    heldout_accuracy_start: float | None
+
+
+@dataclass
+class DrafterStageNumbers:
+    drafters: list[DrafterNumbers]      # eagle3, and dflash where it was trained too
+
+
+def _drafter_numbers(run: Run, kind: str) -> DrafterNumbers:
+    where = drafter_dir(run, kind, create=False)
+    s = read_file(run, read_summary, where)
+    train = [row for row in read_metrics(where) if row.get("split") == "train"]
+    last, end, start = (train[-1] if train else {}), s.get("heldout") or {}, s.get("heldout_start") or {}
+
+    def acc(row):
+        return row["acc_i"][0] if row.get("acc_i") else None
+
+    def loss(row):   # the first draft position's, as stage 05's table has it (`loss` sums every TTT step's)
+        return row["loss_i"][0] if row.get("loss_i") else row.get("loss")
+
+    return DrafterNumbers(kind=s.get("kind", kind), steps=s["steps"], total_steps=s["total_steps"],
+                          finished=bool(s["finished"]), train_loss=loss(last), train_accuracy=acc(last),
+                          heldout_loss=loss(end), heldout_accuracy=acc(end),
+                          heldout_loss_start=loss(start), heldout_accuracy_start=acc(start))
+
+
+def verdict(run: Run, anchor: str):
+    """Stage 05's line of the run summary from each drafter's summary.json and metrics: (DrafterStageNumbers,
+    verdict, figures, notes); a warning when training stopped early or the held-out loss did not fall."""
+    kinds = ["eagle3"]
+    try:   # DFlash beside it when it was trained too
+        read_summary(drafter_dir(run, "dflash", create=False))
+        kinds.append("dflash")
+    except FileNotFoundError:
+        pass
+    n = DrafterStageNumbers([_drafter_numbers(run, kind) for kind in kinds])
+    figures, notes = [], []
+    for d in n.drafters:
+        figures += [Figure(f"{d.kind}: {d.steps}/{d.total_steps} steps, final train loss {_num(d.train_loss)} nat, "
+                           f"accuracy {_pct(d.train_accuracy)}", anchor),
+                    Figure(f"held-out loss {_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)} nat, accuracy "
+                           f"{_pct(d.heldout_accuracy_start)} -> {_pct(d.heldout_accuracy)} (first draft token)", anchor)]
+        if not d.finished:
+            notes.append(Note(Reason.TRAINING_UNFINISHED, f"{d.kind}: training stopped at step {d.steps} of "
+                              f"{d.total_steps}; re-run stage 05 to resume"))
+        if d.heldout_loss is not None and d.heldout_loss_start is not None and d.heldout_loss >= d.heldout_loss_start:
+            notes.append(Note(Reason.LOSS_DID_NOT_FALL, f"{d.kind}: the held-out loss did not fall "
+                              f"({_num(d.heldout_loss_start)} -> {_num(d.heldout_loss)})"))
+    return n, Verdict.WARNING if notes else Verdict.OK, figures, notes

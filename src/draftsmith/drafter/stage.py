@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import layers, parameters
+from .. import layers
 from ..config import DrafterConfig, split
 from ..distributed import Dist, done_launching, init_dist, launch_dir, torchrun
 from ..hidden.outputs import HiddenShards, broken_shards, broken_shards_message, hidden_dir
@@ -44,7 +44,6 @@ def run(run: Run, cfg: DrafterConfig, *, log=print) -> dict[str, dict]:
     (`outputs.drafter_dir`; resuming from its latest checkpoint when `train_resume`), export, and
     return the summaries by kind (`outputs.write_summary`). A shard of stage 04's that is missing or
     cut short is a ValueError naming it, before anything is set up."""
-    parameters.check(cfg)
     names = cfg.drafter_kinds
     if not names or len(set(names)) != len(names) or not set(names) <= set(outputs.KINDS):
         raise ValueError(f"drafter_kinds must list distinct kinds of {outputs.KINDS}, got {names!r}")
@@ -74,8 +73,8 @@ class TrainJob:
 
 
 def check(cfg: DrafterConfig, job: TrainJob) -> None:
-    """Settings errors, raised before any work (an export failing after training would waste it):
-    the bounds stage 05 declares (`parameters.check`), and the choices a bound cannot state."""
+    """Settings errors a bound cannot state, raised before any work (an export failing after training
+    would waste it); the config's own bounds were checked when it was built."""
     if job.drafter_kind not in outputs.KINDS:
         raise ValueError(f"drafter kind must be one of {outputs.KINDS}, got {job.drafter_kind!r}")
     if cfg.export_engine not in layers.ENGINES:
@@ -84,7 +83,6 @@ def check(cfg: DrafterConfig, job: TrainJob) -> None:
         raise ValueError(f"export_dtype must be one of {sorted(DTYPES)}, got {cfg.export_dtype!r}")
     if not all(0 < f <= 1 for f in cfg.export_fractions):
         raise ValueError(f"export_fractions must lie in (0, 1], got {cfg.export_fractions}")
-    parameters.check(cfg)
 
 
 # The settings that change the trained weights; every other one is bookkeeping (where it runs, how

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import parameters
 from ..progress import Progress
 from ..hidden.outputs import HiddenShards
 
@@ -44,7 +43,6 @@ class DraftVocab:
     @classmethod
     def build(cls, counts: torch.Tensor, draft_vocab_size: int) -> "DraftVocab":
         v = counts.numel()
-        parameters.check_bounds({"draft_vocab_size": draft_vocab_size})
         if draft_vocab_size > v:
             raise ValueError(f"draft_vocab_size {draft_vocab_size} must be at most {v} (the target vocab)")
         # most frequent first; a stable sort keeps ties (and never-seen tokens) in id order

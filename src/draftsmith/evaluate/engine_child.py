@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .. import events
+from .. import progress
 from ..targets.vllm_capture import engine_record
 from ..targets.vllm_fixes import apply_fixes
 from ..targets.vllm_limits import gpu_only_line
@@ -160,7 +160,7 @@ def run_job(job: dict, fixed: bool) -> None:
         line = gpu_only.get(m.kind)
         if line is None:
             try:
-                events.note("engine start")
+                progress.note("engine start")
                 llm = LLM(**common, **({"speculative_config": spec, "per_request_spec_decode_metrics": "detailed"}
                                        if spec else {}))
             except Exception as e:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import parameters
 from ..drafter import outputs as drafter_outputs
 from ..config import EvaluateConfig
 from ..paths import Run
@@ -69,7 +68,6 @@ def run(run: Run, cfg: EvaluateConfig, *, log=print) -> dict:
     """Measure the drafter of `cfg.drafter_dir` (empty: the run's stage 05 folder) on the prompts
     stage 05 held out and on `eval_benchmarks`, in vLLM and/or by our decoder; write the stage's
     report (`outputs.write_report`) and return it."""
-    parameters.check(cfg)
     if cfg.eval_backend not in ("hf", "vllm"):
         raise ValueError(f"eval_backend must be 'hf' or 'vllm', got {cfg.eval_backend!r}")
     if cfg.eval_backend == "hf" and not cfg.eval_hf_crosscheck:

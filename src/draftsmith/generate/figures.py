@@ -8,7 +8,7 @@ import pandas as pd
 
 from . import outputs
 from ..paths import Run
-from ..plotting import dataset_color, none_panel
+from ..tables import dataset_color, none_panel
 
 COLUMNS = ["dataset", "sample_id", "provider", "finish_reason", "prompt_tokens", "completion_tokens",
            "reasoning_tokens", "cost", "attempts", "latency_s", "started_at", "completed_at"]

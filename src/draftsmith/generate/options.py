@@ -32,7 +32,6 @@ class Options:
     trust_remote_code: bool = parameters.default_field("trust_remote_code")
 
     def __post_init__(self):
-        parameters.check_bounds({k: v for k, v in vars(self).items() if k in _NOTEBOOK})
         for name in ("concurrency", "max_attempts"):
             if not isinstance(getattr(self, name), int):
                 raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
@@ -40,10 +39,6 @@ class Options:
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0):
             raise ValueError(f"request_deadline_s must be a number of seconds > 0, or None (derived from max_tokens), "
                              f"got {d!r}")
-
-
-_NOTEBOOK = ("concurrency", "spend_limit_usd", "balance_floor_usd", "money_bound_stop_fraction", "max_attempts",
-             "request_timeout_s", "request_deadline_s", "stop_grace_s", "outage_limit_s")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..files import read_jsonl, repair_tail, write_json_atomic
 from ..paths import Run
+from ..verdicts import Figure, Note, Reason, Verdict, read_file, usd
 
 RESPONSES, ERRORS = "raw_responses.jsonl", "errors.jsonl"        # per dataset
 SUPERSEDED = "superseded.jsonl"                                  # per dataset: answers set aside
@@ -374,3 +375,66 @@ class Timeline:
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
+
+
+# ---- the stage's verdict, for the run summary (`draftsmith.summary` assembles the stages') ----
+
+@dataclass
+class DatasetTokens:
+    name: str
+    output_tokens: int                  # completion tokens saved
+    budget: int | None                  # output_token_budget
+    samples: int
+    failed_for_good: int
+
+
+@dataclass
+class GenerateNumbers:
+    spent_usd: float
+    spend_limit_usd: float | None
+    balance_usd: float | None           # the last balance stage 02 saw
+    status: str                         # how its last session ended
+    message: str
+    datasets: list[DatasetTokens]
+
+
+_GENERATE_OK = ("finished", "nothing_to_do")
+_GENERATE_FAILED = ("fatal", "write_error", "no_room", "killed")
+
+
+def verdict(run: Run, anchor: str):
+    """Stage 02's line of the run summary from manifest.json and the timeline: (GenerateNumbers,
+    verdict, figures, notes); failed when its last session ended in an error or nothing was saved."""
+    from . import prompt_edits   # it reads this module's files
+
+    m = read_file(run, read_manifest, run)
+    timeline = read_timeline(run)
+    last = (m.get("sessions") or [{}])[-1]
+    n = GenerateNumbers(
+        spent_usd=m["spent_usd"], spend_limit_usd=(m.get("config") or {}).get("spend_limit_usd"),
+        balance_usd=next((p["balance"] for p in reversed(timeline) if p.get("balance") is not None), None),
+        status=last.get("status", "none"), message=last.get("message") or "",
+        datasets=[DatasetTokens(name, d["completion_tokens"], d.get("budget"), d["samples"], d.get("failed_for_good", 0))
+                  for name, d in (m.get("datasets") or {}).items()])
+    short = [d for d in n.datasets if d.budget and d.output_tokens < d.budget]
+    ran_out = n.status in _GENERATE_OK   # a session that finished below a budget asked every prompt it has
+    figures = [Figure(f"spent {usd(n.spent_usd)} of {usd(n.spend_limit_usd)} limit, balance {usd(n.balance_usd)}",
+                      anchor)]
+    figures += [Figure(f"{d.name} {d.output_tokens:,}" + (f" / {d.budget:,}" if d.budget else "") + " tokens"
+                       + (" (its prompts ran out)" if ran_out and d in short else ""), anchor) for d in n.datasets]
+    edits = prompt_edits.stage_line(prompt_edits.from_record(last.get("prompt_edits")))
+    if edits:   # the prompt files changed since the answers were saved (its last session's comparison)
+        figures.append(Figure(edits, anchor))
+    notes = []
+    if not ran_out:
+        notes.append(Note(Reason.SESSION_ENDED_SHORT, f"its last session ended {n.status}"
+                          + (f": {n.message}" if n.message else "")
+                          + ("" if n.status in _GENERATE_FAILED else "; re-run stage 02 to go on")))
+        if short:
+            notes.append(Note(Reason.BELOW_BUDGET, "below budget: " + ", ".join(
+                f"{d.name} {d.output_tokens:,} of {d.budget:,} tokens" for d in short)))
+    if not sum(d.samples for d in n.datasets):
+        notes.append(Note(Reason.NO_SAMPLE, "no sample was saved"))
+    outcome = (Verdict.FAILED if n.status in _GENERATE_FAILED or not sum(d.samples for d in n.datasets)
+               else Verdict.WARNING if notes else Verdict.OK)
+    return n, outcome, figures, notes

@@ -51,7 +51,6 @@ def run_at(base_url: str, api_key, run: Run, cfg: GenerateConfig, *, log=print, 
 
     Runs its own event loop (in a thread when one is already running, as in Jupyter). SIGINT and
     SIGTERM stop it cleanly; a second SIGINT gives up on the requests in flight at once."""
-    parameters.check(cfg)
     datasets = [{**d, "path": str(resolve(d["path"]))} if isinstance(d, dict) and isinstance(d.get("path"), str)
                 else d for d in cfg.datasets]
     specs = parse_datasets(datasets)

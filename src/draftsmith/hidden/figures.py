@@ -55,7 +55,7 @@ def plot_health(entries: list[dict]):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
-    from ..plotting import plain_log_ticks
+    from ..tables import plain_log_ticks
 
     nonfinite = [sum(e["health"]["nonfinite"].values()) for e in entries]
     if any(nonfinite):

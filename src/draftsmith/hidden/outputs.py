@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from ..files import replacing, write_json_atomic
 from ..paths import Run
+from ..verdicts import Figure, Note, Reason, Unreadable, Verdict, read_file
 
 INDEX = "index.json"
 SUMMARY = "summary.json"
@@ -302,3 +303,76 @@ def read_shard(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     its features back this way)."""
     with safe_open(str(path), framework="pt") as f:
         return read_rows(f, 0, f.get_slice("input_ids").get_shape()[0])
+
+
+# ---- the stage's verdict, for the run summary (`draftsmith.summary` assembles the stages') ----
+
+@dataclass
+class HiddenNumbers:
+    passed: bool
+    samples: int
+    positions: int
+    engine: str                         # what ran the check: hf, or vLLM's version, model runner, dtype
+    logprob_mean_abs_err: float         # the stored final state's next-token logprobs against the engine's
+    max_mean_abs_err: float
+    top1_agreement: float
+    min_top1: float
+    answers_tokens: int | None          # the engine on the target's own answers (check.json `answers`; a
+    answers_mean_nll: float | None      # check.json written before the stage recorded it has none)
+    answers_argmax_agreement: float | None
+    answers_gated: bool | None          # whether the bounds below held the check (check_answers)
+    max_nll: float | None
+    min_agreement: float | None
+    problems: list[str]
+    cause: str | None
+    tokens: int | None                  # hidden/summary.json: tokens extracted, shards written and rejected
+    shards_written: int | None
+    shards_rejected: int | None
+
+
+def verdict(run: Run, anchor: str):
+    """Stage 04's line of the run summary from hidden/check.json and hidden/summary.json: (HiddenNumbers,
+    verdict, figures, notes); failed when its own check failed."""
+    try:
+        s = read_summary(run.root / "hidden")
+    except FileNotFoundError:
+        s = {}
+    if s.get("gpu_only"):  # no engine ran, so no check: nothing to train on from this machine
+        raise Unreadable(f"no features: {s['gpu_only']} (vLLM's CPU build cannot run this target; run stage 04 on "
+                         f"GPUs, docs/gpu-runbook.md)")
+    c = read_file(run, read_check, run.root / "hidden")
+    engine = (f"vllm {c.ran['vllm']}, model runner {c.ran.get('model_runner') or '-'}" if c.ran.get("vllm")
+              else c.engine)
+    answers = c.answers or {}
+    bounds = answers.get("bounds") or {}
+    n = HiddenNumbers(passed=bool(c.passed), samples=c.samples, positions=c.positions,
+                      engine=f"{engine}, {c.engine_dtype}" if c.engine_dtype else engine,
+                      logprob_mean_abs_err=c.logprob_mean_abs_err, max_mean_abs_err=c.tolerance["mean_abs"],
+                      top1_agreement=c.top1_agreement, min_top1=c.tolerance["min_top1"],
+                      answers_tokens=answers.get("tokens"), answers_mean_nll=answers.get("mean_nll"),
+                      answers_argmax_agreement=answers.get("argmax_agreement"), answers_gated=answers.get("gated"),
+                      max_nll=bounds.get("max_nll"), min_agreement=bounds.get("min_agreement"),
+                      problems=list(c.problems), cause=c.cause,
+                      tokens=s.get("tokens_extracted", s.get("tokens")), shards_written=s.get("shards_written"),
+                      shards_rejected=s.get("shards_rejected"))
+    figures = [Figure(f"check {'passed' if n.passed else 'FAILED'} on {n.samples} samples ({n.positions:,} positions; "
+                      f"{n.engine})", anchor),
+               Figure(f"logprob error {n.logprob_mean_abs_err:.3g} nat (<= {n.max_mean_abs_err:g}), top-1 agreement "
+                      f"{n.top1_agreement:.1%} (>= {n.min_top1:.0%})", anchor)]
+    if n.answers_tokens:
+        held = (f" (<= {n.max_nll:g})" if n.answers_gated and n.max_nll is not None else "",
+                f" (>= {n.min_agreement:.0%})" if n.answers_gated and n.min_agreement is not None else "")
+        figures.append(Figure(f"own answers ({n.answers_tokens:,} tokens{'' if n.answers_gated else ', not held'}): "
+                              f"mean NLL {n.answers_mean_nll:.3g} nat{held[0]}, argmax agreement "
+                              f"{n.answers_argmax_agreement:.1%}{held[1]}", anchor))
+    if n.shards_written is not None:
+        figures.append(Figure(f"{n.tokens or 0:,} tokens stored; shards: {n.shards_written} written, "
+                              f"{n.shards_rejected or 0} rejected", anchor))
+    notes = []
+    if not n.passed:
+        notes.append(Note(Reason.CHECK_FAILED, "its own check failed: " + "; ".join(n.problems)
+                          + (f"; likely cause: {n.cause}" if n.cause else "")))
+    if n.shards_rejected:
+        notes.append(Note(Reason.SHARDS_REJECTED, f"{n.shards_rejected} shards failed their health check and are left out"))
+    outcome = Verdict.FAILED if not n.passed else Verdict.WARNING if notes else Verdict.OK
+    return n, outcome, figures, notes

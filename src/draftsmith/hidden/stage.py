@@ -14,7 +14,6 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import parameters
 from . import outputs, verify
 from ..files import write_json_atomic
 from ..config import HiddenConfig, split
@@ -36,7 +35,6 @@ def run(run: Run, cfg: HiddenConfig, *, log=print) -> dict:
     `draftsmith.hidden.check`; None when `check_samples` is 0) and `hf_check` (`verify.check_stored`;
     None when not `verify_with_hf`). The vLLM settings reach the engine only when `target_backend` is
     vllm. `nnodes` > 1: this node's part of a run over that many nodes (`draftsmith.distributed`)."""
-    parameters.check(cfg)
     target = resolve_target(cfg.target_model_path, log=log)
     files = token_files(run, cfg.datasets)
     out_dir = outputs.hidden_dir(run)

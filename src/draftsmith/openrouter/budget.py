@@ -12,7 +12,6 @@ import math
 import time
 from collections import deque
 
-from .. import parameters
 from .pricing import Prices
 
 MIN_SAMPLES = 30
@@ -186,7 +185,6 @@ class SpendBudget:
     def __init__(self, limit_usd: float, floor_usd: float = 0.0, spent: float = 0.0):
         if limit_usd is None:
             raise ValueError("spend_limit_usd is required")
-        parameters.check_bounds({"spend_limit_usd": limit_usd, "balance_floor_usd": floor_usd})
         self.limit = float(limit_usd)
         self.floor = float(floor_usd or 0.0)
         self.spent = float(spent)       # the run's known spend, all sessions

@@ -6,7 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from ..plotting import dataset_color
+from ..tables import dataset_color
 
 
 def cost_vs_balance(plan: pd.DataFrame, balance_usd: float | None, spend_limit: float):

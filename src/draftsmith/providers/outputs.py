@@ -14,6 +14,7 @@ or not at all) and reads them back for the other stages, the report and the benc
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -21,6 +22,7 @@ import pandas as pd
 from ..files import write_json_atomic, write_text_atomic
 from ..paths import Run
 from ..openrouter.endpoints import exclusions
+from ..verdicts import Figure, Note, Reason, Verdict, read_file, usd
 
 STAGE = "providers"
 
@@ -149,3 +151,35 @@ def check_spend(run: Run, worst_usd: float, spend_limit_usd: float) -> None:
         raise RuntimeError(f"stage 01 has spent ${done:.4f} of spend_limit_usd ${spend_limit_usd:.2f}; the next step "
                            f"could cost ${worst_usd:.4f}: raise spend_limit_usd, or set expected_output_tokens / "
                            f"probe_prompts / logprob_prompts: 0 to skip the pilot / the probe / the logprob probe")
+
+
+# ---- the stage's verdict, for the run summary (`draftsmith.summary` assembles the stages') ----
+
+@dataclass
+class ProvidersNumbers:
+    allowed: list[str]
+    excluded: dict[str, str]            # endpoint tag -> why it is left out
+    balance_usd: float | None
+    spent_usd: float
+    fits_fraction: float                # share of the planned cost the balance and the limit cover
+
+
+def verdict(run: Run, anchor: str):
+    """Stage 01's line of the run summary: (ProvidersNumbers, verdict, figures, notes); failed when no
+    endpoint is allowed, a warning when the money does not cover the plan."""
+    s = read_file(run, read_summary, run)
+    routing = read_file(run, read_routing_record, run)
+    n = ProvidersNumbers(allowed=list(routing["allowed"]),
+                         excluded={e["tag"]: e["reason"] for e in routing.get("excluded", [])},
+                         balance_usd=s["balance_usd"], spent_usd=s["stage_01_spent_usd"],
+                         fits_fraction=s["fits_fraction"])
+    figures = [Figure(f"{len(n.allowed)} endpoints allowed, {len(n.excluded)} excluded", anchor),
+               Figure(f"balance {usd(n.balance_usd)}, the plan fits {n.fits_fraction:.0%}", anchor)]
+    notes = []
+    if not n.allowed:
+        notes.append(Note(Reason.NO_ENDPOINT, "no endpoint is allowed: stage 02 has nowhere to send a request"))
+    elif n.fits_fraction < 1:
+        notes.append(Note(Reason.PLAN_NOT_COVERED, f"the balance and spend limit cover {n.fits_fraction:.0%} of the "
+                          f"planned cost: stage 02 will stop short of the budgets"))
+    outcome = Verdict.FAILED if not n.allowed else Verdict.WARNING if notes else Verdict.OK
+    return n, outcome, figures, notes

@@ -6,7 +6,6 @@ tables and figures show."""
 
 from __future__ import annotations
 
-from .. import parameters
 from ..datasets import parse_datasets
 from ..emulator import open_api
 from ..openrouter import client, endpoints
@@ -21,7 +20,6 @@ def run(run: Run, cfg: ProvidersConfig) -> dict:
     """Stage 01 over `run`; returns summary.json's figures and the tables behind them: `endpoints`
     (as listed), `policy` (the precision policy's verdicts), `policy_after_probe` (as endpoints.csv),
     `plan`, `pilot`, `probe` and `logprob_probe` (None when not run), `routing` and `balance` (USD, source)."""
-    parameters.check(cfg)
     specs = parse_datasets(cfg.datasets)
     with open_api(cfg.api_base, cfg.api_key_file, run, cfg.target_model_path, cfg.emulator,
                   cfg.model) as (base_url, api_key):

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import events
+from .. import progress
 from ..templates import KIMI_K25_CHAT_TEMPLATE, response_layout
 from .corpus import chat_examples
 from .kimi_tokenizer import VOCAB_SIZE, tokenizer_config, write_tokenizer_files
@@ -86,7 +86,7 @@ def build_kimi_mini(name: str = "kimi-mini", root: Path | None = None, log=print
     out = {n: root / variant_key(n) for n in VARIANTS}
 
     def build(work: Path, say) -> list[tuple[Path, Path]]:
-        events.note("target build")
+        progress.note("target build")
         _build(work, say, checkpoint_every)
         return [(work / n, out[n]) for n in VARIANTS]
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import events
+from .. import progress
 from ..files import replacing
 from ..heap import keep_freed_buffers
 from ..progress import wait_for_lock
@@ -116,7 +116,7 @@ def build_tiny_target(name: str = "tiny", root: Path | None = None, log=print,
     out = root / variant_key(name)
 
     def build(work: Path, say) -> list[tuple[Path, Path]]:
-        events.note("target build")
+        progress.note("target build")
         _build(name, work, say, checkpoint_every)
         (work / TRAIN_CHECKPOINT).unlink()
         return [(work, out)]

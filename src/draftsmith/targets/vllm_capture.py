@@ -213,7 +213,7 @@ def serve(config: dict, requests, replies) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from .. import events
+    from .. import progress
     from .vllm_fixes import apply_fixes
     from .vllm_limits import gpu_only_line
 
@@ -227,7 +227,7 @@ def serve(config: dict, requests, replies) -> None:
     # each time (evaluate/engine_child.py)
     gc.freeze()
     try:
-        events.note("engine start")
+        progress.note("engine start")
         llm = LLM(**config["engine"])
     except Exception as e:
         gpu_only = gpu_only_line(e)

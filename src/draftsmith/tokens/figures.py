@@ -1,6 +1,7 @@
-"""Stage 03's figures, from the checks of every sample and the report's provider statistics.
-
-`figures` returns them by file name; the notebook saves them under tokens/figures/ and shows them.
+"""What notebook 03 shows from tokens/report.json and the checks of every sample: a few lines
+(`summary`, ending in the stage's verdict), a table per provider (`provider_table`) and per source
+(`source_table`), and the figures (`figures`, by file name; the notebook saves them under
+tokens/figures/ and shows them).
 """
 
 from __future__ import annotations
@@ -8,8 +9,79 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..paths import Run
-from ..plotting import dataset_color, none_panel
-from .outputs import read_checks
+from ..tables import dataset_color, none_panel
+from .outputs import read_checks, verdict_line
+
+
+def provider_table(report: dict):
+    """One row per provider: samples, exact-match and clean rates, relative error, cause, flag."""
+    import pandas as pd
+
+    cols = ["samples", "exact_match_rate", "prompt_exact_match_rate", "clean_rate", "billed_completion_tokens",
+            "reconstructed_completion_tokens", "relative_error", "cause", "flagged"]
+    df = pd.DataFrame([{**{c: s[c] for c in cols}, "reasons": "; ".join(s["reasons"])}
+                       for s in report["providers"].values()], index=list(report["providers"]))
+    df.index.name = "provider"
+    return df
+
+
+def summary(report: dict) -> str:
+    """A few lines: what was kept, the aggregate billed-vs-rebuilt error, each flagged provider."""
+    t = report["totals"]
+    rel, exact = t["relative_error"], t["exact_match_rate"]
+    lines = [f"{t['samples']} samples, {t['kept']} kept ({t['tokens_kept']:,} tokens, {t['response_tokens_kept']:,} "
+             f"response tokens), {t['flagged']} flagged, {t['excluded']} excluded",
+             f"billed vs reconstructed completion tokens: {t['billed_completion_tokens']:,} vs "
+             f"{t['reconstructed_completion_tokens']:,}, relative error "
+             + (f"{rel:+.4%}" if rel is not None else "n/a")
+             + (f"; exact count match on {exact:.1%} of samples" if exact is not None else "")
+             if exact is not None else "billed vs reconstructed: no sample carries billed token counts"]
+    u = report["totals_unflagged_providers"]
+    if report["flagged_providers"] and u["relative_error"] is not None:
+        lines.append(f"providers not flagged: relative error {u['relative_error']:+.4%} over "
+                     f"{u['billed_completion_tokens']:,} billed tokens, exact count match on {u['exact_match_rate']:.1%}")
+    if len(report["sources"]) > 1 or any(s["billing"] is None for s in report["sources"].values()):
+        lines += _source_lines(report)
+    for p, f in report["flagged_providers"].items():
+        lines.append(f"FLAGGED {p}: cause {f['cause']}; " + "; ".join(f["reasons"]))
+    lines.append(verdict_line(report))
+    for name, d in report["datasets"].items():
+        if d["malformed_lines"]:
+            lines.append(f"{name}: {d['malformed_lines']} malformed lines skipped, e.g. {d['problems'][0]}")
+    return "\n".join(lines)
+
+
+def source_table(report_: dict):
+    """One row per source, for the notebook."""
+    import pandas as pd
+
+    rows = {}
+    for src, s in report_["sources"].items():
+        b, ids = s["billing"] or {}, s["saved_ids"] or {}
+        rows[src] = {"samples": s["samples"], "kept": s["kept"], "duplicates_left_out": s["duplicates_left_out"],
+                     "datasets": ", ".join(s["datasets"]), "response_tokens_kept": s["response_tokens_kept"],
+                     "billed_vs_rebuilt_error": b.get("relative_error"), "billed_exact_match": b.get("exact_match_rate"),
+                     "ids_vs_text_agreement": ids.get("output_agreement_rate")}
+    df = pd.DataFrame.from_dict(rows, orient="index")
+    df.index.name = "source"
+    return df
+
+
+def _source_lines(report_: dict) -> list[str]:
+    lines = []
+    for src, s in report_["sources"].items():
+        parts = [f"source {src}: {s['samples']} samples ({', '.join(s['datasets'])}), {s['kept']} kept"]
+        if s["duplicates_left_out"]:
+            parts.append(f"{s['duplicates_left_out']} left out (prompt answered by an earlier source)")
+        b, ids = s["billing"], s["saved_ids"]
+        if b and b["relative_error"] is not None:
+            parts.append(f"billed vs rebuilt {b['relative_error']:+.4%}")
+        if ids:
+            parts.append(f"engine ids = text rebuild on {ids['output_agreement_rate']:.1%}")
+        if not b and not ids:
+            parts.append("no counts or ids to check against")
+        lines.append("; ".join(parts))
+    return lines
 
 
 def figures(run: Run, report: dict) -> dict:

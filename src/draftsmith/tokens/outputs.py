@@ -9,7 +9,9 @@
                                  (`Work`); removed once the stage is done
 
 The two JSONL files of a dataset are streamed to temporary names and renamed once whole (they
-are too large to hold as one string); report.json is written atomically.
+are too large to hold as one string); report.json is written atomically. Beside its files the stage
+says its verdict, once, from report.json: is the data as kept fit to train on (`harmful_providers`),
+as the notebook's line (`verdict_line`) and as the run summary's (`verdict`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..datasets import stable_id
 from ..files import read_jsonl, replacing, write_json_atomic
 from ..paths import Run
 from ..progress import Progress
+from ..verdicts import Figure, Note, Reason, Verdict, read_file
 from .rebuild import Rebuilt
 from .responses import Response
 
@@ -218,3 +221,99 @@ def _parse_line(line: str, where: str, default_dataset: str, vocab_size: int | N
     t_mask = torch.tensor(mask, dtype=torch.uint8)
     return Sample(str(row.get("dataset") or default_dataset), sid, t_ids, t_mask, _digest(t_ids, t_mask),
                   str(row.get("source") or ""))
+
+
+# ---- the verdict: is the data as kept fit to train on (the notebook's line, the run summary's) ----
+
+# Causes that leave the text as the target wrote it: the provider only counts (bills) it otherwise,
+# or sampled a token split the rebuilt ids spell canonically. Training ids are rebuilt from the
+# text with the target's own template, so samples flagged only for these are fit to train on.
+BILLING_ONLY = ("other_tokenizer", "billing_offset", "non_canonical_split")
+
+
+def harmful_providers(report: dict) -> dict[str, str]:
+    """{flagged provider: its cause} of those whose text is unlike the target's (not only its count)."""
+    return {p: f["cause"] or (f["reasons"] or ["flagged"])[0] for p, f in report["flagged_providers"].items()
+            if f["cause"] not in BILLING_ONLY}
+
+
+def verdict_line(report: dict) -> str:
+    """The notebook's one line: is the data as kept fit to train on, why, and what to do when it is not."""
+    t, flagged = report["totals"], report["flagged_providers"]
+    if not t["flagged"] and not flagged:
+        return "verdict: fit to train on: no sample and no provider is flagged"
+    if report["exclude_flagged"]:
+        return (f"verdict: fit to train on: exclude_flagged leaves the {t['flagged']} flagged samples and every "
+                f"sample of a flagged provider out ({t['excluded']} excluded, {t['kept']} kept)")
+    harmful = harmful_providers(report)
+    if harmful:
+        kept = sum(report["providers"][p]["samples"] for p in harmful)
+        return ("verdict: NOT fit to train on as kept: " + ", ".join(f"{p} ({c})" for p, c in harmful.items())
+                + f" returned text unlike the target's, and their {kept} samples are kept because exclude_flagged "
+                f"is off; re-run stage 03 with -p exclude_flagged true (or leave them out of stage 02's routing)")
+    if flagged:
+        causes = sorted({f["cause"] for f in flagged.values()})
+        return (f"verdict: fit to train on as kept: the flagged providers differ from the target only in how "
+                f"they count tokens ({', '.join(causes)}); the text is the target's, and the training ids are "
+                f"rebuilt from it with the target's own template")
+    return (f"verdict: fit to train on as kept: no provider is flagged; {t['flagged']} samples "
+            f"({t['flagged'] / t['samples']:.1%}) are flagged one by one (a count off by more than the "
+            f"tolerance, or an issue) and kept because exclude_flagged is off; set it to leave them out")
+
+
+@dataclass
+class TokensNumbers:
+    samples: int
+    kept: int
+    excluded: int
+    flagged_samples: int
+    exclude_flagged: bool
+    providers_used: list[str]
+    providers_flagged: dict[str, str]   # provider -> cause
+    providers_excluded: list[str]       # flagged providers whose samples are left out
+    billed_tokens: int                  # completion tokens billed, over `tokens_scope`
+    rebuilt_tokens: int                 # ... and rebuilt from the text
+    tokens_scope: str                   # "kept" (what stage 04 reads), or "all samples" in an older report
+    response_tokens_kept: int
+
+
+def verdict(run: Run, anchor: str):
+    """Stage 03's line of the run summary from tokens/report.json: (TokensNumbers, verdict, figures,
+    notes); failed when a provider whose text is unlike the target's is kept, or no sample is."""
+    r = read_file(run, read_report, run)
+    t, flagged = r["totals"], r["flagged_providers"]
+    kept_totals = r.get("totals_kept")
+    scope = kept_totals or t
+    excluded_providers = sorted(flagged) if r["exclude_flagged"] else []
+    n = TokensNumbers(samples=t["samples"], kept=t["kept"], excluded=t["excluded"], flagged_samples=t["flagged"],
+                      exclude_flagged=r["exclude_flagged"], providers_used=sorted(r["providers"]),
+                      providers_flagged={p: f["cause"] or (f["reasons"] or ["flagged"])[0] for p, f in flagged.items()},
+                      providers_excluded=excluded_providers, billed_tokens=scope["billed_completion_tokens"],
+                      rebuilt_tokens=scope["reconstructed_completion_tokens"],
+                      tokens_scope="kept" if kept_totals else "all samples",
+                      response_tokens_kept=t["response_tokens_kept"])
+    flagged_text = ", ".join(f"{p} ({c})" for p, c in n.providers_flagged.items()) or "none"
+    figures = [Figure(f"{len(n.providers_used)} providers, flagged: {flagged_text}", anchor),
+               Figure(f"{n.kept:,} of {n.samples:,} samples kept ({n.response_tokens_kept:,} response tokens)", anchor),
+               Figure(f"billed vs rebuilt on {n.tokens_scope}: {n.billed_tokens:,} vs {n.rebuilt_tokens:,} tokens", anchor)]
+    if n.excluded:   # the flagged providers' samples, and samples flagged one by one from the other providers
+        left_out = sum(r["providers"][p]["samples"] for p in excluded_providers)
+        why = ([f"{left_out:,} from the flagged providers ({', '.join(excluded_providers)})"] if excluded_providers
+               else []) + ([f"{n.excluded - left_out:,} flagged one by one from the others"]
+                           if n.exclude_flagged and n.excluded > left_out else [])
+        figures.append(Figure(f"excluded {n.excluded:,} samples" + (f": {' + '.join(why)}" if why else ""), anchor))
+    notes = []
+    harmful = harmful_providers(r)
+    if harmful and not n.exclude_flagged:
+        notes.append(Note(Reason.FLAGGED_KEPT, "not fit to train on as kept: " + ", ".join(
+            f"{p} ({c})" for p, c in harmful.items())
+            + " returned text unlike the target's and their samples are kept; set exclude_flagged: true"))
+    if not n.kept:
+        notes.append(Note(Reason.NO_SAMPLE_KEPT, "no sample is kept"))
+    malformed = {name: d["malformed_lines"] for name, d in r["datasets"].items() if d.get("malformed_lines")}
+    if malformed:
+        notes.append(Note(Reason.MALFORMED_LINES,
+                          "malformed lines skipped: " + ", ".join(f"{k} {v}" for k, v in malformed.items())))
+    outcome = (Verdict.FAILED if (harmful and not n.exclude_flagged) or not n.kept
+               else Verdict.WARNING if notes else Verdict.OK)
+    return n, outcome, figures, notes

@@ -3,8 +3,10 @@
 `Reconstructor.rebuild` gives each response's prompt and output ids (`Rebuilt`) as the target saw
 and wrote them. What the model wrote is text, so a special-token string in an answer stays text
 (the template's tool-call markers aside). Where the engine's sampled ids were saved they are the
-truth, and the text's rebuild is kept beside them. Each sample records the layout it took and what
-decided it (`layouts`)."""
+truth, and the text's rebuild is kept beside them. Each sample records the layout it took after the
+prompt (`LAYOUTS`) and what decided it (`DECIDED_BY`): a reasoning block unless the template has
+none or the request turned reasoning off, ended by think_end, by the tool-call section's opening
+marker (Kimi-K2.5's reasoning parsers), or never; then the answer, with or without tool calls."""
 
 from __future__ import annotations
 
@@ -14,8 +16,43 @@ from functools import lru_cache
 
 from ..encoding import Encoding
 from ..templates import Layout, load_chat_template, response_layout, tool_calls_text
-from .layouts import layout_name, layout_of_ids
 from .responses import Response
+
+
+LAYOUTS = ("answer", "tool_calls", "reasoning_answer", "reasoning_tool_calls", "reasoning_into_tool_calls",
+           "reasoning_unclosed")
+# text: the returned text settles it; billed_count / saved_ids: that count chose between with and
+# without think_end; assumed: nothing could, and the template's layout was taken
+DECIDED_BY = ("text", "billed_count", "saved_ids", "assumed")
+
+
+def layout_name(reasoning_block: bool, think_end: bool, tool_calls: bool) -> str:
+    """One of LAYOUTS."""
+    if not reasoning_block:
+        return "tool_calls" if tool_calls else "answer"
+    if think_end:
+        return "reasoning_tool_calls" if tool_calls else "reasoning_answer"
+    return "reasoning_into_tool_calls" if tool_calls else "reasoning_unclosed"
+
+
+def layout_of_ids(ids: list[int], reasoning_block: bool, think_end: list[int], opening: int | None) -> str:
+    """The layout of output ids: the reasoning ends at the first `think_end` or tool-call `opening` id."""
+    q = ids.index(opening) if opening is not None and opening in ids else len(ids)
+    p = _find(ids, think_end) if reasoning_block else len(ids)
+    return layout_name(reasoning_block, p < q, q < len(ids))
+
+
+def _find(ids: list[int], sub: list[int]) -> int:
+    """Index of the first occurrence of `sub` in `ids`, len(ids) when none."""
+    k = -1
+    while sub:
+        try:
+            k = ids.index(sub[0], k + 1)
+        except ValueError:
+            break
+        if ids[k:k + len(sub)] == sub:
+            return k
+    return len(ids)
 
 
 @dataclass
@@ -26,8 +63,8 @@ class Rebuilt:
     text_prompt_ids: list[int] | None = None  # where the engine's ids are saved: the ids rebuilt from the text
     text_output_ids: list[int] | None = None
     tool_calls_dropped: bool = False  # the response made tool calls the template does not render
-    layout: str = "reasoning_answer"  # one of layouts.LAYOUTS
-    layout_by: str = "text"  # one of layouts.DECIDED_BY
+    layout: str = "reasoning_answer"  # one of LAYOUTS
+    layout_by: str = "text"  # one of DECIDED_BY
 
     @property
     def input_ids(self) -> list[int]:

@@ -1,8 +1,8 @@
 """Stage 03's entry point (`run`): every source of every dataset rebuilt and checked, then analysed together.
 
 Pass 1 (`rebuild_source`) turns each source file into ids and check rows under tokens/.work/,
-resumable per file. Then duplicates, sources and providers are settled over all rows (`analysis`,
-`sources`), and the outputs and report are written (`outputs`).
+resumable per file. Then duplicates, sources and providers are settled over all rows (`checks`),
+and the outputs and report are written (`outputs`).
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ import hashlib
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import parameters, sources
 from ..datasets import parse_datasets
 from ..imports import parse_imports, source_files
 from ..config import TokensConfig
 from ..paths import Run
 from ..progress import Progress
-from .analysis import analyse, mark_duplicates, totals
-from .checks import Thresholds, check
+from .checks import Thresholds, analyse, check, drop_answered_elsewhere, mark_duplicates, source_report, totals
 from .outputs import FORMAT_VERSION, Work, check_row, write_dataset, write_report
 from .rebuild import Reconstructor, load_reconstructor
 from .responses import BadLine, read_responses
@@ -85,7 +83,6 @@ def run(run: Run, cfg: TokensConfig, *, batch_size: int = 256, log=print) -> dic
     `cfg.imports` (see `draftsmith.imports`), analyse, write outputs and report.json (returned)."""
     from ..targets.checkpoint import resolve_target
 
-    parameters.check(cfg)
     datasets = parse_datasets(cfg.datasets)
     thresholds = Thresholds(cfg.sample_tolerance, cfg.min_clean_rate, cfg.max_relative_error)
     specs = parse_imports(list(cfg.imports), [s.name for s in datasets])
@@ -103,7 +100,7 @@ def run(run: Run, cfg: TokensConfig, *, batch_size: int = 256, log=print) -> dic
     per_ds = {name: [r for rows_, _ in ps for r in rows_] for name, ps in parts.items()}
     rows = [r for name in per_ds for r in per_ds[name]]
     mark_duplicates(rows)
-    sources.drop_answered_elsewhere(rows)
+    drop_answered_elsewhere(rows)
     providers = analyse(rows, thresholds)
     bad = {p for p, s in providers.items() if s["flagged"]}
     for r in rows:
@@ -126,7 +123,7 @@ def run(run: Run, cfg: TokensConfig, *, batch_size: int = 256, log=print) -> dic
         "datasets": {name: {**totals(per_ds[name]), "output": str(outputs[name]),
                             "malformed_lines": len(problems[name]), "problems": problems[name][:20]}
                      for name in per_ds},
-        "sources": sources.report(rows),
+        "sources": source_report(rows),
         "providers": providers,
         "flagged_providers": {p: {"cause": providers[p]["cause"], "reasons": providers[p]["reasons"]} for p in sorted(bad)},
     }
