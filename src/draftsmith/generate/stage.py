@@ -16,12 +16,15 @@ from ..openrouter import client
 from . import outputs
 from ..datasets import parse_datasets
 from ..imports import answered, parse_imports
-from ..config import GenerateConfig, split
+from ..config import GenerateConfig
 from ..paths import Run, resolve
 from ..providers import outputs as stage_01
 from . import prompt_edits, run_settings
-from .session import Session
-from .options import GenerationResult, GenerationStopped, Options
+from .session import GenerationResult, GenerationStopped, Session, Tuning
+
+# the settings the manifest's `config` records beside the request, in its order
+RECORDED = ("concurrency", "spend_limit_usd", "balance_floor_usd", "money_bound_stop_fraction", "max_attempts",
+            "request_timeout_s", "request_deadline_s", "stop_grace_s", "outage_limit_s", "trust_remote_code")
 
 
 def run(run: Run, cfg: GenerateConfig, *, log=print, **knobs) -> GenerationResult:
@@ -35,8 +38,8 @@ def run(run: Run, cfg: GenerateConfig, *, log=print, **knobs) -> GenerationResul
 
 def run_at(base_url: str, api_key, run: Run, cfg: GenerateConfig, *, log=print, **knobs) -> GenerationResult:
     """Generate responses for `cfg.datasets` into `run.dir("generate")`, resuming whatever is there.
-    `knobs`: the `Options` fields no stage declares (balance_poll_s, backoff_base_s, ...), which
-    tests and benchmarks turn. Without stage 01's routing, `native_precision` is required: the
+    `knobs`: the fields of `session.Tuning` (balance_poll_s, backoff_base_s, ...), which no stage
+    declares and tests and benchmarks turn. Without stage 01's routing, `native_precision` is required: the
     session then applies the precision policy itself. Prompts answered by an import file
     (`imports`, see imports.py) are not asked for: they are never paid for twice.
 
@@ -51,13 +54,14 @@ def run_at(base_url: str, api_key, run: Run, cfg: GenerateConfig, *, log=print, 
     Runs its own event loop (in a thread when one is already running, as in Jupyter). SIGINT and
     SIGTERM stop it cleanly; a second SIGINT gives up on the requests in flight at once."""
     parameters.check(cfg)
+    _check_types(cfg)
+    tuning = Tuning(**knobs)
     datasets = [{**d, "path": str(resolve(d["path"]))} if isinstance(d, dict) and isinstance(d.get("path"), str)
                 else d for d in cfg.datasets]
     specs = parse_datasets(datasets)
     for spec in specs:
         if not Path(spec.path).is_file():
             raise FileNotFoundError(f"datasets: file of dataset {spec.name!r} not found: {spec.path}")
-    opts = Options(**split(Options, vars(cfg))[0], **knobs)
     # stage 01's routing with the `provider` setting laid over it; without it, the session applies
     # the same precision policy over the live endpoint list (`Session._apply_policy`)
     base_routing = stage_01.read_routing(run)
@@ -73,15 +77,15 @@ def run_at(base_url: str, api_key, run: Run, cfg: GenerateConfig, *, log=print, 
     config = {"base_url": base_url, "key_source": api_key.source, "datasets": datasets, "request": settings,
               "routing_source": str(stage_01.routing_file(run).relative_to(run.root)) if base_routing is not None
               else None,
-              **{k: v for k, v in vars(opts).items() if k != "target_model_path"}}
+              **{k: getattr(cfg, k) for k in RECORDED}, **vars(tuning)}
     import_specs = parse_imports(cfg.imports or [], [s.name for s in specs])
-    shaping = run_settings.data_settings(settings, policy, opts.target_model_path)
+    shaping = run_settings.data_settings(settings, policy, cfg.target_model_path)
     with outputs.writer_lock(run):
         diff = run_settings.check(run, [s.name for s in specs], shaping, cfg.allow_changed_settings)
         edits = prompt_edits.apply(run, specs, cfg.keep_removed_prompts)
         for e in edits:
             log(e.summary())
-        session = Session(base_url, api_key, run, specs, settings, opts, config, log, policy)
+        session = Session(base_url, api_key, run, specs, settings, cfg, tuning, config, log, policy)
         if edits:
             session.entry["prompt_edits"] = prompt_edits.as_record(edits)
         session.manifest.settings = {**(session.manifest.settings or {}), **{s.name: shaping for s in specs}}
@@ -104,6 +108,17 @@ def run_at(base_url: str, api_key, run: Run, cfg: GenerateConfig, *, log=print, 
     if result.reason in ("write_error", "no_room"):     # the disk cannot take more: the notebook stops here
         raise GenerationStopped(result.message)
     return result
+
+
+def _check_types(cfg: GenerateConfig) -> None:
+    """What the bounds do not say: counts are ints, a request deadline is seconds > 0 or None."""
+    for name in ("concurrency", "max_attempts"):
+        if not isinstance(getattr(cfg, name), int):
+            raise ValueError(f"{name} must be an int, got {getattr(cfg, name)!r}")
+    d = cfg.request_deadline_s
+    if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0):
+        raise ValueError(f"request_deadline_s must be a number of seconds > 0, or None (derived from max_tokens), "
+                         f"got {d!r}")
 
 
 def _run_with_signals(session: Session) -> None:
