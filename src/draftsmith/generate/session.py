@@ -6,7 +6,13 @@ so the run stays full until the last budget is reached; each start reserves its 
 first (openrouter/budget.py). A stop (money, a refusal, SIGINT/SIGTERM, a write error) starts
 nothing new, lets the requests in flight finish for a grace period and closes the files, so a
 re-run resumes exactly where this one ended. The session also keeps its own books: the progress
-line, a timeline point every second, the manifest every two seconds, and the closing `result()`."""
+line, a timeline point every second, the manifest every two seconds, and the closing `result()`.
+
+Against a bare OpenAI-compatible server (the user's own vLLM or SGLang: `GET /key` answers 404,
+`BareServer`) the balance, catalogue, routing and cost are off, with a line saying so; the
+server's `GET /models` must list `model`, its `owned_by` names the samples' source and its
+`max_model_len` bounds the prompts; vLLM is asked for the ids it sampled (`return_token_ids`),
+saved with each response for stage 03."""
 
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from ..progress import Progress
 from ..providers import outputs as stage_01
 from ..openrouter.endpoints import policy_routing
 from ..openrouter.retry import Aimd
-from . import attempts, bare_server
+from . import attempts
 from .prompt_queue import ContextCheck, DatasetQueue
 
 GC_GEN0_THRESHOLD = 20_000  # objects allocated between young collections while a session runs (Python: 700)
@@ -128,7 +134,7 @@ class Session:
         self.aimd = Aimd(cfg.concurrency)
         self.outage = attempts.Outage(cfg.outage_limit_s)
         self.check: ContextCheck | None = None
-        self.server: bare_server.BareServer | None = None   # set when api_base is not OpenRouter
+        self.server: BareServer | None = None   # set when api_base is not OpenRouter
         self.sampler: attempts.Sampler | None = None         # once the session is open
         self.progress: Progress | None = None
         self.http: aiohttp.ClientSession | None = None
@@ -358,7 +364,7 @@ class Session:
             async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers) as http:
                 self.http = http
                 try:
-                    self.server = await bare_server.probe(http, self.base, self.model)
+                    self.server = await probe_bare_server(http, self.base, self.model)
                 except ValueError as e:
                     self.reason, self.message = "fatal", str(e)
                     return
@@ -682,6 +688,62 @@ class Session:
                 msg += f" {c.exhausted_samples} samples were given up this session (a re-run tries them again)."
         return GenerationResult("finished" if done else "stopped", self.reason, msg, self.folder,
                                 self.spend.spent, dict(self.entry), self._dataset_table())
+
+
+# ---- a bare OpenAI-compatible server ----
+OPENROUTER_ONLY = ("provider", "reasoning")  # request fields only OpenRouter understands
+
+
+@dataclass(frozen=True)
+class BareServer:
+    engine: str                  # `owned_by` of the served model: vllm, sglang, ...
+    max_model_len: int | None
+
+    @property
+    def returns_ids(self) -> bool:
+        return self.engine == "vllm"
+
+    def settings(self, settings: dict) -> dict:
+        """The request settings for this server: OpenRouter's own fields left out, the sampled ids
+        asked for where the engine returns them, usage asked for in a stream."""
+        out = {k: v for k, v in settings.items() if k not in OPENROUTER_ONLY}
+        if self.returns_ids:
+            out["return_token_ids"] = True
+        if out.get("stream"):
+            out["stream_options"] = {"include_usage": True}
+        return out
+
+    def notice(self, base: str, settings: dict) -> str:
+        dropped = [k for k in OPENROUTER_ONLY if settings.get(k)]
+        return (f"{base} is a bare OpenAI-compatible server ({self.engine}), not OpenRouter: no balance, no endpoint "
+                f"catalogue, no cost, so spend_limit_usd and balance_floor_usd do not apply"
+                + (f"; not sent: {', '.join(dropped)} (OpenRouter only)" if dropped else "")
+                + ("; the sampled token ids are saved with each response" if self.returns_ids
+                   else "; this engine returns no token ids: stage 03 rebuilds them from the text"))
+
+
+async def probe_bare_server(session: aiohttp.ClientSession, base: str, model: str) -> BareServer | None:
+    """None for OpenRouter (or the local emulator); a BareServer for a server without `/key`.
+    Raises ValueError when that server does not serve `model`."""
+    try:
+        async with session.get(f"{base}/key") as r:
+            if r.status != 404:
+                return None
+        async with session.get(f"{base}/models") as r:
+            listing = await r.json(content_type=None) if r.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None                  # unreachable or odd: the OpenRouter path reports it
+    cards = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(cards, list):
+        return None
+    served = {c.get("id"): c for c in cards if isinstance(c, dict)}
+    if model not in served:
+        raise ValueError(f"{base} serves {sorted(map(str, served))}, not model {model!r}: set model to the "
+                         f"served name (vllm serve --served-model-name)")
+    card = served[model]
+    length = card.get("max_model_len")
+    return BareServer(str(card.get("owned_by") or "openai-compatible"),
+                      length if isinstance(length, int) and length > 0 else None)
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 `complete` never raises for a bad answer or network trouble: it returns a `Reply`, or a `Failure`
 whose `Action` says what the caller does next (docs/openrouter.md). A failure whose answer may have
 been billed carries `maybe_billed` and the generation id, so the caller can ask `GET /generation`.
-A bare vLLM or SGLang server (generate/bare_server.py) is read the same way. Nothing here formats
+A bare vLLM or SGLang server (generate/session.py) is read the same way. Nothing here formats
 the API key: it lives only in the prepared headers."""
 
 from __future__ import annotations
