@@ -21,9 +21,8 @@ import aiohttp
 
 from ..datasets import Prompt
 from ..openrouter import client
-from ..openrouter.client import Action
+from ..openrouter.client import Action, KeepaliveWatch
 from ..openrouter.budget import SpendBudget
-from ..openrouter.deadline import KeepaliveWatch
 from ..openrouter.pricing import generation_cost
 from ..openrouter.retry import Aimd, backoff_delay
 from ..progress import Progress
@@ -113,7 +112,7 @@ class Wire:
     source: str
     billed: bool
     model: str
-    deadline_s: float | None = None         # a request not over by then is given up (openrouter/deadline.py)
+    deadline_s: float | None = None         # a request not over by then is given up (client.request_deadline)
     progress_s: float | None = None         # a stream with no data chunk for this long is given up
     watch: KeepaliveWatch | None = None     # counts the requests waiting on keep-alive alone
 

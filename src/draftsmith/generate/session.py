@@ -31,14 +31,13 @@ import aiohttp
 from ..openrouter import client
 from . import outputs
 from ..openrouter.budget import SpendBudget, TokenBudget
-from ..openrouter.deadline import KeepaliveWatch, request_deadline
+from ..openrouter.client import KeepaliveWatch, request_deadline
 from ..config import GenerateConfig
 from ..datasets import DatasetSpec
 from ..paths import Run
-from ..openrouter.pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints
+from ..openrouter.pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints, policy_routing
 from ..progress import Progress
 from ..providers import outputs as stage_01
-from ..openrouter.endpoints import policy_routing
 from ..openrouter.retry import Aimd
 from . import attempts
 from .prompt_queue import ContextCheck, DatasetQueue
