@@ -59,7 +59,7 @@ from draftsmith.emulator import ADMIN_KEY_ENV, KEY_ENV, emulator_process, new_ke
 from draftsmith.report import report_file  # noqa: E402
 from draftsmith.paths import REPO_ROOT, Run  # noqa: E402
 from draftsmith.providers import outputs as stage_01  # noqa: E402
-from draftsmith.providers.cost_plan import plan_verdict  # noqa: E402
+from draftsmith.providers.stage import plan_verdict  # noqa: E402
 from draftsmith.files import read_jsonl, write_json_atomic  # noqa: E402
 from draftsmith.tokens import read_report  # noqa: E402
 

@@ -37,7 +37,7 @@ def stage_config(number: str, **settings):
 
 def stage_02_at(base_url: str, api_key, run, datasets: list, **args):
     """`generate.stage.run_at` as tests call it, against a server they started: `args` are stage 02's
-    settings (its config) and the rest, `log` and the `Options` knobs no stage declares. The target's
+    settings (its config) and the rest, `log` and the `session.Tuning` knobs no stage declares. The target's
     tokenizer is not loaded unless `target_model_path` is given."""
     from draftsmith.config import GenerateConfig, split
     from draftsmith.generate.stage import run_at

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from draftsmith.openrouter import client
-from draftsmith.openrouter.deadline import SLOWEST_TOKENS_PER_S, KeepaliveWatch, request_deadline
+from draftsmith.openrouter.client import SLOWEST_TOKENS_PER_S, KeepaliveWatch, request_deadline
 
 OK = {"id": "gen-1", "provider": "Novita", "model": "moonshotai/kimi-k2.5", "object": "chat.completion",
       "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop",

@@ -284,7 +284,7 @@ def test_endpoints_lacking_a_sent_parameter_are_excluded_and_not_priced():
     eps = [endpoint("moonshotai/int4"), endpoint("cheapseed/int4", params=["max_tokens", "temperature"],
                                                  completion=str(50 * PRICE_OUT))]
     sent = {"max_tokens", "temperature", "top_p", "seed"}
-    policy = endpoints.apply_policy(endpoints.endpoint_table(eps), "int4", False, sent).set_index("tag")
+    policy = pricing.apply_policy(pricing.endpoint_table(eps), "int4", False, sent).set_index("tag")
     assert policy.loc["moonshotai/int4", "allowed"] and not policy.loc["cheapseed/int4", "allowed"]
     assert "seed" in policy.loc["cheapseed/int4", "reason"]
     cat = pricing.catalogue(eps, MODEL, {"require_parameters": True}, sent)

@@ -26,7 +26,7 @@ import pytest
 from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.datasets import DatasetReader, DatasetSpec, stable_id
 from draftsmith.emulator import running
-from draftsmith.generate.options import GenerationStopped
+from draftsmith.generate.session import GenerationStopped
 from draftsmith.paths import Run
 
 from conftest import stage_02_at, wait_until

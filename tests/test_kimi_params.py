@@ -12,7 +12,7 @@ import yaml
 
 from draftsmith import cli
 from draftsmith.datasets import parse_datasets
-from draftsmith.providers import cost_plan
+from draftsmith.providers import stage as stage_01
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = REPO / "params" / "kimi-k2.5.yaml"
@@ -60,19 +60,19 @@ def test_check_of_stage_01_shows_six_datasets_to_sample_and_two_imported(tmp_pat
 def test_stage_01_prices_only_what_stage_02_will_request(tmp_path, api_key_file, target_tokenizer):
     params = yaml.safe_load(filled_in(tmp_path, api_key_file[0]).read_text())
     specs = parse_datasets(params["datasets"])
-    tokens = cost_plan.count_prompt_tokens(specs, target_tokenizer, params["imports"])
+    tokens = stage_01.count_prompt_tokens(specs, target_tokenizer, params["imports"])
     assert {t.name: (t.prompts, t.imported) for t in tokens} == {
         **{f"B{i}": (5, 0) for i in range(3, 9)}, "B1": (0, 5), "B2": (0, 5)}
-    assert cost_plan.imported_line(tokens) == (
+    assert stage_01.imported_line(tokens) == (
         "6 datasets to sample through the API: B3, B4, B5, B6, B7, B8; 2 imported, answered elsewhere and not "
         "priced: B1 (5 prompts), B2 (5 prompts)")
     # pretend each file holds enough prompts for its budget: the plan is 60M tokens, not 80M
-    tokens = [cost_plan.DatasetTokens(t.name, t.prompts * 10_000, t.prompt_tokens * 10_000, t.output_token_budget,
+    tokens = [stage_01.DatasetTokens(t.name, t.prompts * 10_000, t.prompt_tokens * 10_000, t.output_token_budget,
                                       0, t.imported) for t in tokens]
     allowed = pd.DataFrame({"price_in": [0.45, 0.60], "price_out": [2.20, 2.50], "price_request": [0.0, 0.0]})
-    plan = cost_plan.cost_plan(tokens, allowed, 2500, 100.0, params["max_tokens"])
+    plan = stage_01.cost_plan(tokens, allowed, 2500, 100.0, params["max_tokens"])
     assert list(plan["dataset"]) == [f"B{i}" for i in range(3, 9)]
     assert plan["output_tokens"].sum() == 60_000_000
-    verdict = cost_plan.plan_verdict(plan, 100.0, params["spend_limit_usd"])
+    verdict = stage_01.plan_verdict(plan, 100.0, params["spend_limit_usd"])
     assert "does NOT cover the plan" in verdict and "for 60,000,000 output tokens" in verdict
     assert f"it buys {int(plan['output_tokens_that_fit'].sum()):,} of them" in verdict

@@ -8,7 +8,6 @@ from draftsmith.openrouter.api import Api
 from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.openrouter.budget import SpendBudget
 from draftsmith.emulator import running
-from draftsmith.openrouter import endpoints
 from draftsmith.openrouter.pricing import below_native, routed
 
 MODEL = "moonshotai/kimi-k2.5"
@@ -30,10 +29,10 @@ def test_stage_01_and_stage_02_price_the_worst_case_by_one_rule():
     budget.set_prices(cat.prompt_price, cat.completion_price, cat.request_price)
     assert budget.worst_cost(100, 50) == pytest.approx(100 * 3e-6 + 50 * 9e-6 + 0.001)
     # stage 01's pilot, routed the same way, from its endpoint table: the same figure per request
-    worst = pricing.highest(endpoints.table_worst_prices(endpoints.endpoint_table(eps)))
+    worst = pricing.highest(pricing.table_worst_prices(pricing.endpoint_table(eps)))
     assert worst.cost(100 * 4, 50 * 4, 4) == pytest.approx(4 * budget.worst_cost(100, 50))
     # the probe sends to every endpoint: each at its own worst price
-    each = endpoints.table_worst_prices(endpoints.endpoint_table(eps))
+    each = pricing.table_worst_prices(pricing.endpoint_table(eps))
     assert sum(p.cost(10, 5) for p in each) == pytest.approx(
         (10 * 3e-6 + 5 * 4e-6) + (10 * 1e-6 + 5 * 5e-6 + 0.001) + (10 * 1e-6 + 5 * 9e-6))
 

@@ -11,8 +11,8 @@ from draftsmith.openrouter.client import BodyMaker, messages_json, request_setti
 from draftsmith.emulator import running
 from draftsmith.config import ProvidersConfig
 from draftsmith.paths import Run
-from draftsmith.providers import cost_plan, outputs, probe, stage
-from draftsmith.openrouter import endpoints
+from draftsmith.providers import outputs, probe, stage
+from draftsmith.openrouter import pricing
 from draftsmith.openrouter.api import Api, ApiError
 
 MODEL = "moonshotai/kimi-k2.5"
@@ -39,42 +39,42 @@ def test_policy_excludes_below_native_unknown_and_down_with_reasons():
         ("F", "f/unknown", "unknown", 0.5, 2.0, 0, 99, 1, 40),
         ("G", "g/int4", "int4", 0.5, 2.0, -2, 10, 1, 40),
     ])
-    p = endpoints.apply_policy(t, "int4", False).set_index("tag")
+    p = pricing.apply_policy(t, "int4", False).set_index("tag")
     assert p.loc["a/int4", "allowed"] and p.loc["e/fp8", "allowed"]  # fp8 holds int4 weights exactly
     for tag in ("b/fp4", "c/nvfp4", "d/mxfp4"):
         assert not p.loc[tag, "allowed"] and "below the native int4" in p.loc[tag, "reason"]
     assert not p.loc["f/unknown", "allowed"] and "unknown" in p.loc["f/unknown", "reason"]
     assert not p.loc["g/int4", "allowed"] and "down" in p.loc["g/int4", "reason"]
-    assert endpoints.apply_policy(t, "int4", allow_unknown_quantization=True).set_index("tag").loc["f/unknown", "allowed"]
+    assert pricing.apply_policy(t, "int4", allow_unknown_quantization=True).set_index("tag").loc["f/unknown", "allowed"]
     # a bf16 model: fp8 and int4 are below it
-    p16 = endpoints.apply_policy(t, "bf16", False).set_index("tag")
+    p16 = pricing.apply_policy(t, "bf16", False).set_index("tag")
     assert not p16.loc["e/fp8", "allowed"] and not p16.loc["a/int4", "allowed"]
     with pytest.raises(ValueError, match="native_precision"):
-        endpoints.apply_policy(t, "int3", False)
-    r = endpoints.routing_object(endpoints.apply_policy(t, "int4", False), "int4", False)
+        pricing.apply_policy(t, "int3", False)
+    r = pricing.routing_object(pricing.apply_policy(t, "int4", False), "int4", False)
     assert r == {"only": ["a/int4", "e/fp8"], "quantizations": ["fp8", "int4"], "allow_fallbacks": True,
                  "require_parameters": True}
-    assert {x["tag"] for x in endpoints.exclusions(endpoints.apply_policy(t, "int4", False))} == {"b/fp4", "c/nvfp4", "d/mxfp4", "f/unknown", "g/int4"}
+    assert {x["tag"] for x in pricing.exclusions(pricing.apply_policy(t, "int4", False))} == {"b/fp4", "c/nvfp4", "d/mxfp4", "f/unknown", "g/int4"}
 
 
 def test_cost_plan_arithmetic():
     allowed = _table([("A", "a/int4", "int4", 1.0, 2.0, 0, 99, 1, 40),
                       ("B", "b/int4", "int4", 2.0, 4.0, 0, 99, 1, 40)])
-    tokens = [cost_plan.DatasetTokens("d1", prompts=100, prompt_tokens=5000, output_token_budget=2000, skipped=0),
-              cost_plan.DatasetTokens("d2", prompts=10, prompt_tokens=1000, output_token_budget=100000, skipped=0)]
-    plan = cost_plan.cost_plan(tokens, allowed, expected_output=100, usable_usd=None, max_tokens=500).set_index("dataset")
+    tokens = [stage.DatasetTokens("d1", prompts=100, prompt_tokens=5000, output_token_budget=2000, skipped=0),
+              stage.DatasetTokens("d2", prompts=10, prompt_tokens=1000, output_token_budget=100000, skipped=0)]
+    plan = stage.cost_plan(tokens, allowed, expected_output=100, usable_usd=None, max_tokens=500).set_index("dataset")
     d1 = plan.loc["d1"]
     assert d1["samples_needed"] == 20 and d1["input_tokens"] == 1000 and d1["output_tokens"] == 2000
     assert d1["cost_cheapest"] == pytest.approx((1000 * 1 + 2000 * 2) / 1e6)
     assert d1["cost_most_expensive"] == pytest.approx((1000 * 2 + 2000 * 4) / 1e6)
-    w = cost_plan.mix_weights(allowed)  # 1/price^2: 1/9 vs 1/36 -> 0.8 / 0.2
+    w = stage.mix_weights(allowed)  # 1/price^2: 1/9 vs 1/36 -> 0.8 / 0.2
     assert list(w) == pytest.approx([0.8, 0.2])
     assert d1["cost_mix"] == pytest.approx((1000 * 1.2 + 2000 * 2.4) / 1e6)
     d2 = plan.loc["d2"]  # only 10 prompts: the budget cannot be reached
     assert d2["samples_needed"] == 10 and d2["output_tokens"] == 1000
     assert (plan["output_tokens_that_fit"] == plan["output_tokens"]).all()
     half = plan["cost_mix"].sum() / 2
-    small = cost_plan.cost_plan(tokens, allowed, 100, half, 500).set_index("dataset")
+    small = stage.cost_plan(tokens, allowed, 100, half, 500).set_index("dataset")
     assert small["fits_fraction"].iloc[0] == pytest.approx(0.5)
     assert small.loc["d1", "output_tokens_that_fit"] == 1000
 
@@ -83,8 +83,8 @@ def test_probe_flags_the_provider_that_answers_differently(tmp_path, target_toke
     # synthetic backend: fast; its perturbed provider answers with other text, like noisy weights would
     with running({"fault_scale": 0.5, "seed": 1}, state_dir=tmp_path) as emu:
         api = Api(emu.base_url, emu.key)
-        table = endpoints.endpoint_table(api.endpoints(MODEL))
-        policy = endpoints.apply_policy(table, "int4", False)
+        table = pricing.endpoint_table(api.endpoints(MODEL))
+        policy = pricing.apply_policy(table, "int4", False)
         candidates = policy[policy["allowed"]]
         prompts = [[{"role": "user", "content": f"probe {i}"}] for i in range(3)]
         per_prompt = probe.probe(api, MODEL, candidates, prompts, target_tokenizer, 24, 0, "moonshotai")
@@ -104,7 +104,7 @@ def test_probe_does_not_flag_a_provider_that_only_cuts_or_drops_its_reasoning(tm
             {"slug": "noisy", "name": "Noisy", **base, "quirks": {"perturbed_model": 0.5}}]
     with running({"providers": prov, "fault_scale": 0, "synthetic_tokens": 120}, state_dir=tmp_path) as emu:
         api = Api(emu.base_url, emu.key)
-        table = endpoints.endpoint_table(api.endpoints(MODEL))
+        table = pricing.endpoint_table(api.endpoints(MODEL))
         prompts = [[{"role": "user", "content": f"probe {i}"}] for i in range(3)]
         per_prompt = probe.probe(api, MODEL, table, prompts, target_tokenizer, 96, 0, "moonshotai")
         quirks = {x["provider"]: set(x["quirks"]) for x in emu.ledger_lines()}
@@ -183,8 +183,8 @@ def test_the_routing_written_is_the_routing_stage_02_reads(tmp_path):
     run = Run(tmp_path, "r")
     assert outputs.read_routing(run) is None                     # stage 01 did not run
     t = _table([("A", "a/int4", "int4", 0.5, 2.0, 0, 99, 1, 40), ("B", "b/fp4", "fp4", 0.4, 1.9, 0, 99, 1, 40)])
-    policy = endpoints.apply_policy(t, "int4", False)
-    routing = endpoints.routing_object(policy, "int4", False)
+    policy = pricing.apply_policy(t, "int4", False)
+    routing = pricing.routing_object(policy, "int4", False)
     plan = pd.DataFrame([{"dataset": "d", "cost_mix": 0.5, "fits_fraction": 1.0}])
     outputs.write_outputs(run, MODEL, "int4", policy, routing, plan,
                           outputs.stage_summary(run, (3.0, "/key limit_remaining"), 40, routing, plan, []))

@@ -37,7 +37,7 @@ def test_stage_01_says_the_balance_does_not_cover_the_plan(result):
 def test_plan_verdict_says_what_the_money_buys():
     import pandas as pd
 
-    from draftsmith.providers.cost_plan import plan_verdict
+    from draftsmith.providers.stage import plan_verdict
 
     plan = pd.DataFrame({"cost_mix": [80.0, 60.0], "output_tokens": [10_000_000, 10_000_000],
                          "output_tokens_that_fit": [7_142_857, 7_142_857]})

@@ -201,7 +201,7 @@ def test_a_rerun_with_another_max_tokens_is_refused_naming_the_difference(tmp_pa
 
 
 def test_each_changed_setting_is_named_and_a_template_that_cannot_be_read_is_not_compared(tmp_path):
-    from draftsmith.generate.run_settings import chat_template_id, changes, data_settings
+    from draftsmith.generate.stage import chat_template_id, changes, data_settings
 
     sent = {"model": MODEL, "max_tokens": 48, "temperature": 1.0, "top_p": 1.0, "provider": {"only": ["a/int4"]}}
     old = data_settings(sent, ("int4", False), "tiny-test")

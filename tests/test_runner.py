@@ -148,9 +148,8 @@ def test_the_library_takes_its_defaults_and_bounds_without_the_notebooks_folder(
     shutil.copytree(REPO_ROOT / "src" / "draftsmith", tmp_path / "draftsmith")
     script = ("from draftsmith import parameters, paths\n"
               "assert not paths.NOTEBOOKS_DIR.exists(), paths.NOTEBOOKS_DIR\n"
-              "from draftsmith.generate.options import Options\n"
-              "print(Options(concurrency=1, spend_limit_usd=1.0).max_attempts, parameters.declaration('concurrency').default)\n"
               "from draftsmith.config import GenerateConfig\n"
+              "print(GenerateConfig().max_attempts, parameters.declaration('concurrency').default)\n"
               "GenerateConfig(concurrency=0)\n")
     r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})

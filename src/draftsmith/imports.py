@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .generate.outputs import responses_file
 from .datasets import row_messages, stable_id
-from .paths import Run, resolve
+from .paths import resolve
 
 FIELDS = {"id", "messages", "reasoning", "answer", "finish_reason", "output_ids", "prompt_ids", "source", "meta"}
 FINISH_REASONS = ("stop", "length")
@@ -114,11 +113,10 @@ def to_raw(row, dataset: str) -> dict:
             "output_ids": _ids(row, "output_ids"), "prompt_ids": _ids(row, "prompt_ids")}
 
 
-def source_files(run: Run, name: str, imports: list[ImportSpec]) -> list[tuple[str, Path]]:
+def source_files(raw: Path, name: str, imports: list[ImportSpec]) -> list[tuple[str, Path]]:
     """(unit, file) of every source of dataset `name`, in the order sources are preferred: stage
-    02's own responses first, then the imports in the order listed."""
+    02's own responses (`raw`, its raw_responses file of `name`) first, then the imports in the order listed."""
     units = []
-    raw = responses_file(run, name)
     if raw.is_file():
         units.append(("generate", raw))
     units += [(s.unit, Path(s.path)) for s in imports if s.name == name]

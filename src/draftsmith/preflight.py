@@ -113,7 +113,7 @@ def dataset_summaries(values: dict) -> list[str]:
     out.append(f"{len(sample)} datasets to sample through the API: {', '.join(sample) or 'none'}; "
                f"{len(imported)} imported: {', '.join(imported) or 'none'}")
     try:    # a re-run: the prompt files as they are now against the answers saved (generate/prompt_edits.py)
-        out += [e.summary() for e in prompt_edits.check(Run(values["outputs_dir"], values["run_name"]), specs,
+        out += [e.summary() for e in prompt_edits.preview(Run(values["outputs_dir"], values["run_name"]), specs,
                                                          bool(values.get("keep_removed_prompts")))]
     except ValueError as e:
         out.append(f"saved answers not compared with the prompt files: {e}")

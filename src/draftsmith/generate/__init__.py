@@ -1,7 +1,8 @@
 """Stage 02: sample responses for every prompt through the API, within token and dollar budgets.
 
-Notebook 02 calls `stage.run(run, cfg)`, which returns a `GenerationResult` (options.py).
+Notebook 02 calls `stage.run(run, cfg)`, which returns a `GenerationResult` (session.py).
 Every answer paid for is saved at once and never asked for again (outputs.py: what is saved, and
-how a re-run resumes). session.py is one start or resume, attempts.py one sample's attempts; each
-module's docstring says what it owns. Against a bare vLLM or SGLang server (bare_server.py) the
-balance, catalogue, routing and cost are switched off, with a line saying so."""
+how a re-run resumes). stage.py is the entry and the settings a run's answers are made under,
+session.py one start or resume (also against a bare vLLM or SGLang server, without balance,
+catalogue, routing or cost), prompt_queue.py the prompts still to do, attempts.py one sample's
+attempts, prompt_edits.py the answers to prompts since edited; each module's docstring says what it owns."""

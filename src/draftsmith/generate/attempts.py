@@ -21,13 +21,11 @@ import aiohttp
 
 from ..datasets import Prompt
 from ..openrouter import client
-from ..openrouter.client import Action
+from ..openrouter.client import Action, KeepaliveWatch
 from ..openrouter.budget import SpendBudget
-from ..openrouter.deadline import KeepaliveWatch
 from ..openrouter.pricing import generation_cost
 from ..openrouter.retry import Aimd, backoff_delay
 from ..progress import Progress
-from .options import Options
 from .prompt_queue import DatasetQueue
 
 
@@ -114,7 +112,7 @@ class Wire:
     source: str
     billed: bool
     model: str
-    deadline_s: float | None = None         # a request not over by then is given up (openrouter/deadline.py)
+    deadline_s: float | None = None         # a request not over by then is given up (client.request_deadline)
     progress_s: float | None = None         # a stream with no data chunk for this long is given up
     watch: KeepaliveWatch | None = None     # counts the requests waiting on keep-alive alone
 
@@ -141,7 +139,8 @@ class NotSaved:
 @dataclass
 class Sampler:
     """One session's attempts, given what they use: the wire, the money (`spend`), the counts, the
-    concurrency controller and the outage clock, the retry settings (`opts`), and from the session
+    concurrency controller and the outage clock, the retry settings (`max_attempts`, the back-off
+    and how long a lost answer's bill is asked), and from the session
     the stop it waits on, the event it sets when money is freed or a bill is learnt, the set of
     bills still being asked, and `reserve` (the dollars of a retry, 0.0 if the session stops)."""
     wire: Wire
@@ -150,7 +149,10 @@ class Sampler:
     aimd: Aimd
     outage: Outage
     progress: Progress
-    opts: Options
+    max_attempts: int
+    backoff_base_s: float
+    backoff_cap_s: float
+    recovery_patience_s: float
     stopped: asyncio.Future
     freed: asyncio.Event
     wake: asyncio.Event
@@ -228,16 +230,15 @@ class Sampler:
                     action = Action.THROTTLE if now - unavailable_since <= self.outage.limit_s else Action.RETRY
                 else:
                     unavailable_since = None
-                opts = self.opts
                 if action is Action.THROTTLE:
                     throttles += 1
                     self.aimd.on_throttle()
-                    delay = backoff_delay(min(throttles, 8), res.retry_after, opts.backoff_base_s, opts.backoff_cap_s)
+                    delay = backoff_delay(min(throttles, 8), res.retry_after, self.backoff_base_s, self.backoff_cap_s)
                 else:
                     failures += 1
-                    if failures >= opts.max_attempts:
+                    if failures >= self.max_attempts:
                         return None if self.stopped.done() else self._record_failure(d, p, res, failures, "exhausted")
-                    delay = backoff_delay(failures, res.retry_after, opts.backoff_base_s, opts.backoff_cap_s)
+                    delay = backoff_delay(failures, res.retry_after, self.backoff_base_s, self.backoff_cap_s)
                 if self.stopped.done():
                     return None
                 await asyncio.wait((self.stopped,), timeout=delay)     # a stop cuts the wait short
@@ -279,7 +280,7 @@ class Sampler:
     async def _ask_cost(self, generation_id: str, reserved: float) -> None:
         cost = None
         try:
-            cost = await generation_cost(self.wire.http, self.wire.base, generation_id, self.opts.recovery_patience_s)
+            cost = await generation_cost(self.wire.http, self.wire.base, generation_id, self.recovery_patience_s)
         finally:                # also when given up on at the very end: then counted at its worst case
             if cost is None:
                 self._count_unknown(reserved)

@@ -320,7 +320,7 @@ class Manifest:
 
     path: Path
     sessions: list[dict] = field(default_factory=list)
-    settings: dict | None = None    # per dataset, what shapes its saved answers (generate/run_settings.py)
+    settings: dict | None = None    # per dataset, what shapes its saved answers (generate/stage.py)
 
     @classmethod
     def open(cls, path: Path) -> "Manifest":

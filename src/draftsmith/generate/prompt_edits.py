@@ -155,7 +155,7 @@ def compare(folder: Path, spec: DatasetSpec, keep_removed_prompts: bool) -> tupl
     return edits, plan
 
 
-def check(run: Run, specs: list[DatasetSpec], keep_removed_prompts: bool) -> list[PromptEdits]:
+def preview(run: Run, specs: list[DatasetSpec], keep_removed_prompts: bool) -> list[PromptEdits]:
     """What `apply` would do, without changing a file (`draftsmith run 02 --check`): the datasets
     that hold answers, set aside or not."""
     out = []

@@ -6,7 +6,13 @@ so the run stays full until the last budget is reached; each start reserves its 
 first (openrouter/budget.py). A stop (money, a refusal, SIGINT/SIGTERM, a write error) starts
 nothing new, lets the requests in flight finish for a grace period and closes the files, so a
 re-run resumes exactly where this one ended. The session also keeps its own books: the progress
-line, a timeline point every second, the manifest every two seconds, and the closing `result()`."""
+line, a timeline point every second, the manifest every two seconds, and the closing `result()`.
+
+Against a bare OpenAI-compatible server (the user's own vLLM or SGLang: `GET /key` answers 404,
+`BareServer`) the balance, catalogue, routing and cost are off, with a line saying so; the
+server's `GET /models` must list `model`, its `owned_by` names the samples' source and its
+`max_model_len` bounds the prompts; vLLM is asked for the ids it sampled (`return_token_ids`),
+saved with each response for stage 03."""
 
 from __future__ import annotations
 
@@ -17,27 +23,67 @@ import time
 import math
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
 from ..openrouter import client
 from . import outputs
 from ..openrouter.budget import SpendBudget, TokenBudget
-from ..openrouter.deadline import KeepaliveWatch, request_deadline
+from ..openrouter.client import KeepaliveWatch, request_deadline
+from ..config import GenerateConfig
 from ..datasets import DatasetSpec
 from ..paths import Run
-from ..openrouter.pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints
+from ..openrouter.pricing import BalanceReader, CatalogueError, catalogue, fetch_endpoints, policy_routing
 from ..progress import Progress
 from ..providers import outputs as stage_01
-from ..openrouter.endpoints import policy_routing
 from ..openrouter.retry import Aimd
-from . import attempts, bare_server
-from .options import GenerationResult, Options
+from . import attempts
 from .prompt_queue import ContextCheck, DatasetQueue
 
 GC_GEN0_THRESHOLD = 20_000  # objects allocated between young collections while a session runs (Python: 700)
 STOPPED_PATIENCE_S = 5.0     # after an interrupt or a write error: how long to ask what lost answers cost
 WRITE_ERROR_GRACE_S = 5.0    # after a write error: how long the requests in flight may come back
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The session's clocks that no stage config declares: tests and benchmarks turn them
+    (`stage.run_at(..., **knobs)`)."""
+
+    balance_poll_s: float = 15.0
+    fsync_s: float = 5.0
+    backoff_base_s: float = 1.0
+    backoff_cap_s: float = 60.0
+    recovery_patience_s: float = 120.0   # how long to keep asking /generation the cost of a lost answer
+
+
+@dataclass
+class GenerationResult:
+    """What stage 02 answers; `raise_if_incomplete` makes a stopped run fail its notebook."""
+
+    status: str                 # finished | stopped
+    reason: str                 # finished | nothing_to_do | balance | spend_limit | fatal | unavailable | interrupted
+    #                             | write_error (the store could not write) | no_room (the disk cannot hold the plan)
+    message: str
+    folder: Path
+    spent_usd: float
+    session: dict
+    datasets: dict = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "finished"
+
+    def raise_if_incomplete(self) -> None:
+        """Make a stopped run fail its notebook (so `draftsmith run all` does not go on with half the data)."""
+        if not self.complete:
+            raise GenerationStopped(self.message)
+
+
+class GenerationStopped(RuntimeError):
+    pass
 
 
 class Session:
@@ -47,20 +93,22 @@ class Session:
     make."""
 
     def __init__(self, base_url: str, api_key, run: Run, specs: list[DatasetSpec], settings: dict,
-                 opts: Options, config: dict, log=print, policy: tuple[str, bool] | None = None):
-        """`policy`: (native_precision, allow_unknown) when there is no stage-01 routing and the
+                 cfg: GenerateConfig, tuning: Tuning, config: dict, log=print,
+                 policy: tuple[str, bool] | None = None):
+        """`cfg`: notebook 02's settings, read here as they are; `settings`: the request settings
+        built from them (`client.request_settings`). `policy`: (native_precision, allow_unknown) when there is no stage-01 routing and the
         session must build it from the endpoint list; `settings["provider"]` is then laid over it."""
         self.base = base_url.rstrip("/")
         self._headers = {**api_key.header(), "Content-Type": "application/json", "X-Title": "draftsmith",
                          **client.NO_CACHE}
-        self.opts, self.config, self.log = opts, config, log
+        self.cfg, self.tuning, self.config, self.log = cfg, tuning, config, log
         self.folder = run.dir("generate")
         self.model, self.provider, self.max_tokens = settings["model"], settings.get("provider") or {}, settings["max_tokens"]
-        self.stop_grace_s = opts.stop_grace_s
+        self.stop_grace_s = cfg.stop_grace_s
         # every request has a deadline (by default from `max_tokens` and the slowest credible rate), and
         # a stream one more rule (no data chunk for `request_timeout_s`): keep-alive never holds a
         # slot past them, so neither the end of a run nor a stop waits longer on a stalled request
-        self.deadline_s = request_deadline(self.max_tokens, opts.request_timeout_s, opts.request_deadline_s)
+        self.deadline_s = request_deadline(self.max_tokens, cfg.request_timeout_s, cfg.request_deadline_s)
         self.watch = KeepaliveWatch()       # the requests waiting on keep-alive alone (the progress line)
         self.settings, self.policy = settings, policy
         self.sent = client.sent_parameters(settings)
@@ -72,7 +120,7 @@ class Session:
         config["stage_01_spent_usd"] = self.stage_01_usd
         spent = self.manifest.spent_outside_responses + self.stage_01_usd
         for spec in specs:
-            saved = outputs.open_dataset(run, spec.name, opts.fsync_s)
+            saved = outputs.open_dataset(run, spec.name, tuning.fsync_s)
             for note in saved.notes:
                 log(f"resume: {note}")
             budget = TokenBudget(spec.output_token_budget, self.max_tokens)
@@ -81,11 +129,11 @@ class Session:
             saved.lengths = []
             spent += saved.totals.cost + saved.set_aside.cost    # answers set aside were paid for too
             self.datasets.append(DatasetQueue(spec, saved, budget))
-        self.spend = SpendBudget(opts.spend_limit_usd, opts.balance_floor_usd, spent)
-        self.aimd = Aimd(opts.concurrency)
-        self.outage = attempts.Outage(opts.outage_limit_s)
+        self.spend = SpendBudget(cfg.spend_limit_usd, cfg.balance_floor_usd, spent)
+        self.aimd = Aimd(cfg.concurrency)
+        self.outage = attempts.Outage(cfg.outage_limit_s)
         self.check: ContextCheck | None = None
-        self.server: bare_server.BareServer | None = None   # set when api_base is not OpenRouter
+        self.server: BareServer | None = None   # set when api_base is not OpenRouter
         self.sampler: attempts.Sampler | None = None         # once the session is open
         self.progress: Progress | None = None
         self.http: aiohttp.ClientSession | None = None
@@ -136,7 +184,7 @@ class Session:
             self._rr = (self._rr + i + 1) % n
             self.in_flight += 1
             self.counts.peak_in_flight = max(self.counts.peak_in_flight, self.in_flight)
-            self.was_full = self.was_full or self.in_flight >= min(self.opts.concurrency, self.aimd.limit)
+            self.was_full = self.was_full or self.in_flight >= min(self.cfg.concurrency, self.aimd.limit)
             return d, p, worst, d.budget.start()
         return None
 
@@ -283,7 +331,7 @@ class Session:
 
     async def _poll_balance(self, reader: BalanceReader) -> None:
         while self.reason is None:
-            await asyncio.wait((self.stopped,), timeout=self.opts.balance_poll_s)
+            await asyncio.wait((self.stopped,), timeout=self.tuning.balance_poll_s)
             if await self._read_balance(reader):
                 self.wake.set()
 
@@ -306,16 +354,16 @@ class Session:
         budgets = [d.spec.output_token_budget for d in self.datasets]
         self.progress = Progress(total=sum(budgets) if all(budgets) else None, desc="generate", unit="tok")
         self.progress.update(sum(d.budget.done for d in self.datasets))
-        _raise_fd_limit(self.opts.concurrency + 256)
-        connector = aiohttp.TCPConnector(limit=self.opts.concurrency + 16, limit_per_host=0, ttl_dns_cache=300,
+        _raise_fd_limit(self.cfg.concurrency + 256)
+        connector = aiohttp.TCPConnector(limit=self.cfg.concurrency + 16, limit_per_host=0, ttl_dns_cache=300,
                                          enable_cleanup_closed=True)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.opts.request_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.cfg.request_timeout_s)
         background: list[asyncio.Task] = []
         try:
             async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers) as http:
                 self.http = http
                 try:
-                    self.server = await bare_server.probe(http, self.base, self.model)
+                    self.server = await probe_bare_server(http, self.base, self.model)
                 except ValueError as e:
                     self.reason, self.message = "fatal", str(e)
                     return
@@ -331,8 +379,8 @@ class Session:
                     self.reason, self.message = "fatal", str(e)
                     return
                 self.spend.set_prices(cat.prompt_price, cat.completion_price, cat.request_price)
-                self.check = ContextCheck(cat.context_length, self.max_tokens, self.opts.target_model_path,
-                                          self.opts.trust_remote_code)
+                self.check = ContextCheck(cat.context_length, self.max_tokens, self.cfg.target_model_path,
+                                          self.cfg.trust_remote_code)
                 reader = self.balance_reader = BalanceReader(http, self.base)
                 await self._read_balance(reader)
                 self.sampler = self._sampler(http, "openrouter")
@@ -341,7 +389,7 @@ class Session:
                 await self._dispatch()
                 await self._drain()
                 if self.recoveries:
-                    patience = self.opts.recovery_patience_s if self.stop_grace_s else 0.0
+                    patience = self.tuning.recovery_patience_s if self.stop_grace_s else 0.0
                     if self.reason in ("interrupted", "write_error"):
                         patience = min(patience, STOPPED_PATIENCE_S)
                     self.log(f"asking GET /generation what {len(self.recoveries)} lost answers cost "
@@ -380,9 +428,10 @@ class Session:
         wire = attempts.Wire(http, self.base, client.BodyMaker(self.settings), bool(self.settings.get("stream")),
                              json.dumps(self.settings, ensure_ascii=False, separators=(",", ":")), source,
                              billed=self.server is None, model=self.model, deadline_s=self.deadline_s,
-                             progress_s=self.opts.request_timeout_s, watch=self.watch)
-        return attempts.Sampler(wire, self.spend, self.counts, self.aimd, self.outage, self.progress, self.opts,
-                                self.stopped, self.money_freed, self.wake, self.recoveries, self.reserve)
+                             progress_s=self.cfg.request_timeout_s, watch=self.watch)
+        return attempts.Sampler(wire, self.spend, self.counts, self.aimd, self.outage, self.progress,
+                                self.cfg.max_attempts, self.tuning.backoff_base_s, self.tuning.backoff_cap_s,
+                                self.tuning.recovery_patience_s, self.stopped, self.money_freed, self.wake, self.recoveries, self.reserve)
 
     async def _bare_main(self, loop) -> None:
         """A bare OpenAI-compatible server: no prices, balance or routing (every reservation is $0),
@@ -391,8 +440,8 @@ class Session:
         self.settings = self.server.settings(self.settings)
         self.sampler = self._sampler(self.http, self.server.engine)
         self.config.update(request=self.settings, server=self.server.engine, routing_source=None)
-        self.check = ContextCheck(self.server.max_model_len, self.max_tokens, self.opts.target_model_path,
-                                  self.opts.trust_remote_code)
+        self.check = ContextCheck(self.server.max_model_len, self.max_tokens, self.cfg.target_model_path,
+                                  self.cfg.trust_remote_code)
         background = loop.create_task(self._tick())
         try:
             self._save_manifest()
@@ -498,14 +547,14 @@ class Session:
 
     def _top_up_usd(self, worst: float, left: tuple[float, int] | None = None) -> float:
         left = left or self._left_to_finish()
-        return 0.0 if left is None else self.spend.top_up(*left, self.opts.concurrency, worst)
+        return 0.0 if left is None else self.spend.top_up(*left, self.cfg.concurrency, worst)
 
     def _wind_down(self, why: str, worst: float) -> tuple[str, float] | None:
         """(the message, the top-up rounded to cents) when the run should stop for a top-up now that
         `why` refused a start of worst case `worst`; None while it should go on."""
-        fraction = self.opts.money_bound_stop_fraction
+        fraction = self.cfg.money_bound_stop_fraction
         if (not fraction or not self.was_full
-                or self.in_flight >= fraction * min(self.opts.concurrency, self.aimd.limit)):
+                or self.in_flight >= fraction * min(self.cfg.concurrency, self.aimd.limit)):
             return None
         left = self._left_to_finish()
         if left is None or left[0] <= self.spend.left:
@@ -515,7 +564,7 @@ class Session:
         money = (f"${self.spend.left:.2f} above the balance floor" if why == "balance"
                  else f"${self.spend.left:.2f} below spend_limit_usd")
         action = "top up" if why == "balance" else "raise spend_limit_usd by"
-        return (f"money keeps only {self.in_flight} of {self.opts.concurrency} requests in flight ({money}; each "
+        return (f"money keeps only {self.in_flight} of {self.cfg.concurrency} requests in flight ({money}; each "
                 f"is reserved at its worst case, ${worst:.4f}) and cannot finish the job (about ${need:,.2f} "
                 f"more at the cost per token so far): {action} about ${top_up:,.2f} (what is left, plus a worst "
                 f"case per slot it needs, so every slot stays busy) and re-run stage 02 "
@@ -563,7 +612,7 @@ class Session:
         f.update(samples=self.counts.samples, spent=f"${self.spend.spent:.4f}/{self.spend.limit:g}",
                  tok_s=round(rate), in_flight=f"{self.in_flight}/{self.aimd.limit}",
                  err=f"{100 * sum(self.counts.errors_by_kind.values()) / max(1, self.counts.attempts):.1f}%",
-                 padding=self.watch.waiting(self.opts.request_timeout_s))
+                 padding=self.watch.waiting(self.cfg.request_timeout_s))
         return f
 
     def _dataset_table(self) -> dict:
@@ -629,7 +678,7 @@ class Session:
             head = self.message + ": " if self.reason == "nothing_to_do" else "finished: "
             msg = f"{head}{summary}; {spent}. {paid}."
             if c.exhausted_samples:
-                msg += (f" {c.exhausted_samples} samples were GIVEN UP after {self.opts.max_attempts} failed "
+                msg += (f" {c.exhausted_samples} samples were GIVEN UP after {self.cfg.max_attempts} failed "
                         f"attempts each ({outputs.ERRORS}); a re-run tries them again.")
         else:
             msg = (f"stopped: {self.message}. Done so far: {summary}; {spent}. {paid}; every saved response is "
@@ -638,6 +687,62 @@ class Session:
                 msg += f" {c.exhausted_samples} samples were given up this session (a re-run tries them again)."
         return GenerationResult("finished" if done else "stopped", self.reason, msg, self.folder,
                                 self.spend.spent, dict(self.entry), self._dataset_table())
+
+
+# ---- a bare OpenAI-compatible server ----
+OPENROUTER_ONLY = ("provider", "reasoning")  # request fields only OpenRouter understands
+
+
+@dataclass(frozen=True)
+class BareServer:
+    engine: str                  # `owned_by` of the served model: vllm, sglang, ...
+    max_model_len: int | None
+
+    @property
+    def returns_ids(self) -> bool:
+        return self.engine == "vllm"
+
+    def settings(self, settings: dict) -> dict:
+        """The request settings for this server: OpenRouter's own fields left out, the sampled ids
+        asked for where the engine returns them, usage asked for in a stream."""
+        out = {k: v for k, v in settings.items() if k not in OPENROUTER_ONLY}
+        if self.returns_ids:
+            out["return_token_ids"] = True
+        if out.get("stream"):
+            out["stream_options"] = {"include_usage": True}
+        return out
+
+    def notice(self, base: str, settings: dict) -> str:
+        dropped = [k for k in OPENROUTER_ONLY if settings.get(k)]
+        return (f"{base} is a bare OpenAI-compatible server ({self.engine}), not OpenRouter: no balance, no endpoint "
+                f"catalogue, no cost, so spend_limit_usd and balance_floor_usd do not apply"
+                + (f"; not sent: {', '.join(dropped)} (OpenRouter only)" if dropped else "")
+                + ("; the sampled token ids are saved with each response" if self.returns_ids
+                   else "; this engine returns no token ids: stage 03 rebuilds them from the text"))
+
+
+async def probe_bare_server(session: aiohttp.ClientSession, base: str, model: str) -> BareServer | None:
+    """None for OpenRouter (or the local emulator); a BareServer for a server without `/key`.
+    Raises ValueError when that server does not serve `model`."""
+    try:
+        async with session.get(f"{base}/key") as r:
+            if r.status != 404:
+                return None
+        async with session.get(f"{base}/models") as r:
+            listing = await r.json(content_type=None) if r.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None                  # unreachable or odd: the OpenRouter path reports it
+    cards = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(cards, list):
+        return None
+    served = {c.get("id"): c for c in cards if isinstance(c, dict)}
+    if model not in served:
+        raise ValueError(f"{base} serves {sorted(map(str, served))}, not model {model!r}: set model to the "
+                         f"served name (vllm serve --served-model-name)")
+    card = served[model]
+    length = card.get("max_model_len")
+    return BareServer(str(card.get("owned_by") or "openai-compatible"),
+                      length if isinstance(length, int) and length > 0 else None)
 
 
 @contextmanager

@@ -3,13 +3,19 @@
 `complete` never raises for a bad answer or network trouble: it returns a `Reply`, or a `Failure`
 whose `Action` says what the caller does next (docs/openrouter.md). A failure whose answer may have
 been billed carries `maybe_billed` and the generation id, so the caller can ask `GET /generation`.
-A bare vLLM or SGLang server (generate/bare_server.py) is read the same way. Nothing here formats
-the API key: it lives only in the prepared headers."""
+A bare vLLM or SGLang server (generate/session.py) is read the same way. Nothing here formats
+the API key: it lives only in the prepared headers.
+
+Keep-alive (whitespace padding, `: OPENROUTER PROCESSING` comments) keeps a socket read timeout
+from firing, so two rules of our own give a request up: a stream with no data chunk for
+`progress_s`, and a total deadline (`request_deadline`); `KeepaliveWatch` counts the requests
+waiting on padding alone."""
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import itertools
 import json
 import re
 import time
@@ -18,7 +24,6 @@ from enum import StrEnum
 
 import aiohttp
 
-from .deadline import KeepaliveWatch
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 520, 522, 524, 529})
 NO_CACHE = {"X-OpenRouter-Cache": "false"}   # OpenRouter's response cache off for this request
@@ -45,7 +50,7 @@ class Action(StrEnum):
 
       RETRY        408, 5xx from a provider, an error inside a 200 body or a stream, an empty 200, a
                    cut stream, a hung or dropped connection, a request past its deadline or a stream
-                   without data (deadline.py), a 200 whose body cannot be read, a reply from the
+                   without data (`request_deadline`), a 200 whose body cannot be read, a reply from the
                    response cache: a real failure, it spends one of the sample's attempts
       THROTTLE     429, 402 in-flight spending budget: wait it out; never spends an attempt
       UNAVAILABLE  `error.availability.retryable: true` (no capacity or endpoint just now): waited out
@@ -426,7 +431,7 @@ async def complete(session: aiohttp.ClientSession, url: str, headers: dict | Non
     `seen["generation_id"]` is set as soon as the response headers name it, so a caller that gives
     up on the request (cancels it) still knows which generation to ask the bill of.
     `progress_s`: a stream with no data chunk for this long is given up (`stalled`); `deadline_s`:
-    a request not over within this long is given up (`deadline`), keep-alive or not (deadline.py);
+    a request not over within this long is given up (`deadline`), keep-alive or not (`request_deadline`);
     `watch` counts this request while its reply is keep-alive alone."""
     kw = {"timeout": timeout} if timeout is not None else {}
     seen = {} if seen is None else seen
@@ -488,3 +493,51 @@ def _lost(f: Failure, seen: dict, answered: bool) -> Failure:
     f.generation_id = seen.get("generation_id")
     f.maybe_billed = answered or f.kind in ("timeout", "deadline") or not f.refused
     return f
+
+
+# ---- when a request that makes no progress behind keep-alive is given up ----
+# the slowest rate a working provider keeps over a whole answer (Kimi-K2.5's endpoints list 25-110
+# tokens/s)
+SLOWEST_TOKENS_PER_S = 10.0
+
+
+def request_deadline(max_tokens: int, request_timeout_s: float, override: float | None = None) -> float:
+    """Seconds a request may take in all: `override` if given, else
+    `request_timeout_s + max_tokens / SLOWEST_TOKENS_PER_S` (a first byte, then the whole answer at
+    the slowest credible rate). A JSON body is padding until its first other byte, and padding is
+    normal while the provider generates, so only a total deadline bounds it; it holds for streams too."""
+    if override is not None:
+        return float(override)
+    return float(request_timeout_s) + max_tokens / SLOWEST_TOKENS_PER_S
+
+
+class KeepaliveWatch:
+    """The requests answered (HTTP 200) whose reply has so far been keep-alive alone (whitespace
+    padding, SSE comments), each with when its wait began: `begin` when the headers come (the wait
+    counts from when the request was sent), `progress` when data comes (a stream's data chunk
+    starts the wait afresh; a JSON body's first byte ends it: call `end`), `end` when it is over."""
+
+    def __init__(self):
+        self._since: dict[int, float] = {}
+        self._ids = itertools.count()
+
+    def begin(self, since: float | None = None) -> int:
+        token = next(self._ids)
+        self._since[token] = time.monotonic() if since is None else since
+        return token
+
+    def progress(self, token: int) -> None:
+        if token in self._since:
+            self._since[token] = time.monotonic()
+
+    def end(self, token: int) -> None:
+        self._since.pop(token, None)
+
+    def waits(self, token: int) -> bool:
+        """Whether this request's reply is still keep-alive alone."""
+        return token in self._since
+
+    def waiting(self, longer_than_s: float = 0.0, now: float | None = None) -> int:
+        """How many have had nothing but keep-alive for more than `longer_than_s`."""
+        now = time.monotonic() if now is None else now
+        return sum(1 for t in self._since.values() if now - t > longer_than_s)

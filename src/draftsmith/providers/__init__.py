@@ -1,10 +1,11 @@
 """Stage 01: which providers serve the model at its native precision, at what price, how much of
 the token budget the money buys, and whether each endpoint really serves the same model.
 
-    stage.py      `run(run, cfg)`: the stage, in the order below, with notebook 01's settings
-    cost_plan.py  the planned cost of the output budgets against the balance and the spend limit
-    pilot.py      the response length: given, or measured by a paid pilot
+    stage.py      `run(run, cfg)` with notebook 01's settings, then its steps in order: the planned
+                  cost of the output budgets against the balance and the spend limit, the response
+                  length (given, or measured by a paid pilot)
     probe.py      the paid fidelity probe, and excluding the endpoints it flags
+    logprobs.py   the paid logprob probe: stage 04's independent reference
     outputs.py    the stage's files: the one module that writes and reads them
     figures.py    cost vs balance, price vs throughput
 

@@ -32,7 +32,7 @@ from ..datasets import DatasetSpec
 from ..files import write_text_atomic
 from ..openrouter.api import Api
 from ..openrouter.client import BodyMaker, messages_json, request_settings
-from ..openrouter.endpoints import table_worst_prices
+from ..openrouter.pricing import table_worst_prices
 from ..paths import Run
 from ..tokens.rebuild import Reconstructor
 from ..tokens.responses import Response

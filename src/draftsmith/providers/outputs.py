@@ -21,7 +21,7 @@ import pandas as pd
 
 from ..files import write_json_atomic, write_text_atomic
 from ..paths import Run
-from ..openrouter.endpoints import exclusions
+from ..openrouter.pricing import exclusions
 from ..verdicts import Figure, Note, Reason, Verdict, read_file, usd
 
 STAGE = "providers"

@@ -21,7 +21,7 @@ from ..datasets import DatasetReader, DatasetSpec
 from ..paths import Run
 from . import outputs
 from ..openrouter.api import Api
-from ..openrouter.endpoints import table_worst_prices
+from ..openrouter.pricing import table_worst_prices
 
 
 def reference_provider(model: str, probe_reference: str) -> str:

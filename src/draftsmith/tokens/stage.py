@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..datasets import parse_datasets
+from ..generate.outputs import responses_file
 from ..imports import parse_imports, source_files
 from ..config import TokensConfig
 from ..paths import Run
@@ -92,7 +93,7 @@ def run(run: Run, cfg: TokensConfig, *, batch_size: int = 256, log=print) -> dic
     parts, problems = {}, {}
     for spec in datasets:
         parts[spec.name], problems[spec.name] = [], []
-        for unit, src in source_files(run, spec.name, specs):
+        for unit, src in source_files(responses_file(run, spec.name), spec.name, specs):
             work = Work(run, f"{spec.name}.{unit}", _fingerprint(src, rec, thresholds))
             rows_, probs = rebuild_source(rec, run, spec.name, unit, src, work, thresholds, batch_size)
             parts[spec.name].append((rows_, work))
