@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from draftsmith.emulator import running
-from draftsmith.openrouter import endpoints, pricing
+from draftsmith.openrouter import pricing
 from draftsmith.openrouter.api import Api
 from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.paths import Run
