@@ -114,10 +114,10 @@ def _compare(args) -> int:
 
 
 def _import_sglang(args) -> int:
-    from .import_sglang import convert
+    from .imports import convert_sglang
 
     try:
-        written, problems = convert(args.input, args.output, args.source)
+        written, problems = convert_sglang(args.input, args.output, args.source)
     except (OSError, ValueError) as e:
         print(f"draftsmith: {e}", file=sys.stderr)
         return 1
