@@ -426,6 +426,29 @@ def test_a_requests_counters_are_summed_from_its_verify_steps_as_vllm_sums_its_o
     check_counters("none", none, none, [{"counters": step_counters([], [], 3)}], 3)
 
 
+def test_the_engine_process_reads_its_job_back_as_the_record_the_stage_wrote(tmp_path):
+    """The job crosses the process boundary once, as JSON: the stage's config keeps its settings'
+    names and forms, the methods stay `EngineMethod`s, the keys done stay tuples."""
+    from dataclasses import asdict
+
+    from draftsmith.config import EvaluateConfig
+    from draftsmith.evaluate.engine import EngineJob
+    from draftsmith.evaluate.methods import EngineMethod, speculative_config
+
+    cfg = EvaluateConfig(draft_tokens=5, eval_temperatures=[0.0, 0.7], engine_env={"NCCL_P2P_DISABLE": "1"},
+                         kv_cache_dtype="fp8", eval_engine_concurrency=4)
+    methods = [EngineMethod("none", "none", "vllm-none"),
+               EngineMethod("ngram", "ngram", "vllm-ngram-1-3", info={"lookup_min_ngram": 1},
+                            speculative_config=speculative_config("ngram", 5, lookup_min_ngram=1, lookup_max_ngram=3),
+                            skip_datasets=["mt_bench"])]
+    job = EngineJob(cfg, "/t", '{"k": 5}', str(tmp_path / "rows.jsonl"), 96,
+                    [HeldoutPrompt("code", "a", (1, 2, 3)).job()], methods, [("vllm-none", 0.7, "code", "a")])
+    path = outputs.write_engine_job(Run(tmp_path, "r"), asdict(job))
+    back = EngineJob.from_json(json.loads(path.read_text()))
+    assert back == job and back.cfg.draft_tokens == 5 and back.methods[1].drafts(back.cfg.draft_tokens) == 5
+    assert ("vllm-none", 0.7, "code", "a") in set(back.done)
+
+
 def test_the_time_estimate_scales_the_probe_to_the_workload():
     from draftsmith.evaluate.engine import Probe, Workload, duration, job_line
 
