@@ -1,7 +1,7 @@
 """Engines started one after another in one process, as stage 06 starts one per method: as before
 (vLLM loads the tokenizer, and its renderer deep-copies it twice; every garbage collection walks
 every object of the process) and as now (`skip_tokenizer_init`, what is alive between engines
-frozen with `gc.freeze`: `evaluate/engine_child.py`).
+frozen with `gc.freeze`: `evaluate/engine.py`).
 
 Each mode is a new process that applies `targets.vllm_fixes` as the stage does, then starts
 `--engines` engines in turn (no speculation, then n-gram, alternating) and decodes one prompt

@@ -7,7 +7,7 @@ copies of one demo run, once with `eval_engine_concurrency 1` and once with the 
 the two over `--rounds` on the same box, and prints per engine and temperature the acceptance length
 over every prompt it decoded (held-out and benchmark) and its decode seconds (the stage log's
 `decoded in` lines, engine start-ups apart), each mode side by side with their ratio; then the
-stage's wall time, and the time each mode estimated before decoding (`evaluate.estimate`) against
+stage's wall time, and the time each mode estimated before decoding (`evaluate.engine.Workload`) against
 what its engines took. Greedy acceptance must be equal; at T = 1 the two draw other random numbers
 in other batches, and agree in distribution only.
 
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith.evaluate import engine_summary, outputs
+from draftsmith.evaluate import metrics, outputs
 from draftsmith.files import read_jsonl
 from draftsmith.paths import REPO_ROOT, Run
 
@@ -73,7 +73,7 @@ def stage_06(run: Path, where: Path, concurrency: int | None) -> dict:
     acceptance = {}
     for key in decode:
         mine = [r for r in rows if (r["method"], r["temperature"]) == key]
-        acceptance[key] = engine_summary.acceptance(mine, len(mine[0]["counters"]["per_pos"]) or 3)
+        acceptance[key] = metrics.engine_acceptance(mine, len(mine[0]["counters"]["per_pos"]) or 3)
     report = outputs.read_report(measured)
     return {"wall": wall, "decode": decode, "acceptance": acceptance, "estimate": estimate,
             "estimated_part": sum(decode.values()) + sum(starts[1:]),

@@ -6,9 +6,8 @@ import json
 import pytest
 import torch
 
-from draftsmith.evaluate import benchmarks, published
-from draftsmith.evaluate.measure import decode_turns
-from draftsmith.evaluate.target_cache import Target
+from draftsmith.evaluate import benchmarks
+from draftsmith.evaluate.decode import Target, decode_turns
 from draftsmith.targets.checkpoint import load_target
 
 
@@ -89,7 +88,7 @@ def test_a_missing_or_empty_benchmark_file_is_an_error_naming_it(tmp_path):
 
 
 def test_published_references_appear_for_a_kimi_k25_config_only(tmp_path, tiny_target):
-    assert published.references_for(tiny_target) is None
+    assert benchmarks.references_for(tiny_target) is None
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "architectures": ["X"]}))
-    refs = published.references_for(tmp_path)
+    refs = benchmarks.references_for(tmp_path)
     assert refs[0]["benchmarks"]["mt_bench"] == 2.687 and all(r["source"].startswith("https://") for r in refs)

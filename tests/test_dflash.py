@@ -15,9 +15,8 @@ from safetensors import safe_open
 from draftsmith import layers
 from draftsmith.drafter import dflash, outputs, stage
 from draftsmith.drafter.model import DrafterShape
-from draftsmith.evaluate.decode import decode
-from draftsmith.evaluate.proposers import Columns, DFlashProposer
-from draftsmith.evaluate.target_cache import Target
+from draftsmith.evaluate.decode import Target, decode
+from draftsmith.evaluate.methods import Columns, DFlashProposer
 from draftsmith.hidden import outputs as shards
 from draftsmith.hidden.extract import extract
 from draftsmith.paths import Run

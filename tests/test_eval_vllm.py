@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from draftsmith import layers
+from draftsmith.config import EvaluateConfig
 from draftsmith.drafter.export import export, for_engine
 from draftsmith.drafter.model import DrafterShape
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.vocab import DraftVocab
-from draftsmith.evaluate import engine, engine_summary, figures, results
+from draftsmith.evaluate import engine, figures, metrics, results
 from draftsmith.targets import vllm_fixes
 from draftsmith.targets.checkpoint import target_config, target_tensors
 
@@ -189,8 +190,8 @@ def test_batched_and_sequential_measurement_give_the_same_greedy_acceptance(engi
     for name in sorted({r["method"] for r in sequential}):
         seq = [r for r in sequential if r["method"] == name]
         k = len(seq[0]["counters"]["per_pos"])
-        alone = engine_summary.acceptance(seq, k)["acceptance_length"]
-        together = engine_summary.acceptance([batched[(name, r["dataset"], r["sample_id"])] for r in seq], k)
+        alone = metrics.engine_acceptance(seq, k)["acceptance_length"]
+        together = metrics.engine_acceptance([batched[(name, r["dataset"], r["sample_id"])] for r in seq], k)
         print(f"{name}: greedy acceptance {alone:.4f} one at a time, {together['acceptance_length']:.4f} batched")
         assert alone == together["acceptance_length"], name
 
@@ -325,7 +326,7 @@ def test_an_engine_process_started_early_is_gone_when_the_stage_fails_before_han
     """Stage 06 starts the engine process first, so that it imports vLLM while the stage reads its
     prompts and drafters; a stage that fails before `measure` leaves no process waiting."""
     with pytest.raises(ValueError, match="before measuring"):
-        with engine.engine_process(1) as proc:
+        with engine.engine_process(EvaluateConfig()) as proc:
             assert proc.poll() is None
             raise ValueError("the stage failed before measuring")
     assert proc.poll() is not None

@@ -13,9 +13,9 @@ from draftsmith.drafter.model import DrafterShape
 from draftsmith.drafter.objective import build_drafter
 from draftsmith.drafter.vocab import DraftVocab
 from draftsmith import parameters
-from draftsmith.evaluate import decode, metrics, prompts as heldout, outputs, serving, stage
-from draftsmith.evaluate.proposers import Eagle3Proposer, PromptLookup
-from draftsmith.evaluate.target_cache import Target
+from draftsmith.evaluate import benchmarks, decode, metrics, outputs, stage
+from draftsmith.evaluate.decode import Target
+from draftsmith.evaluate.methods import Eagle3Proposer, HeldoutPrompt, PromptLookup, first_of_each, heldout_prompts
 from draftsmith.paths import Run
 from draftsmith.targets.checkpoint import load_target, target_config, target_tensors
 from draftsmith.targets.corpus import chat_examples
@@ -327,17 +327,17 @@ def test_heldout_prompts_are_the_samples_stage_05_held_out_in_its_order(trained_
     run = Run(trained_run.parent, trained_run.name)
     held = drafter_outputs.read_heldout(trained_run / "drafter")
     assert len(held) == drafter_outputs.read_summary(trained_run / "drafter")["heldout_samples"] == 7
-    prompts = heldout.heldout_prompts(run, trained_run / "drafter", 1)
+    prompts = heldout_prompts(run, trained_run / "drafter", 1)
     assert sorted(p.dataset for p in prompts) == ["chat", "code"]      # one per dataset, as asked
     assert [(p.dataset, p.sample_id) for p in prompts] == [next(h for h in held if h[0] == p.dataset)
                                                            for p in prompts]   # the first of each, in stage 05's order
     assert all(p.ids[-2:] == (128804, 128821) for p in prompts)        # ... <｜Assistant｜><think>
-    assert [(p.dataset, p.sample_id) for p in heldout.heldout_prompts(run, trained_run / "drafter", 99)] == held
+    assert [(p.dataset, p.sample_id) for p in heldout_prompts(run, trained_run / "drafter", 99)] == held
     with pytest.raises(FileNotFoundError, match="heldout.json: .*run stage 05 first"):
-        heldout.heldout_prompts(run, tmp_path, 1)
+        heldout_prompts(run, tmp_path, 1)
     drafter_outputs.write_heldout(tmp_path, [("code", "not-extracted")] + held, 0.2)
     with pytest.raises(ValueError, match="'not-extracted' of 'code': held out by stage 05 .* not in stage 04"):
-        heldout.heldout_prompts(run, tmp_path, 1)
+        heldout_prompts(run, tmp_path, 1)
 
 
 def test_rounds_file_cuts_a_torn_last_line_and_names_a_damaged_one(tmp_path):
@@ -361,7 +361,7 @@ def test_engine_numbers_only_needs_the_engine(tmp_path):
 
 
 def test_beside_vllm_our_decoder_cross_checks_the_held_out_prompts_greedily_and_measures_all_where_it_is_alone():
-    from draftsmith.evaluate.measure import decoder_scope
+    from draftsmith.evaluate.decode import decoder_scope
 
     served = [{"kind": "none"}, {"kind": "eagle3"}]                     # the engine measured the drafter
     beside = decoder_scope([0.0, 1.0], eval_hf_crosscheck_all=False, engine_rows=served)
@@ -378,8 +378,7 @@ def test_beside_vllm_our_decoder_cross_checks_the_held_out_prompts_greedily_and_
 
 
 def test_the_engines_report_compares_with_our_decoder_only_at_the_temperatures_it_measured():
-    from draftsmith.evaluate import engine_summary
-    from draftsmith.evaluate.engine import EngineMethod
+    from draftsmith.evaluate.methods import EngineMethod
 
     methods = [EngineMethod("none", "none", "vllm-none"), EngineMethod("eagle3", "eagle3", "vllm-d", hf_fingerprint="d")]
     counters = {"drafts": 2, "draft_tokens": 6, "accepted": 3, "per_pos": [2, 1, 0]}
@@ -391,8 +390,8 @@ def test_the_engines_report_compares_with_our_decoder_only_at_the_temperatures_i
     engine = [row(m.fingerprint, m.kind, t, accepted=[2, 1]) for m in methods for t in (0.0, 1.0)]
     ours = [row("none", "none", 0.0, rounds={"accepted": [], "drafted": []}),
             row("d", "eagle3", 0.0, rounds={"accepted": [2, 1], "drafted": [3, 3]})]
-    report = engine_summary.engine_report(engine, methods, ours, draft_tokens=3, eval_temperatures=[0.0, 1.0],
-                                          eval_engine_dtype="float32", eval_tensor_parallel=1)
+    report = metrics.engine_report(engine, methods, ours, draft_tokens=3, eval_temperatures=[0.0, 1.0],
+                                   eval_engine_dtype="float32", eval_tensor_parallel=1)
     greedy, sampled = report["temperatures"]["0"], report["temperatures"]["1"]
     assert greedy["vs_ours"] == {"prompts": 1, "same_no_drafter_output": 1,
                                  "methods": {"eagle3": {"same_output": 1, "same_accepted_per_step": 1}}}
@@ -402,7 +401,7 @@ def test_the_engines_report_compares_with_our_decoder_only_at_the_temperatures_i
 def test_a_requests_counters_are_summed_from_its_verify_steps_as_vllm_sums_its_own_and_held_to_them():
     """Under batching the global counters' increase covers every request in flight, so each request's
     counters come from its own verify steps; the sum over the engine's requests must be that increase."""
-    from draftsmith.evaluate.engine_batch import check_counters, step_counters
+    from draftsmith.evaluate.engine import check_counters, step_counters
 
     a = step_counters([3, 3, 3, 3], [3, 0, 1, 2], 3)          # 4 steps of k = 3
     assert a == {"drafts": 4, "draft_tokens": 12, "accepted": 6, "per_pos": [3, 2, 1]}
@@ -419,8 +418,31 @@ def test_a_requests_counters_are_summed_from_its_verify_steps_as_vllm_sums_its_o
     check_counters("none", none, none, [{"counters": step_counters([], [], 3)}], 3)
 
 
+def test_the_engine_process_reads_its_job_back_as_the_record_the_stage_wrote(tmp_path):
+    """The job crosses the process boundary once, as JSON: the stage's config keeps its settings'
+    names and forms, the methods stay `EngineMethod`s, the keys done stay tuples."""
+    from dataclasses import asdict
+
+    from draftsmith.config import EvaluateConfig
+    from draftsmith.evaluate.engine import EngineJob
+    from draftsmith.evaluate.methods import EngineMethod, speculative_config
+
+    cfg = EvaluateConfig(draft_tokens=5, eval_temperatures=[0.0, 0.7], engine_env={"NCCL_P2P_DISABLE": "1"},
+                         kv_cache_dtype="fp8", eval_engine_concurrency=4)
+    methods = [EngineMethod("none", "none", "vllm-none"),
+               EngineMethod("ngram", "ngram", "vllm-ngram-1-3", info={"lookup_min_ngram": 1},
+                            speculative_config=speculative_config("ngram", 5, lookup_min_ngram=1, lookup_max_ngram=3),
+                            skip_datasets=["mt_bench"])]
+    job = EngineJob(cfg, "/t", '{"k": 5}', str(tmp_path / "rows.jsonl"), 96,
+                    [HeldoutPrompt("code", "a", (1, 2, 3)).job()], methods, [("vllm-none", 0.7, "code", "a")])
+    path = outputs.write_engine_job(Run(tmp_path, "r"), asdict(job))
+    back = EngineJob.from_json(json.loads(path.read_text()))
+    assert back == job and back.cfg.draft_tokens == 5 and back.methods[1].drafts(back.cfg.draft_tokens) == 5
+    assert ("vllm-none", 0.7, "code", "a") in set(back.done)
+
+
 def test_the_time_estimate_scales_the_probe_to_the_workload():
-    from draftsmith.evaluate.estimate import Probe, Workload, duration, job_line
+    from draftsmith.evaluate.engine import Probe, Workload, duration, job_line
 
     probe = Probe(requests=4, prefill_s=2.0, tokens=33, decode_s=3.2)      # 0.1 s per step of 4 tokens
     assert probe.step_s == pytest.approx(0.1) and probe.tokens_per_s == pytest.approx(40)
@@ -443,15 +465,15 @@ def test_the_time_estimate_scales_the_probe_to_the_workload():
 
 
 def test_a_first_pass_takes_the_first_prompts_of_every_prompt_set_in_order():
-    ps = [heldout.HeldoutPrompt(ds, f"{ds}{i}", (1, 2)) for ds in ("code", "chat", "mt_bench") for i in range(3)]
-    assert [p.sample_id for p in heldout.first_of_each(ps[::-1], 2)] == ["mt_bench2", "mt_bench1", "chat2", "chat1",
-                                                                         "code2", "code1"]
-    assert heldout.first_of_each(ps, 5) == ps
+    ps = [HeldoutPrompt(ds, f"{ds}{i}", (1, 2)) for ds in ("code", "chat", "mt_bench") for i in range(3)]
+    assert [p.sample_id for p in first_of_each(ps[::-1], 2)] == ["mt_bench2", "mt_bench1", "chat2", "chat1",
+                                                                 "code2", "code1"]
+    assert first_of_each(ps, 5) == ps
 
 
 def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_asked(tiny_target, tmp_path):
     d = random_export(tiny_target, tmp_path / "e")
-    c = serving.serving_commands(d, "/models/Kimi-K2.5", "bench.json", draft_tokens=3, eval_tensor_parallel=8,
+    c = benchmarks.serving_commands(d, "/models/Kimi-K2.5", "bench.json", draft_tokens=3, eval_tensor_parallel=8,
                                  trust_remote_code=True)
     for flag in ("--speculative-algorithm EAGLE3", "--speculative-num-steps 3", "--speculative-eagle-topk 1",
                  "--speculative-num-draft-tokens 4", "--trust-remote-code", "--tp 8"):
@@ -459,8 +481,9 @@ def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_a
     assert all("--trust-remote-code" in c[name] for name in ("sglang_baseline", "sglang_ngram", "vllm_server",
                                                              "vllm_baseline"))
     assert "completion_tokens'] / m['spec_verify_ct']" in c["sglang_acceptance"]
-    assert "--trust-remote-code" not in serving.serving_commands(d, "/m", "bench.json", draft_tokens=3, eval_tensor_parallel=1,
-                                                                 trust_remote_code=False)["sglang_server"]
+    assert "--trust-remote-code" not in benchmarks.serving_commands(d, "/m", "bench.json", draft_tokens=3,
+                                                                    eval_tensor_parallel=1,
+                                                                    trust_remote_code=False)["sglang_server"]
 
 
 def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_held_out_prompts(
@@ -516,8 +539,8 @@ def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_he
     assert (run / "eval" / "figures" / "benchmarks.png").is_file()
     assert "The field's benchmarks" in (run / "report.html").read_text()
 
-    from draftsmith.evaluate import published   # the same report, had the target been Kimi-K2.5
-    kimi = {**report, "benchmarks": {**b, "references": published.REFERENCES}}
+    # the same report, had the target been Kimi-K2.5
+    kimi = {**report, "benchmarks": {**b, "references": benchmarks.REFERENCES}}
     mt = results.tables(kimi)["sampling (T = 1) · MT-bench"].set_index("method")   # two sources: a column
     assert mt.loc["lightseekorg/kimi-k2.5-eagle3", ["measured in", "acceptance length"]].tolist() == [
         results.PUBLISHED, 2.687]

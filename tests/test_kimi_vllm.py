@@ -276,32 +276,34 @@ def eagle3_over_mla(kimi_mini_targets, tmp_path_factory):
     """Stage 06's engines for two exports of a drafter over `kimi-mini-bf16` (an MLA target) in
     vLLM's CPU build, float32 (stage 06's dtype on a CPU); then the same measurement again."""
     from draftsmith import layers
+    from draftsmith.config import EvaluateConfig
     from draftsmith.evaluate import engine
-    from draftsmith.evaluate.prompts import HeldoutPrompt
+    from draftsmith.evaluate.methods import EngineMethod, HeldoutPrompt, speculative_config
     from draftsmith.paths import Run
 
     target = kimi_mini_targets["kimi-mini-bf16"]
     root = tmp_path_factory.mktemp("kimi-eval")
     export_dir = kimi_export(target, root / "export", [1, 3, 4])
-    methods = [engine.EngineMethod(name, "eagle3", f"vllm-{name}", hf_fingerprint=name,
-                                   speculative_config=engine.speculative_config("eagle3", 3, export_dir),
-                                   expect_layers=layers.engine_layer_ids([1, 3, 4], "vllm"),
-                                   info={"fraction": fraction, "final": fraction == 1.0})
+    methods = [EngineMethod(name, "eagle3", f"vllm-{name}", hf_fingerprint=name,
+                            speculative_config=speculative_config("eagle3", 3, export_dir),
+                            expect_layers=layers.engine_layer_ids([1, 3, 4], "vllm"),
+                            info={"fraction": fraction, "final": fraction == 1.0})
                for name, fraction in (("eagle3 50%", 0.5), ("eagle3", 1.0))]
     prompts = [HeldoutPrompt("chat", "p0", (163584, 1000, 2000, 3000, 4000))]
     run = Run(root / "outputs", "kimi")
-    kw = dict(draft_tokens=3, eval_max_new_tokens=8, eval_temperatures=[0.0], seed=0, eval_engine_dtype="float32",
-              eval_tensor_parallel=1, trust_remote_code=True, settings=engine.settings_key("f", 3, 8, 0, "float32"),
-              eval_engine_concurrency=1)
+    cfg = EvaluateConfig(draft_tokens=3, eval_max_new_tokens=8, eval_temperatures=[0.0], seed=0,
+                         eval_engine_dtype="float32", eval_tensor_parallel=1, trust_remote_code=True,
+                         eval_engine_concurrency=1)
+    settings = engine.settings_key(cfg, "f", 8)
     first, again = [], []
-    rows = engine.measure(run, target, methods, prompts, log=first.append, **kw)
-    rows_again = engine.measure(run, target, methods, prompts, log=again.append, **kw)
+    rows = engine.measure(run, cfg, target, methods, prompts, settings, log=first.append)
+    rows_again = engine.measure(run, cfg, target, methods, prompts, settings, log=again.append)
     return methods, rows, first, rows_again, again
 
 
 @ENGINES
 def test_eagle3_over_an_mla_target_is_one_gpu_only_line_per_export_from_one_start(eagle3_over_mla):
-    from draftsmith.evaluate import engine_summary
+    from draftsmith.evaluate import metrics
 
     methods, rows, said, rows_again, said_again = eagle3_over_mla
     line = "GPU-only: ValueError: No common block size for "
@@ -309,7 +311,7 @@ def test_eagle3_over_an_mla_target_is_one_gpu_only_line_per_export_from_one_star
     assert "CPU_MLA: [16]" in rows[0]["gpu_only"] and rows[0]["gpu_only"] == rows[1]["gpu_only"]
     assert [m for m in said if "GPU-only:" in m] == [f"engine {r['method']!r}: {r['gpu_only']}" for r in rows]
     assert not any("Traceback" in m for m in said)
-    report = engine_summary.engine_report(rows, methods, None, 3, [0.0], "float32", 1)
+    report = metrics.engine_report(rows, methods, None, 3, [0.0], "float32", 1)
     assert report["gpu_only"] == {"eagle3 50%": rows[0]["gpu_only"], "eagle3": rows[1]["gpu_only"]}
     assert report["temperatures"]["0"]["methods"] == {}
     # measured again (a re-run of the stage): the lines are kept, no engine starts

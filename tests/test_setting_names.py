@@ -68,15 +68,15 @@ def test_the_check_finds_a_setting_handed_on_under_another_name(tmp_path, monkey
     package = tmp_path / "draftsmith" / "evaluate"
     package.mkdir(parents=True)
     (package / "relay_probe.py").write_text(
-        "from draftsmith.evaluate import engine_summary, metrics, serving\n"
+        "from draftsmith.evaluate import benchmarks, metrics\n"
         "from draftsmith.distributed import torchrun\n\n\n"
         "def f(rows, methods, draft_tokens, eval_temperatures, eval_tensor_parallel, train_nproc):\n"
-        "    serving.serving_commands('e', 't', 'b', draft_tokens=draft_tokens, eval_tensor_parallel=2,\n"
-        "                             trust_remote_code=False)\n"
+        "    benchmarks.serving_commands('e', 't', 'b', draft_tokens=draft_tokens, eval_tensor_parallel=2,\n"
+        "                                trust_remote_code=False)\n"
         "    metrics.acceptance(rows, draft_tokens)\n"
         "    torchrun(train_nproc, 'm', [])\n"
-        "    return engine_summary.engine_report(rows, methods, None, draft_tokens, eval_temperatures, 'float32',\n"
-        "                                        tp=eval_tensor_parallel)\n")
+        "    return metrics.engine_report(rows, methods, None, draft_tokens, eval_temperatures, 'float32',\n"
+        "                                 tp=eval_tensor_parallel)\n")
     monkeypatch.setattr(draftsmith.evaluate, "__path__", [*draftsmith.evaluate.__path__, str(package)])
     probe = importlib.import_module("draftsmith.evaluate.relay_probe")
     try:

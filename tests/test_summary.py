@@ -253,7 +253,7 @@ def test_a_drafter_below_ngram_by_less_than_the_noise_is_no_warning(run):
 
 
 def test_the_standard_error_over_prompts_is_one_definition_for_vllms_counters_and_our_decoder():
-    from draftsmith.evaluate import engine_summary, metrics
+    from draftsmith.evaluate import metrics
 
     # per prompt: accepted 2 of 2 drafts and 4 of 2 -> r = 1.5; residuals -1, +1; sqrt(2 * 2) / 4
     assert metrics.acceptance_se([2, 4], [2, 2]) == pytest.approx(0.5)
@@ -263,7 +263,7 @@ def test_the_standard_error_over_prompts_is_one_definition_for_vllms_counters_an
                    for a, d in ((2, 2), (4, 2), (1, 3))]
     decoder_rounds = [{"drafted": [3] * d + [0], "accepted": [a] + [0] * d, "produced": [1] * (d + 1),
                        "top_prob": [1.0] * (d + 1)} for a, d in ((2, 2), (4, 2), (1, 3))]
-    e, o = engine_summary.acceptance(engine_rows, 3), metrics.acceptance(decoder_rounds, 3)
+    e, o = metrics.engine_acceptance(engine_rows, 3), metrics.acceptance(decoder_rounds, 3)
     assert e["acceptance_length"] == pytest.approx(o["acceptance_length"]) == pytest.approx(1 + 7 / 7)
     assert e["acceptance_length_se"] == pytest.approx(o["acceptance_length_se"]) and o["acceptance_length_se"] > 0
     assert e["prompts"] == o["prompts"] == 3

@@ -49,7 +49,7 @@ class RoundsFile:
         return row["settings"], row["method_fingerprint"], row["dataset"], row["sample_id"]
 
     def get(self, settings: str, method, prompt) -> dict | None:
-        """The row of a `methods.Method` on a `prompts.HeldoutPrompt`, if measured with these settings."""
+        """The row of a `methods.Method` on a `methods.HeldoutPrompt`, if measured with these settings."""
         return self.rows.get((settings, method.fingerprint, prompt.dataset, prompt.sample_id))
 
     def add(self, row: dict) -> None:

@@ -22,13 +22,10 @@ from ..paths import Run
 from ..targets.checkpoint import load_target, resolve_target
 from ..targets.identity import target_identity
 from ..targets.vllm import engine_settings
-from . import benchmarks, engine, engine_summary, outputs
-from .measure import decoder_report, decoder_scope
-from .methods import engine_methods_for, methods_for, on_benchmarks
-from .metrics import DEFINITIONS
-from .published import references_for
-from .prompts import first_of_each, heldout_prompts
-from .serving import serving_commands, write_bench_prompts
+from . import benchmarks, engine, outputs
+from .decode import decoder_report, decoder_scope
+from .methods import engine_methods_for, first_of_each, heldout_prompts, methods_for, on_benchmarks
+from .metrics import DEFINITIONS, engine_report
 
 
 @dataclass
@@ -36,7 +33,7 @@ class Inputs:
     """What stage 06 measures: the target, the held-out and benchmark prompts, and the methods."""
     target_path: Path
     drafter_dir: Path
-    prompts: list            # held-out prompts (prompts.Prompt)
+    prompts: list            # held-out prompts (methods.HeldoutPrompt)
     specs: list              # benchmark specs (benchmarks.parse_benchmarks)
     bench: list              # their prompts
     turns: object            # the chat turns a multi-turn benchmark needs (None without benchmarks)
@@ -78,8 +75,7 @@ def run(run: Run, cfg: EvaluateConfig, *, log=print) -> dict:
     if served:
         engine_settings(cfg.vllm_model_runner, cfg.engine_env, cfg.kv_cache_dtype)  # names a wrong setting
     # the engine process imports vLLM while the prompts and drafters are read (engine.engine_process)
-    with engine.engine_process(cfg.eval_tensor_parallel, start=served, vllm_model_runner=cfg.vllm_model_runner,
-                               engine_env=cfg.engine_env) as child:
+    with engine.engine_process(cfg, start=served) as child:
         inputs = read_inputs(run, cfg, ours, log)
         vllm = measure_engine(run, cfg, inputs, child, log) if served else None
     scope = decoder_scope(cfg.eval_temperatures, eval_hf_crosscheck_all=cfg.eval_hf_crosscheck_all,
@@ -134,15 +130,8 @@ def measure_engine(run: Run, cfg: EvaluateConfig, inputs: Inputs, child, log) ->
     new_tokens = {"held-out": cfg.eval_max_new_tokens,
                   **{s.name: s.max_new_tokens or cfg.eval_max_new_tokens for s in specs}} \
         if specs else cfg.eval_max_new_tokens
-    rows = engine.measure(
-        run, inputs.target_path, methods, inputs.prompts + inputs.bench, draft_tokens=cfg.draft_tokens,
-        eval_max_new_tokens=cfg.eval_max_new_tokens, eval_temperatures=cfg.eval_temperatures, seed=cfg.seed,
-        eval_engine_dtype=cfg.eval_engine_dtype, eval_tensor_parallel=cfg.eval_tensor_parallel,
-        trust_remote_code=cfg.trust_remote_code, eval_engine_concurrency=cfg.eval_engine_concurrency,
-        settings=engine.settings_key(inputs.fingerprint, cfg.draft_tokens, new_tokens, cfg.seed, cfg.eval_engine_dtype,
-                                     cfg.vllm_model_runner, cfg.kv_cache_dtype),
-        log=log, proc=child, vllm_model_runner=cfg.vllm_model_runner, engine_env=cfg.engine_env,
-        disable_custom_all_reduce=cfg.disable_custom_all_reduce, kv_cache_dtype=cfg.kv_cache_dtype)
+    rows = engine.measure(run, cfg, inputs.target_path, methods, inputs.prompts + inputs.bench,
+                          engine.settings_key(cfg, inputs.fingerprint, new_tokens), log=log, proc=child)
     names = {s.name for s in specs}
     bench_keys = {(p.dataset, p.sample_id) for p in inputs.bench}
     return Measured(rows=[r for r in rows if r["dataset"] not in names], methods=methods, all_rows=rows,
@@ -150,7 +139,7 @@ def measure_engine(run: Run, cfg: EvaluateConfig, inputs: Inputs, child, log) ->
 
 
 def measure_decoder(run: Run, cfg: EvaluateConfig, inputs: Inputs, scope: dict, log) -> Measured:
-    """Our decoder over transformers, on what `scope` (measure.decoder_scope) asks of it."""
+    """Our decoder over transformers, on what `scope` (`decode.decoder_scope`) asks of it."""
     log(f"our decoder: {scope['why']}")
     decoder = dict(draft_tokens=cfg.draft_tokens, eval_max_new_tokens=cfg.eval_max_new_tokens,
                    eval_temperatures=scope["temperatures"], seed=cfg.seed, draft_cost_ratio=cfg.draft_cost_ratio,
@@ -166,13 +155,15 @@ def measure_decoder(run: Run, cfg: EvaluateConfig, inputs: Inputs, scope: dict, 
 def build_report(run: Run, cfg: EvaluateConfig, inputs: Inputs, vllm: Measured | None, decoder: Measured,
                  scope: dict | None) -> dict:
     """report.json: the engine's and our decoder's figures, the serving commands, the benchmarks."""
-    engine_settings = dict(draft_tokens=cfg.draft_tokens, eval_temperatures=cfg.eval_temperatures,
+    report_settings = dict(draft_tokens=cfg.draft_tokens, eval_temperatures=cfg.eval_temperatures,
                            eval_engine_dtype=cfg.eval_engine_dtype, eval_tensor_parallel=cfg.eval_tensor_parallel)
     final = next(m for m in inputs.methods if m.kind == "eagle3" and m.info["final"])
-    bench_file, n_bench = write_bench_prompts(run, inputs.prompts)
-    serving = {**serving_commands(final.info["dir"], str(inputs.target_path), bench_file, draft_tokens=cfg.draft_tokens,
-                                  eval_tensor_parallel=cfg.eval_tensor_parallel,
-                                  trust_remote_code=cfg.trust_remote_code),
+    sharegpt = benchmarks.heldout_sharegpt(run, inputs.prompts)
+    bench_file, n_bench = str(outputs.write_bench_prompts(run, sharegpt)), len(sharegpt)
+    serving = {**benchmarks.serving_commands(final.info["dir"], str(inputs.target_path), bench_file,
+                                             draft_tokens=cfg.draft_tokens,
+                                             eval_tensor_parallel=cfg.eval_tensor_parallel,
+                                             trust_remote_code=cfg.trust_remote_code),
                "bench_prompts": bench_file, "bench_prompts_found": n_bench}
     specs, bench = inputs.specs, inputs.bench
     benchmarks_part = None
@@ -181,17 +172,16 @@ def build_report(run: Run, cfg: EvaluateConfig, inputs: Inputs, vllm: Measured |
             "sets": [{"name": s.name, "source": s.source, "prompts": sum(p.dataset == s.name for p in bench),
                       "turns": 1 + max(len(p.followups) for p in bench if p.dataset == s.name),
                       "max_new_tokens": s.max_new_tokens or cfg.eval_max_new_tokens} for s in specs],
-            "engine": engine_summary.engine_report(vllm.bench_rows, vllm.methods, decoder.bench_rows,
-                                                   **engine_settings) if vllm else None,
+            "engine": engine_report(vllm.bench_rows, vllm.methods, decoder.bench_rows, **report_settings)
+            if vllm else None,
             "temperatures": decoder.bench_by_t,
-            "references": references_for(inputs.target_path),
+            "references": benchmarks.references_for(inputs.target_path),
             "commands": benchmarks.bench_commands(run, bench, specs, eval_max_new_tokens=cfg.eval_max_new_tokens,
                                                   eval_temperatures=cfg.eval_temperatures,
                                                   target_path=str(inputs.target_path)),
         }
     return {
-        "engine": engine_summary.engine_report(vllm.rows, vllm.methods, decoder.rows, **engine_settings)
-        if vllm else None,
+        "engine": engine_report(vllm.rows, vllm.methods, decoder.rows, **report_settings) if vllm else None,
         "hf_crosscheck": scope is not None, "hf_scope": scope,
         "target": str(inputs.target_path), "target_fingerprint": inputs.fingerprint,
         "drafter_dir": str(inputs.drafter_dir), "aux_layer_ids": inputs.layer_ids, "draft_tokens": cfg.draft_tokens,

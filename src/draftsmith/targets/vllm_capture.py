@@ -224,7 +224,7 @@ def serve(config: dict, requests, replies) -> None:
     t0 = time.perf_counter()
     apply_fixes(log=lambda m: print(f"[draftsmith] {m}", flush=True))
     # the engine's start collects garbage about ten times: frozen, what the imports made is not walked
-    # each time (evaluate/engine_child.py)
+    # each time (evaluate/engine.py)
     gc.freeze()
     try:
         progress.note("engine start")

@@ -2,7 +2,7 @@
 
 Each fix probes for its bug first and changes nothing where the bug is absent (GPU builds with
 Triton, a vLLM that fixed it); `apply_fixes` runs them all in an engine's process before its engine
-starts (stage 04's `target.vllm_capture`, stage 06's `evaluate.engine_child`) and logs one line per
+starts (stage 04's `target.vllm_capture`, stage 06's `evaluate.engine`) and logs one line per
 fix it applied. vLLM binds the patched names when each worker starts, so they reach the workers of
 an engine whose workers run in that process or are forked from it (one rank on a CPU).
 """
