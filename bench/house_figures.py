@@ -374,7 +374,8 @@ def spend_bounds(mods: dict[str, Module]) -> list[str]:
         if not m.name.startswith("draftsmith"):
             continue
         for n in ast.walk(m.tree):
-            if isinstance(n, ast.Compare) and names(n):
+            if isinstance(n, ast.Compare) and names(n) and any(   # against a number: a bound, not a use
+                    isinstance(x, ast.Constant) and type(x.value) in (int, float) for x in (n.left, *n.comparators)):
                 out.append(f"{m.name}:{n.lineno}")
             declared = (isinstance(n, ast.Assign) and names(n.targets[0])) or \
                        (isinstance(n, ast.AnnAssign) and names(n.target))
