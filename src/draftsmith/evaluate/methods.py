@@ -15,7 +15,7 @@ from .. import layers
 from ..drafter import dflash_export, load_exported
 from ..drafter.outputs import has_exports, read_exports
 from ..drafter.export import for_engine, read_export_config
-from ..targets.identity import fingerprint
+from ..targets.checkpoint import fingerprint
 from . import engine
 from .engine import EngineMethod
 from .proposers import Columns, DFlashProposer, Eagle3Proposer, PromptLookup

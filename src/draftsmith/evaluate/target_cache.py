@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from ..targets.hooks import LayerOutputs
+from ..targets.hf import LayerOutputs
 
 
 class Target:
     """One sequence through the target with a KV cache. `forward(ids)` runs the new tokens and
     returns their logits [T, V] (float32, on the CPU) and, when `layer_ids` (output convention) are
     given, the drafter's features aux [T, nH]: the outputs of those decoder layers
-    (`target.hooks.LayerOutputs`)."""
+    (`targets.hf.LayerOutputs`)."""
 
     def __init__(self, model, layer_ids: list[int] | None = None):
         from transformers import DynamicCache

@@ -33,7 +33,7 @@ from ..progress import Progress
 from ..targets.checkpoint import final_norm, load_target
 from ..targets.hf import Capture
 from ..targets.vllm import VllmCapture, engine_settings
-from ..targets.identity import target_identity
+from ..targets.checkpoint import target_identity
 from ..providers.logprobs import read_reference
 from ..tokens.outputs import Sample, read_tokens
 from .plan import ExtractionPlan

@@ -22,8 +22,8 @@ from ..paths import Run
 from ..providers.outputs import logprobs_file
 from ..tokens.outputs import token_files
 from ..targets.checkpoint import resolve_target
-from ..targets.identity import target_identity
-from ..targets.vllm_limits import GpuOnly
+from ..targets.checkpoint import target_identity
+from ..targets.vllm import GpuOnly
 from ..distributed import done_launching, launch_dir, torchrun
 from .extract import Settings, extract
 
@@ -63,7 +63,7 @@ def run(run: Run, cfg: HiddenConfig, *, log=print) -> dict:
 
 
 def record_gpu_only(out_dir: Path, target, line: str, *, log=print, **settings) -> dict:
-    """vLLM's CPU build cannot run this target (`target.vllm_limits`): say so in one line and write
+    """vLLM's CPU build cannot run this target (`targets.vllm.CPU_BUILD_LIMITS`): say so in one line and write
     it as the index and summary of a folder without shards (stages after this one have no features)."""
     s = Settings(**settings)
     identity = target_identity(target, bool(s.engine_options.get("trust_remote_code")))

@@ -209,13 +209,13 @@ def serve(config: dict, requests, replies) -> None:
     """The engine process: start the engine, then for each request line (JSON: `prompts`, lists of
     token ids, and `paths`, one file each) run the prefills (`max_tokens=1`) and answer once every
     file is whole. `target.vllm_fixes` are applied first; an engine start that fails on one of the
-    CPU build's limits (`target.vllm_limits`) answers `gpu_only` with vLLM's error line instead."""
+    CPU build's limits (`targets.vllm.CPU_BUILD_LIMITS`) answers `gpu_only` with vLLM's error line instead."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from .. import events
     from .vllm_fixes import apply_fixes
-    from .vllm_limits import gpu_only_line
+    from .vllm import gpu_only_line
 
     def reply(obj):
         replies.write(json.dumps(obj) + "\n")
