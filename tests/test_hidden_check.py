@@ -39,7 +39,7 @@ def num_layers(target) -> int:
     return int(cfg.get("text_config", cfg)["num_hidden_layers"])
 
 
-def row(target, backend: str, fault: str, r: check.CheckRecord) -> str:
+def row(target, backend: str, fault: str, r: outputs.CheckRecord) -> str:
     """One line of the planted-fault table (printed; `pytest -s` shows it)."""
     verdict = "passed" if r.passed else f"caught: {r.cause.split(':')[0]}"
     c = r.captured
@@ -49,9 +49,9 @@ def row(target, backend: str, fault: str, r: check.CheckRecord) -> str:
             f"{r.health['min_layer_distance']:.3g} | {verdict} |")
 
 
-def checked(summary: dict) -> check.CheckRecord:
+def checked(summary: dict) -> outputs.CheckRecord:
     """The check's record in a summary of stage 04 (as its summary.json holds it)."""
-    return check.CheckRecord.from_dict(summary["check"])
+    return outputs.CheckRecord.from_dict(summary["check"])
 
 
 class Planted:
@@ -175,7 +175,7 @@ def test_a_clean_fp8_capture_passes_its_looser_stored_bounds_and_the_tight_captu
 LAYER_SHIFTS = ("final state one layer early", "layer ids off by one (wrong layer_convention)")
 
 
-def planted(every_layer, target, tokens, tmp_path, fault, monkeypatch) -> tuple[check.CheckRecord, str | None]:
+def planted(every_layer, target, tokens, tmp_path, fault, monkeypatch) -> tuple[outputs.CheckRecord, str | None]:
     """Stage 04 over `fault`: its check's record, and the line the check stopped it with (None: passed)."""
     if fault == "wrong fp8 scales":
         monkeypatch.setattr(outputs, "quantize", wrong_scales(outputs.quantize))
@@ -284,7 +284,7 @@ def test_a_check_record_of_an_older_run_reads_and_writes_back_its_keys():
            "health": {"nonfinite": {"aux 1": 0, "last": 0}, "rms": {"aux 1": 10.0, "last": 1.0},
                       "closest_layers": "aux 1 ~ last", "min_layer_distance": 0.5},
            "tolerance": tolerance, "problems": [], "passed": True, "seconds": 1.5, "ranks_checked": 1}
-    r = check.CheckRecord.from_dict(old)
+    r = outputs.CheckRecord.from_dict(old)
     assert r.ran == {} and r.answers is None and r.step_crossing is None and r.stored == figures
     assert r.to_dict() == {**old, "step_crossing": None}
     table = check.check_table(old)
@@ -372,7 +372,7 @@ def test_the_check_splits_a_sample_over_three_engine_steps_as_the_scheduler_repo
           f"rel err {[ch['rel_err'] for ch in c['chunks']]} | passed |")
 
 
-def caught_in_chunk_2(failed) -> check.CheckRecord:
+def caught_in_chunk_2(failed) -> outputs.CheckRecord:
     r, line = failed.value.record, str(failed.value)
     chunks = r.step_crossing["chunks"]
     # the first chunk is clean, the second is the stale one, named as such

@@ -194,7 +194,7 @@ def _capture_shards(target, capture, samples, reference, mine, order, layer_ids,
 
 
 def _run_shards(capture, samples, mine, *, target, order, check_samples, check_answers, reference, layer_ids, dtype,
-                settings, out_dir, desc, log, scratch_dir: str = "") -> tuple[list, float, check.CheckRecord | None,
+                settings, out_dir, desc, log, scratch_dir: str = "") -> tuple[list, float, outputs.CheckRecord | None,
                                                                                dict | None]:
     """Stage 04's own check, then this rank's shards (writing one overlaps computing the next);
     returns (shard entries, seconds, the check's record, what ran: `check.engine_of`)."""
@@ -265,7 +265,7 @@ def _write(path: Path, aux, last, order: list[Sample], dtype: str, settings: dic
     return shard_entry(path.name, samples, size, health)
 
 
-def _record_failed_check(out_dir: Path, record: check.CheckRecord, identity: dict, layer_ids: list[int],
+def _record_failed_check(out_dir: Path, record: outputs.CheckRecord, identity: dict, layer_ids: list[int],
                          s: Settings) -> None:
     """A failed check: `check.json`, and an index that lists no shard and says why (readers refuse it)."""
     written = record.to_dict()
@@ -321,7 +321,7 @@ def _finish(out_dir, plan: ExtractionPlan, results, identity, layer_ids, dtype, 
     return summary
 
 
-def _this_runs_check(out_dir: Path, records: list[check.CheckRecord | None]) -> dict | None:
+def _this_runs_check(out_dir: Path, records: list[outputs.CheckRecord | None]) -> dict | None:
     """The check of this run (rank 0's record, with every rank's verdict when there are several),
     as saved in `check.json`; when this run extracted nothing, the one saved by the run that did."""
     records = [r for r in records if r]
