@@ -25,7 +25,8 @@ from draftsmith.distributed import Dist
 from draftsmith.drafter import data, train
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.drafter.model import DrafterConfig
-from draftsmith.hidden.extract import extract
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract
 from draftsmith.drafter.objective import TTTObjective, build_drafter, step_weights
 from draftsmith.drafter.prepare import prepare
 from draftsmith.hidden.outputs import HiddenShards
@@ -52,8 +53,9 @@ def make_hidden(target: Path, out: Path, n: int, layer_set: str = "eagle3") -> P
                      "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extract(target, [out / "tokens.jsonl"], out / "hidden", hidden_dtype="bf16", target_backend="hf",
-            layer_set=layer_set, log=lambda m: None)
+    extract(target, [out / "tokens.jsonl"], out / "hidden", HiddenConfig(hidden_dtype="bf16", target_backend="hf",
+                                                                         layer_set=layer_set),
+            log=lambda m: None)
     return out / "hidden"
 
 

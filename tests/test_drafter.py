@@ -12,7 +12,8 @@ from safetensors import safe_open
 from draftsmith import layers
 from draftsmith.paths import Run
 from draftsmith.hidden import outputs as shards
-from draftsmith.hidden.extract import extract
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract
 from draftsmith.drafter import checkpoints, data, export, outputs, stage, train
 from draftsmith.drafter.config import TrainConfig
 from draftsmith.drafter.model import DrafterConfig, Eagle3Drafter
@@ -43,7 +44,8 @@ def hidden_dir(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
     """Hidden states of the tiny-test target over 40 chat samples, through stage 04's extractor."""
     root = tmp_path_factory.mktemp("drafter_data")
     tokens = write_tokens(root / "chat.jsonl", target_tokenizer, 40)
-    extract(tiny_target, [tokens], root / "hidden", hidden_dtype="bf16", target_backend="hf", log=lambda m: None)
+    extract(tiny_target, [tokens], root / "hidden", HiddenConfig(hidden_dtype="bf16", target_backend="hf"),
+            log=lambda m: None)
     return root / "hidden"
 
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from draftsmith import cli, generate, tokens
-
-from draftsmith.hidden.extract import extract
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract
 from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.drafter import train
 from draftsmith.drafter.config import TrainConfig
@@ -217,7 +217,8 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
         assert ln["output_ids"][:len(r["output_ids"])] == r["output_ids"]
 
     files = tokens.token_files(run, [d["name"] for d in datasets])
-    extract(tiny_target, files, run.dir("hidden"), target_backend="hf", log=lambda *a: None)
+    extract(tiny_target, files, run.dir("hidden"), HiddenConfig(target_backend="hf"),
+            log=lambda *a: None)
     assert {s.source for s in HiddenShards(run.dir("hidden")).samples} == set(src)
     s = train.train(TrainConfig(hidden_dir=str(run.dir("hidden")), target_path=str(tiny_target),
                                 out_dir=str(run.dir("drafter")), draft_vocab_size=512, ttt_steps=2,
