@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from draftsmith.targets import vllm_fixes
-from draftsmith.targets.vllm import gpu_only_line
+from draftsmith.targets.vllm_capture import gpu_only_line
 
 REPO = Path(__file__).resolve().parents[1]
 IM_END = 163586

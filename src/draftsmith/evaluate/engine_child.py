@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 from .. import events
-from ..targets.vllm_capture import engine_record
+from ..targets.vllm_capture import engine_record, gpu_only_line
 from ..targets.vllm_fixes import apply_fixes
-from ..targets.vllm import gpu_only_line
 from . import engine_batch
 from .engine import EngineMethod
 from .estimate import Workload, duration, job_line
@@ -150,7 +149,7 @@ def run_job(job: dict, fixed: bool) -> None:
         from .benchmarks import load_turns
 
         follow = load_turns(job["target"], job["trust_remote_code"]).follow
-    # an engine vLLM's CPU build cannot start (`targets.vllm.CPU_BUILD_LIMITS`: EAGLE-3 beside an MLA target)
+    # an engine vLLM's CPU build cannot start (`vllm_capture.CPU_BUILD_LIMITS`: EAGLE-3 beside an MLA target)
     # gets one row with its `gpu_only` line and no decodes; the other methods of its kind get the
     # same line without another start
     gpu_only: dict[str, str] = {}   # method kind -> vLLM's line: one failed start stands for its kind
