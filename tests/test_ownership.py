@@ -34,7 +34,7 @@ OWNERS = {
     # an export folder in the engines' format; a target checkpoint in Hugging Face's
     "model.safetensors": {"drafter/export.py"},
     "config.json": {"drafter/export.py", "targets/checkpoint.py", "targets/tiny.py", "local.py"},
-    "tokenizer_config.json": {"targets/checkpoint.py", "targets/kimi_tokenizer.py"},
+    "tokenizer_config.json": {"targets/checkpoint.py", "targets/kimi_mini.py"},
     "draftsmith_target.json": {"targets/tiny.py"},
     # stage 06
     "rounds.jsonl": {"evaluate/outputs.py"}, "engine_rounds.jsonl": {"evaluate/outputs.py"},
