@@ -34,9 +34,10 @@ DTYPES = ("bf16", "fp8")
 FIELDS = ("aux", "last", "input_ids", "loss_mask")
 
 
+# `check.engine_of`'s keys
 ENGINE_FIELDS = ("vllm", "model_runner", "model_runner_class", "attention_backend", "moe_kernel",
                  "max_num_batched_tokens", "chunked_prefill", "tensor_parallel_size", "engine_core", "platform",
-                 "transformers", "torch", "engine_env", "disable_custom_all_reduce", "kv_cache_dtype")  # `check.engine_of`'s keys
+                 "transformers", "torch", "engine_env", "disable_custom_all_reduce", "kv_cache_dtype")
 FIGURES = ("logprob_mean_abs_err", "logprob_max_abs_err", "top1_agreement")  # `check._figures`' keys
 # left out of the dict when None: what older records lack, and what only some records have
 _OPTIONAL = ("captured", "answers", "reference", "cause", "ranks_checked")
@@ -44,8 +45,8 @@ _OPTIONAL = ("captured", "answers", "reference", "cause", "ranks_checked")
 
 @dataclass(frozen=True, kw_only=True)
 class CheckRecord:
-    """check.json: one early check of stage 04 (`check.run_check`): what ran, its figures beside their `tolerance`, and the verdict;
-    the nested parts are dicts as written. On disk (check.json, the index's and the summary's
+    """check.json: one early check of stage 04 (`check.run_check`): what ran, its figures beside
+    their `tolerance`, and the verdict; the nested parts are dicts as written. On disk (check.json, the index's and the summary's
     `check`) it is `to_dict()`, `ran`'s keys among the top-level ones; `from_dict` reads that, also
     from older runs without `ran`, `captured`, `step_crossing` or `answers`."""
 

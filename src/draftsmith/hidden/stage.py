@@ -495,8 +495,8 @@ def _run_shards(capture, samples, mine, cfg: HiddenConfig, *, target, order, ref
                     bar.update(a.shape[0])
                 if pending is not None:
                     written.append(pending.result())  # at most one shard waits for the disk
-                pending = writer.submit(_write, out_dir / name, torch.cat(aux), torch.cat(last), order, cfg.hidden_dtype,
-                                        settings, layer_ids, norm_weight)
+                pending = writer.submit(_write, out_dir / name, torch.cat(aux), torch.cat(last), order,
+                                        cfg.hidden_dtype, settings, layer_ids, norm_weight)
                 bar.set(shards=len(written) + 1)
             if pending is not None:
                 written.append(pending.result())

@@ -2,9 +2,10 @@
 
 The reference: exact on tiny targets and for cross-checks, one process per GPU under torchrun.
 Samples are right-padded into one batch and run without an attention mask: under a causal mask a
-real token never sees the padding after it, and the padded rows are dropped before returning. `LayerOutputs`, the hooks, is also how stage 06's
-decoder (`evaluate.Target`) reads the drafter's features: layer id k (output convention,
-`draftsmith.layers`) is the output of decoder layer k, Hugging Face `output_hidden_states[k + 1]`.
+real token never sees the padding after it, and the padded rows are dropped before returning.
+`LayerOutputs`, the hooks, is also how stage 06's decoder (`evaluate.Target`) reads the drafter's
+features: layer id k (output convention, `draftsmith.layers`) is the output of decoder layer k,
+Hugging Face `output_hidden_states[k + 1]`.
 """
 
 from __future__ import annotations
