@@ -2,7 +2,7 @@
 
 Rows, measured in one run over the same length-bucketed batches of the same samples:
   plain forward     the decoder alone over the padded batches, results thrown away: the limit
-  extraction bf16   `hidden.extract.extract`: hooks, un-padding, copies, shard writes (fsync'd), index
+  extraction bf16   `hidden.stage.extract`: hooks, un-padding, copies, shard writes (fsync'd), index
   extraction fp8    the same with fp8 storage (per-token scales computed while writing)
   naive             HF CausalLM with output_hidden_states=True (computes logits it does not need)
 Each round runs every row once, back to back; a row's ratio is the median over rounds of its speed
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftsmith.hidden.extract import extract
-from draftsmith.hidden.plan import plan_batches
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract, plan_batches
 from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.targets.checkpoint import load_target, resolve_target
 from draftsmith.targets.hf import pad_batch
@@ -129,9 +129,10 @@ def main() -> None:
             times["plain forward"].append(plain_forward(model, batches))
             for dtype in ("bf16", "fp8"):
                 out = tmp / f"{dtype}-{r}"
-                s = extract(target, [tmp / "bench.jsonl"], out, hidden_dtype=dtype, target_backend="hf", device=a.device,
-                                   max_tokens_per_batch=a.max_tokens_per_batch, shard_mb=a.shard_mb,
-                                   log=lambda m: None)
+                s = extract(target, [tmp / "bench.jsonl"], out,
+                            HiddenConfig(hidden_dtype=dtype, target_backend="hf", device=a.device,
+                                         max_tokens_per_batch=a.max_tokens_per_batch, shard_mb=a.shard_mb),
+                            log=lambda m: None)
                 assert s["tokens_extracted"] == tokens
                 times[f"extraction {dtype}"].append(s["extract_s"])
                 disk[dtype] = (s["bytes"], raw_tensor_bytes(HiddenShards(out)))

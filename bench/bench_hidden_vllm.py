@@ -2,7 +2,7 @@
 
 Rows, measured in one run over the same samples, each engine started once (start-up not counted):
   plain prefill      vLLM alone, each sample a prompt with max_tokens=1, no capture: the limit
-  capture bf16       `hidden.extract.extract(target_backend="vllm")` end to end: the engine's capture, the files
+  capture bf16       `hidden.stage.extract(target_backend="vllm")` end to end: the engine's capture, the files
                      it hands over, the final norm, shard writes (fsync'd), index
   capture fp8        the same with fp8 storage
 Each round runs every row once, back to back; a row's ratio is the median over rounds of its speed
@@ -28,7 +28,8 @@ from pathlib import Path
 from bench_hidden import print_disk_table, raw_tensor_bytes, synthetic_tokens
 
 from draftsmith import layers
-from draftsmith.hidden.extract import extract
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract
 from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.targets.checkpoint import resolve_target, target_config
 from draftsmith.targets.vllm import VllmCapture, vllm_env
@@ -102,9 +103,10 @@ def main() -> None:
                 times["plain prefill"].append(plain_round())
                 for dtype in ("bf16", "fp8"):
                     out = tmp / f"{dtype}-{r}"
-                    s = extract(target, [tmp / "bench.jsonl"], out, layer_ids=ids, hidden_dtype=dtype, target_backend="vllm",
-                                       capture=capture, max_tokens_per_batch=a.max_tokens_per_batch,
-                                       shard_mb=a.shard_mb, log=lambda m: None)
+                    s = extract(target, [tmp / "bench.jsonl"], out,
+                                HiddenConfig(layer_ids=ids, hidden_dtype=dtype, target_backend="vllm",
+                                             max_tokens_per_batch=a.max_tokens_per_batch, shard_mb=a.shard_mb),
+                                capture=capture, log=lambda m: None)
                     assert s["tokens_extracted"] == tokens
                     times[f"capture {dtype}"].append(s["extract_s"])
                     disk[dtype] = (s["bytes"], raw_tensor_bytes(HiddenShards(out)))

@@ -6,7 +6,7 @@ reasoning model's responses; every fourth answer ends in a Kimi-style tool-call 
 as text: its markers are single ids for the Kimi-style tokenizer, text for the fast one). Two targets in one run: the built-in `tiny-test` (a fast tokenizer,
 tokenizers' Rust BPE) and a Kimi-style checkpoint (remote-code tokenizer over tiktoken:
 `--kimi PATH`, a checkpoint folder; default: the tokenizer files of
-`draftsmith.targets.kimi_tokenizer` written to a temporary folder). Each method runs `--repeat` times, interleaved, best time kept (the machine is
+`draftsmith.targets.kimi_mini.write_tokenizer_files` written to a temporary folder). Each method runs `--repeat` times, interleaved, best time kept (the machine is
 shared). Rows per target:
   bare encode              the reference: one batched call of the tokenizer library itself on the
                            full texts (tokenizers `encode_batch_fast` / tiktoken `encode_batch`)
@@ -66,7 +66,7 @@ def kimi_reconstructor(folder: str | None, tmp: str) -> tokens.Reconstructor:
     written to `tmp` (the rebuild needs nothing else of a checkpoint)."""
     from transformers import AutoTokenizer
 
-    from draftsmith.targets.kimi_tokenizer import write_tokenizer_files
+    from draftsmith.targets.kimi_mini import write_tokenizer_files
 
     if folder is None:
         folder = Path(tmp) / "kimi-tokenizer"

@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from draftsmith.distributed import Dist
-from draftsmith.config import DrafterConfig
+from draftsmith.config import DrafterConfig, HiddenConfig
 from draftsmith.drafter import data, stage
 from draftsmith.drafter.data import prepare
 from draftsmith.drafter.model import DrafterShape
+from draftsmith.hidden.stage import extract
 from draftsmith.drafter.objective import TTTObjective, build_drafter, step_weights
 from draftsmith.drafter.stage import TrainJob
-from draftsmith.hidden.extract import extract
 from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.targets.checkpoint import resolve_target, target_config, target_tensors
 
@@ -53,8 +53,9 @@ def make_hidden(target: Path, out: Path, n: int, layer_set: str = "eagle3") -> P
                      "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extract(target, [out / "tokens.jsonl"], out / "hidden", hidden_dtype="bf16", target_backend="hf",
-            layer_set=layer_set, log=lambda m: None)
+    extract(target, [out / "tokens.jsonl"], out / "hidden", HiddenConfig(hidden_dtype="bf16", target_backend="hf",
+                                                                         layer_set=layer_set),
+            log=lambda m: None)
     return out / "hidden"
 
 

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from draftsmith import layers
-from draftsmith.hidden import check
-from draftsmith.hidden.extract import extract
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden import check, outputs
+from draftsmith.hidden.stage import extract
 from draftsmith.targets.checkpoint import load_target, load_tokenizer, resolve_target, target_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,16 +112,18 @@ def planted_copy(target: Path, weight: str, factor: float, into: Path) -> Path:
 
 
 def measure(target: Path, backend: str, tokens: Path, reference: Path | None, out: Path,
-            samples: int) -> check.CheckRecord:
+            samples: int) -> outputs.CheckRecord:
     """Stage 04 on `tokens` with the check, `check_answers` and the reference (None: without): the check's record."""
     cfg = target_config(target)
     n_layers = int((cfg.get("text_config") or cfg)["num_hidden_layers"])
     try:
-        summary = extract(target, [tokens], out, target_backend=backend, layer_ids=layers.default_layer_ids(n_layers),
-                          max_tokens_per_batch=4096, shard_mb=1.0, check_samples=samples, check_answers=True,
-                          reference_logprobs=str(reference) if reference else None,
-                          engine_options={"trust_remote_code": True}, device="cpu", log=lambda m: None)
-        return check.CheckRecord.from_dict(summary["check"])
+        summary = extract(target, [tokens], out, HiddenConfig(target_backend=backend,
+                                                              layer_ids=layers.default_layer_ids(n_layers),
+                                                              max_tokens_per_batch=4096, shard_mb=1.0,
+                                                              check_samples=samples, check_answers=True,
+                                                              trust_remote_code=True, device="cpu"),
+                          reference_logprobs=str(reference) if reference else None, log=lambda m: None)
+        return outputs.CheckRecord.from_dict(summary["check"])
     except check.CheckFailed as failed:
         return failed.record
 
@@ -129,7 +132,7 @@ def verdict(ok: bool) -> str:
     return "passes" if ok else "FAILS"
 
 
-def row(name: str, what: str, r: check.CheckRecord) -> str:
+def row(name: str, what: str, r: outputs.CheckRecord) -> str:
     a, ref = r.answers, r.reference
     old = a["mean_nll"] <= OLD.max_nll and a["argmax_agreement"] >= OLD.min_agreement
     fallback = a["mean_nll"] <= check.ANSWERS.max_nll and a["argmax_agreement"] >= check.ANSWERS.min_agreement

@@ -350,7 +350,8 @@ def stage_04_run(run: Path, target: Path, tok, *, layer_ids: list[int] | None = 
     states at `layer_ids` (None: the default). `target_answers`: the code dataset's responses are the
     target's own greedy ones (`greedy_answers`), the chat dataset keeps the corpus's, so a drafter
     learns what greedy decoding and sampling meet."""
-    from draftsmith.hidden.extract import extract
+    from draftsmith.config import HiddenConfig
+    from draftsmith.hidden.stage import extract
     from draftsmith.targets.corpus import chat_examples
 
     tokens = run / "tokens"
@@ -359,7 +360,7 @@ def stage_04_run(run: Path, target: Path, tok, *, layer_ids: list[int] | None = 
     files = [write_token_rows(tokens / "code.jsonl", tok, convs[:16], "code",
                               greedy_answers(target) if target_answers else None),
              write_token_rows(tokens / "chat.jsonl", tok, convs[16:32], "chat")]
-    extract(target, files, run / "hidden", layer_ids=layer_ids, hidden_dtype="bf16", target_backend="hf",
+    extract(target, files, run / "hidden", HiddenConfig(layer_ids=layer_ids, hidden_dtype="bf16", target_backend="hf"),
             log=lambda *a: None)
     return run
 

@@ -18,7 +18,8 @@ from draftsmith.drafter.model import DrafterShape
 from draftsmith.evaluate.decode import Target, decode
 from draftsmith.evaluate.methods import Columns, DFlashProposer
 from draftsmith.hidden import outputs as shards
-from draftsmith.hidden.extract import extract
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract
 from draftsmith.paths import Run
 from draftsmith.targets.checkpoint import load_target, target_config
 from conftest import stage_config
@@ -33,7 +34,8 @@ def both_dir(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
     capture (`layer_set: both`), through stage 04's extractor."""
     root = tmp_path_factory.mktemp("dflash_data")
     tokens = write_tokens(root / "chat.jsonl", target_tokenizer, 40)
-    extract(tiny_target, [tokens], root / "hidden", hidden_dtype="bf16", target_backend="hf", layer_set="both",
+    extract(tiny_target, [tokens], root / "hidden", HiddenConfig(hidden_dtype="bf16", target_backend="hf",
+                                                                 layer_set="both"),
             log=lambda m: None)
     return root / "hidden"
 
@@ -180,7 +182,7 @@ def test_stage_05_trains_both_kinds_on_one_capture_into_their_own_folders(both_d
 
 
 def test_the_kimi_table_of_docs_dflash_md_is_what_stage_04_would_plan():
-    from draftsmith.hidden.plan import bytes_per_token
+    from draftsmith.hidden.stage import bytes_per_token
 
     text = (Path(__file__).parents[1] / "docs" / "dflash.md").read_text()
     for layer_set in ("eagle3", "dflash", "both"):

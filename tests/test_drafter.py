@@ -13,7 +13,8 @@ from draftsmith import layers
 from draftsmith.config import DrafterConfig, split
 from draftsmith.paths import Run
 from draftsmith.hidden import outputs as shards
-from draftsmith.hidden.extract import extract
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract
 from draftsmith.drafter import data, export, outputs, stage
 from draftsmith.drafter.stage import TrainJob
 from draftsmith.drafter.model import DrafterShape, Eagle3Drafter
@@ -44,7 +45,8 @@ def hidden_dir(tmp_path_factory, tiny_target, target_tokenizer) -> Path:
     """Hidden states of the tiny-test target over 40 chat samples, through stage 04's extractor."""
     root = tmp_path_factory.mktemp("drafter_data")
     tokens = write_tokens(root / "chat.jsonl", target_tokenizer, 40)
-    extract(tiny_target, [tokens], root / "hidden", hidden_dtype="bf16", target_backend="hf", log=lambda m: None)
+    extract(tiny_target, [tokens], root / "hidden", HiddenConfig(hidden_dtype="bf16", target_backend="hf"),
+            log=lambda m: None)
     return root / "hidden"
 
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from draftsmith import cli, generate, tokens
-
-from draftsmith.hidden.extract import extract
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract
 from draftsmith.openrouter.apikey import ApiKey
 from draftsmith.config import DrafterConfig
 from draftsmith.drafter import stage
@@ -218,7 +218,8 @@ def test_a_merge_of_engine_emulator_and_import_trains_and_reports_every_source(
         assert ln["output_ids"][:len(r["output_ids"])] == r["output_ids"]
 
     files = tokens.token_files(run, [d["name"] for d in datasets])
-    extract(tiny_target, files, run.dir("hidden"), target_backend="hf", log=lambda *a: None)
+    extract(tiny_target, files, run.dir("hidden"), HiddenConfig(target_backend="hf"),
+            log=lambda *a: None)
     assert {s.source for s in HiddenShards(run.dir("hidden")).samples} == set(src)
     s = stage.train(DrafterConfig(draft_vocab_size=512, ttt_steps=2, train_epochs=1.0, train_batch_size=4,
                                   train_micro_batch_size=2, train_max_len=128, train_lr=1e-4,

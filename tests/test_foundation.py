@@ -261,7 +261,7 @@ def test_a_target_path_without_a_checkpoint_is_named_before_any_stage_starts(tmp
 
 def test_a_checkpoint_fingerprint_follows_its_config_and_weights(tmp_path):
     """The one fingerprint (the target's identity in stage 04's index, an export's in stage 06)."""
-    from draftsmith.targets.identity import fingerprint
+    from draftsmith.targets.checkpoint import fingerprint
 
     (tmp_path / "config.json").write_text('{"hidden_size": 4}')
     (tmp_path / "model.safetensors").write_bytes(b"w" * 100)

@@ -69,7 +69,8 @@ def test_the_runner_comparison_reads_two_stores_sample_by_sample(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    from draftsmith.hidden.extract import extract
+    from draftsmith.config import HiddenConfig
+    from draftsmith.hidden.stage import extract
     from draftsmith.targets.checkpoint import resolve_target
     from test_hidden import write_tokens
 
@@ -82,7 +83,8 @@ def test_the_runner_comparison_reads_two_stores_sample_by_sample(tmp_path):
     write_tokens(tokens, AutoTokenizer.from_pretrained(target), 6, 3, "code")
     stores = []
     for name in ("a", "b"):
-        extract(target, [tokens], tmp_path / name, target_backend="hf", check_samples=0, log=lambda m: None)
+        extract(target, [tokens], tmp_path / name, HiddenConfig(target_backend="hf", check_samples=0),
+                log=lambda m: None)
         stores.append(tmp_path / name)
     same = gpu_smoke.compare_runners(*stores)
     assert same["agree"] and same["samples"] == 6 and same["missing"] == 0 and same["aux"] < 1e-6
@@ -289,7 +291,7 @@ def run_values(tmp_path: Path, **more) -> dict:
 def test_the_disk_is_checked_against_stage_04s_features_with_stage_04s_arithmetic(tmp_path, monkeypatch):
     import shutil
 
-    from draftsmith.hidden.plan import bytes_per_token
+    from draftsmith.hidden.stage import bytes_per_token
     from draftsmith.targets.checkpoint import resolve_target, target_config
 
     hidden = target_config(resolve_target("tiny-test"))["hidden_size"]

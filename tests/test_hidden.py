@@ -18,8 +18,9 @@ from safetensors import safe_open
 
 from draftsmith import layers
 from draftsmith.hidden import outputs as shards
-from draftsmith.hidden import plan, resume, stage, verify
-from draftsmith.hidden.extract import extract as extract_hidden
+from draftsmith.hidden import stage, verify
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract as extract_hidden
 from draftsmith.paths import Run
 from draftsmith.hidden.outputs import INDEX, HiddenShards
 from draftsmith.targets.checkpoint import load_target
@@ -56,9 +57,9 @@ def tokens(tmp_path_factory, target_tokenizer):
     return [d / "chat.jsonl", d / "code.jsonl"], rows
 
 
-def extract(tiny_target, files, out, **kw):
-    kw = {"target_backend": "hf", "max_tokens_per_batch": 1024, "shard_mb": 0.05, "log": lambda m: None, **kw}
-    return extract_hidden(tiny_target, files, out, **kw)
+def extract(tiny_target, files, out, *, log=lambda m: None, **kw):
+    kw = {"target_backend": "hf", "max_tokens_per_batch": 1024, "shard_mb": 0.05, **kw}
+    return extract_hidden(tiny_target, files, out, HiddenConfig(**kw), log=log)
 
 
 def keys_of(hs: HiddenShards) -> list[tuple[str, str]]:
@@ -81,7 +82,7 @@ def test_captured_tensors_equal_output_hidden_states_at_documented_and_engine_in
     assert sorted(keys_of(hs)) == sorted((r["dataset"], r["sample_id"]) for r in rows)  # excluded ones skipped
     # batches really mixed lengths, so padding was there to leak
     lengths = [len(r["input_ids"]) for r in rows]
-    assert any(len({lengths[i] for i in b}) > 1 for b in plan.plan_batches(lengths, 1024))
+    assert any(len({lengths[i] for i in b}) > 1 for b in stage.plan_batches(lengths, 1024))
 
     by_key = {(r["dataset"], r["sample_id"]): r for r in rows}
     H = hs.hidden_size
@@ -136,7 +137,7 @@ def test_two_rank_torchrun_gives_the_same_samples_as_one_process(tiny_target, to
                                       target_backend="hf", max_tokens_per_batch=1024, shard_mb=0.05),
                     log=lambda m: None)
     config = json.loads((run.dir("hidden") / stage.CONFIG).read_text())
-    assert config["settings"]["max_tokens_per_batch"] == 1024 and config["settings"]["shard_mb"] == 0.05
+    assert config["config"]["max_tokens_per_batch"] == 1024 and config["config"]["shard_mb"] == 0.05
     assert two["ranks"] == 2 and two["shards_written"] == one["shards_written"] >= 2
     a, b = HiddenShards(tmp_path / "one"), HiddenShards(run.dir("hidden"))
     assert len(set(keys_of(b))) == len(keys_of(b)) and sorted(keys_of(a)) == sorted(keys_of(b))
@@ -167,8 +168,8 @@ def test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun(tiny_target, tokens
 
     killer = threading.Thread(target=kill_rank_1_at_the_first_shard, daemon=True)
     killer.start()
-    two = stage.launch(2, tiny_target, files, out, target_backend="hf", max_tokens_per_batch=256, shard_mb=0.01,
-                       log=lines.append)
+    two = stage.launch(tiny_target, files, out, HiddenConfig(nproc_per_node=2, target_backend="hf",
+                                                             max_tokens_per_batch=256, shard_mb=0.01), log=lines.append)
     killed.append(None)  # stops the killer if it never found its rank
     killer.join()
     assert killed[0] is not None, "rank 1 was never killed: the test proved nothing"
@@ -181,7 +182,8 @@ def test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun(tiny_target, tokens
 def test_a_failed_torchrun_says_what_the_ranks_said_not_only_torchruns_own_traceback(tiny_target, tmp_path):
     missing = tmp_path / "no-such-tokens.jsonl"
     with pytest.raises(RuntimeError) as e:
-        stage.launch(2, tiny_target, [missing], tmp_path / "out", attempts=1, target_backend="hf", log=lambda m: None)
+        stage.launch(tiny_target, [missing], tmp_path / "out", HiddenConfig(nproc_per_node=2, target_backend="hf"),
+                     attempts=1, log=lambda m: None)
     said = str(e.value)
     assert "failed 1 time(s)" in said and str(missing) in said and "Root Cause" in said
     assert "elastic_launch(" not in said  # the agent's launcher frames are left out
@@ -196,7 +198,8 @@ def test_kill_mid_run_then_rerun_has_every_sample_once_and_no_torn_shard(tiny_ta
     files = [tmp_path / "many.jsonl"]
     rows = write_tokens(files[0], target_tokenizer, 160, 7, "many")
     out = tmp_path / "hidden"
-    config = stage.write_config(tiny_target, files, out, target_backend="hf", max_tokens_per_batch=512, shard_mb=0.02)
+    config = stage.write_config(tiny_target, files, out, HiddenConfig(target_backend="hf", max_tokens_per_batch=512,
+                                                                  shard_mb=0.02))
     cmd = [sys.executable, "-m", "draftsmith.hidden", str(config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -286,7 +289,7 @@ def test_a_second_extraction_into_the_same_folder_is_refused(tiny_target, tokens
     import fcntl
 
     files, _ = tokens
-    with open(tmp_path / resume.LOCK, "w") as held:
+    with open(tmp_path / stage.LOCK, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(RuntimeError, match="another extraction is writing into this folder"):
             extract(tiny_target, files, tmp_path)
@@ -295,7 +298,7 @@ def test_a_second_extraction_into_the_same_folder_is_refused(tiny_target, tokens
 def test_disk_check_refuses_before_writing_anything(tiny_target, tokens, tmp_path, monkeypatch):
     files, rows = tokens
     free = 1000 * 265  # room for 1000 tokens at 8*32+9 bytes each
-    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: type("U", (), {"free": free})())
+    monkeypatch.setattr(stage.shutil, "disk_usage", lambda p: type("U", (), {"free": free})())
     with pytest.raises(OSError, match=rf"{tmp_path}: hidden states need about .* GiB .* 265 bytes, dtype bf16"):
         extract(tiny_target, files, tmp_path)
     assert not shard_files(tmp_path)
@@ -304,13 +307,13 @@ def test_disk_check_refuses_before_writing_anything(tiny_target, tokens, tmp_pat
 def test_batches_are_longest_first_under_the_token_limit_and_shards_cover_each_once():
     rng = random.Random(0)
     lengths = [rng.randint(1, 300) for _ in range(500)] + [900]
-    batches = plan.plan_batches(lengths, 1000)
+    batches = stage.plan_batches(lengths, 1000)
     flat = [i for b in batches for i in b]
     assert sorted(flat) == list(range(len(lengths)))
     assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)
     assert all(len(b) * lengths[b[0]] <= 1000 for b in batches)
     assert all(sum(lengths[i] for i in b) >= 0.9 * len(b) * lengths[b[0]] for b in batches)  # <= 10% padding
-    planned = plan.plan_shards(batches, lengths, 5000)
+    planned = stage.plan_shards(batches, lengths, 5000)
     assert [b for s in planned for b in s] == batches
     assert all(sum(lengths[i] for b in s for i in b) <= 5000 or len(s) == 1 for s in planned)
 
@@ -332,17 +335,6 @@ def test_notebook_04_extracts_checks_and_plots(tiny_target, tokens, tmp_path):
     hs = HiddenShards(run_dir / "hidden")
     assert hs.dtype == "fp8" and len(hs) == len(rows)
     assert "top1_agreement" in (run_dir / "notebooks" / "04_hidden_states.ipynb").read_text()
-
-
-def test_extracts_own_settings_default_to_stage_04s_config():
-    from draftsmith import parameters
-    from draftsmith.hidden.extract import Settings
-
-    declared = next(s for s in parameters.discover() if s.number == "04").params
-    s = Settings()  # a direct call's defaults are the notebook's, not the library's own
-    assert s.target_backend == declared["target_backend"].default == "vllm"
-    assert (s.hidden_dtype, s.layer_convention, s.shard_mb) == tuple(
-        declared[n].default for n in ("hidden_dtype", "layer_convention", "shard_mb"))
 
 
 

@@ -18,7 +18,8 @@ import torch
 
 from draftsmith import layers
 from draftsmith.hidden import check, outputs
-from draftsmith.hidden.extract import extract, open_capture
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract, open_capture
 from draftsmith.targets.checkpoint import final_norm, target_config
 from draftsmith.targets.vllm import rms_norm
 
@@ -39,7 +40,7 @@ def num_layers(target) -> int:
     return int(cfg.get("text_config", cfg)["num_hidden_layers"])
 
 
-def row(target, backend: str, fault: str, r: check.CheckRecord) -> str:
+def row(target, backend: str, fault: str, r: outputs.CheckRecord) -> str:
     """One line of the planted-fault table (printed; `pytest -s` shows it)."""
     verdict = "passed" if r.passed else f"caught: {r.cause.split(':')[0]}"
     c = r.captured
@@ -49,9 +50,9 @@ def row(target, backend: str, fault: str, r: check.CheckRecord) -> str:
             f"{r.health['min_layer_distance']:.3g} | {verdict} |")
 
 
-def checked(summary: dict) -> check.CheckRecord:
+def checked(summary: dict) -> outputs.CheckRecord:
     """The check's record in a summary of stage 04 (as its summary.json holds it)."""
-    return check.CheckRecord.from_dict(summary["check"])
+    return outputs.CheckRecord.from_dict(summary["check"])
 
 
 class Planted:
@@ -142,9 +143,10 @@ def every_layer(request, target):
 def run(every_layer, target, tokens, out_dir, fault, dtype="bf16", log=lambda m: None):
     """Stage 04's extraction (the user's path, its check included) over a capture with `fault` planted."""
     ids = layers.default_layer_ids(num_layers(target))
-    return extract(target, tokens, out_dir, capture=Planted(every_layer, fault, ids, target), layer_ids=ids,
-                   target_backend=every_layer.backend, hidden_dtype=dtype, max_tokens_per_batch=1024, shard_mb=0.02,
-                   check_samples=2, log=log)
+    return extract(target, tokens, out_dir, HiddenConfig(layer_ids=ids, target_backend=every_layer.backend,
+                                                         hidden_dtype=dtype, max_tokens_per_batch=1024, shard_mb=0.02,
+                                                         check_samples=2),
+                   capture=Planted(every_layer, fault, ids, target), log=log)
 
 
 def test_the_clean_capture_passes_the_check_and_records_it_in_the_index(every_layer, target, tokens, tmp_path):
@@ -175,7 +177,7 @@ def test_a_clean_fp8_capture_passes_its_looser_stored_bounds_and_the_tight_captu
 LAYER_SHIFTS = ("final state one layer early", "layer ids off by one (wrong layer_convention)")
 
 
-def planted(every_layer, target, tokens, tmp_path, fault, monkeypatch) -> tuple[check.CheckRecord, str | None]:
+def planted(every_layer, target, tokens, tmp_path, fault, monkeypatch) -> tuple[outputs.CheckRecord, str | None]:
     """Stage 04 over `fault`: its check's record, and the line the check stopped it with (None: passed)."""
     if fault == "wrong fp8 scales":
         monkeypatch.setattr(outputs, "quantize", wrong_scales(outputs.quantize))
@@ -247,14 +249,14 @@ def test_a_shard_that_fails_its_health_is_left_out_and_the_next_run_extracts_its
     settings = dict(layer_ids=ids, target_backend="hf", max_tokens_per_batch=1, shard_mb=1e-6, check_samples=1)
     try:
         said = []
-        summary = extract(tiny_target, files, out, capture=NanInShard(cap, 2), log=said.append, **settings)
+        summary = extract(tiny_target, files, out, HiddenConfig(**settings), capture=NanInShard(cap, 2), log=said.append)
         hs = outputs.HiddenShards(out)
         [bad] = hs.index["rejected_shards"]
         assert bad["file"].startswith("rejected-") and (out / bad["file"]).is_file() and "NaN" in bad["problems"][0]
         assert summary["shards_rejected"] == 1 and len(hs) == len(rows) - len(bad["samples"])
         assert any("rejected" in m and "re-running stage 04 extracts them again" in m for m in said), said
         said.clear()
-        extract(tiny_target, files, out, capture=cap, log=said.append, **settings)
+        extract(tiny_target, files, out, HiddenConfig(**settings), capture=cap, log=said.append)
     finally:
         cap.close()
     hs = outputs.HiddenShards(out)
@@ -284,7 +286,7 @@ def test_a_check_record_of_an_older_run_reads_and_writes_back_its_keys():
            "health": {"nonfinite": {"aux 1": 0, "last": 0}, "rms": {"aux 1": 10.0, "last": 1.0},
                       "closest_layers": "aux 1 ~ last", "min_layer_distance": 0.5},
            "tolerance": tolerance, "problems": [], "passed": True, "seconds": 1.5, "ranks_checked": 1}
-    r = check.CheckRecord.from_dict(old)
+    r = outputs.CheckRecord.from_dict(old)
     assert r.ran == {} and r.answers is None and r.step_crossing is None and r.stored == figures
     assert r.to_dict() == {**old, "step_crossing": None}
     table = check.check_table(old)
@@ -340,9 +342,10 @@ def tiny_tokens(tiny_target, tmp_path_factory):
 
 def stepped_run(capture, target, tokens, out_dir, cls=Planted, **kw):
     ids = layers.default_layer_ids(num_layers(target))
-    return extract(target, tokens, out_dir, capture=cls(capture, "clean", ids, target), layer_ids=ids,
-                   target_backend="vllm", max_tokens_per_batch=1024, shard_mb=0.02, check_samples=2,
-                   log=lambda m: None, **kw)
+    return extract(target, tokens, out_dir, HiddenConfig(layer_ids=ids, target_backend="vllm",
+                                                         max_tokens_per_batch=1024, shard_mb=0.02, check_samples=2,
+                                                         **kw),
+                   capture=cls(capture, "clean", ids, target), log=lambda m: None)
 
 
 def test_the_check_splits_a_sample_over_three_engine_steps_as_the_scheduler_reports_and_records_what_ran(
@@ -372,7 +375,7 @@ def test_the_check_splits_a_sample_over_three_engine_steps_as_the_scheduler_repo
           f"rel err {[ch['rel_err'] for ch in c['chunks']]} | passed |")
 
 
-def caught_in_chunk_2(failed) -> check.CheckRecord:
+def caught_in_chunk_2(failed) -> outputs.CheckRecord:
     r, line = failed.value.record, str(failed.value)
     chunks = r.step_crossing["chunks"]
     # the first chunk is clean, the second is the stale one, named as such
@@ -489,9 +492,10 @@ def gated(target, tokens, out_dir, check_answers=True):
     stopped with (None: passed)."""
     ids = layers.default_layer_ids(num_layers(target))
     try:
-        return checked(extract(target, tokens, out_dir, layer_ids=ids, target_backend="hf", device="cpu",
-                               max_tokens_per_batch=1024, shard_mb=0.02, check_samples=6,
-                               check_answers=check_answers, log=lambda m: None)), None
+        return checked(extract(target, tokens, out_dir, HiddenConfig(layer_ids=ids, target_backend="hf", device="cpu",
+                                                                     max_tokens_per_batch=1024, shard_mb=0.02,
+                                                                     check_samples=6, check_answers=check_answers),
+                               log=lambda m: None)), None
     except check.CheckFailed as failed:
         return failed.record, str(failed)
 
@@ -534,4 +538,4 @@ def test_the_model_runner_setting_reaches_vllm_which_runs_only_v1_on_a_cpu(tiny_
     with pytest.raises(RuntimeError, match="Model Runner V2 requires Triton"):
         VllmCapture(tiny_target, [1, 3, 4], vllm_model_runner="v2", log=lambda m: None)
     with pytest.raises(ValueError, match=r"vllm_model_runner must be one of \('v1', 'v2'\), got 'v3'"):
-        extract(tiny_target, tiny_tokens, tmp_path, target_backend="vllm", engine_options={"vllm_model_runner": "v3"})
+        extract(tiny_target, tiny_tokens, tmp_path, HiddenConfig(target_backend="vllm", vllm_model_runner="v3"))

@@ -22,8 +22,9 @@ from safetensors import safe_open
 
 from draftsmith import layers
 from draftsmith.hidden import outputs as shards
-from draftsmith.hidden import resume, stage
-from draftsmith.hidden.extract import extract
+from draftsmith.hidden import stage
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract
 from draftsmith.hidden.outputs import INDEX, HiddenShards
 
 from test_hidden import keys_of, shard_files, write_tokens
@@ -60,8 +61,9 @@ def reference(tiny_target, run_dir, tmp_path_factory):
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        extract(tiny_target, files, out, layer_ids=LAYERS, target_backend="hf", max_tokens_per_batch=2048, shard_mb=1.0,
-                       log=lambda m: None)
+        extract(tiny_target, files, out, HiddenConfig(layer_ids=LAYERS, target_backend="hf",
+                                                      max_tokens_per_batch=2048, shard_mb=1.0),
+                log=lambda m: None)
     finally:
         torch.set_num_threads(torch_threads)
     hs = HiddenShards(out)
@@ -75,8 +77,8 @@ def killed_then_resumed(tiny_target, run_dir):
     outputs, _ = run_dir
     out = outputs / "smoke" / "hidden"
     files = sorted((outputs / "smoke" / "tokens").glob("*.jsonl"))
-    config = stage.write_config(tiny_target, files, out, max_tokens_per_batch=200, shard_mb=0.01, target_backend="vllm",
-                                layer_ids=LAYERS)
+    config = stage.write_config(tiny_target, files, out, HiddenConfig(max_tokens_per_batch=200, shard_mb=0.01,
+                                                                  target_backend="vllm", layer_ids=LAYERS))
     cmd = [sys.executable, "-m", "draftsmith.hidden", str(config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "DRAFTSMITH_PROGRESS": "log", "DRAFTSMITH_PROGRESS_INTERVAL": "0"})
@@ -124,7 +126,7 @@ def test_killed_capture_resumes_through_the_notebook_with_every_sample_once(kill
     assert sorted(keys_of(hs)) == want  # none missing, none twice (excluded ones left out)
     assert summary["shards_kept"] == len(killed["shards"]) and summary["shards_written"] > 0
     assert all((out / n).stat().st_mtime_ns == t for n, (t, _) in killed["shards"].items())  # kept, not redone
-    assert not list(out.glob("*.tmp")) and not (out / resume.SCRATCH).exists()
+    assert not list(out.glob("*.tmp")) and not (out / stage.SCRATCH).exists()
     by_key = {(r["dataset"], r["sample_id"]): r for r in rows}
     for i, key in enumerate(keys_of(hs)):
         s = hs.sample(i, fields=("input_ids", "loss_mask"))
@@ -185,5 +187,5 @@ def test_the_params_files_engine_env_reaches_the_engine_and_is_recorded_in_check
     assert HiddenShards(out).index["engine"]["engine_env"] == check["engine_env"]
     scratch = out.parent.parent / "local-nvme"
     logged = resumed.stdout + "".join(p.read_text(errors="replace") for p in (out.parent / "logs").glob("*"))
-    assert f"each batch's features pass through {scratch / resume.SCRATCH}/" in logged
-    assert not (scratch / resume.SCRATCH).exists() and not (out / resume.SCRATCH).exists()
+    assert f"each batch's features pass through {scratch / stage.SCRATCH}/" in logged
+    assert not (scratch / stage.SCRATCH).exists() and not (out / stage.SCRATCH).exists()

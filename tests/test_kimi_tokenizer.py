@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.targets.kimi_tokenizer import (ADDITIONAL_SPECIAL_TOKENS, NAMED_TOKENS, NUM_RANKS, VOCAB_SIZE,
-                                               write_tokenizer_files)
+from draftsmith.targets.kimi_mini import (ADDITIONAL_SPECIAL_TOKENS, NAMED_TOKENS, NUM_RANKS, VOCAB_SIZE,
+                                          write_tokenizer_files)
 
 MARKERS = set(range(163595, 163600))  # the tool-call markers
 

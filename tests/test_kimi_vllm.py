@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.targets import vllm_fixes, vllm_limits
+from draftsmith.targets import vllm_fixes
+from draftsmith.targets.vllm_capture import gpu_only_line
 
 REPO = Path(__file__).resolve().parents[1]
 IM_END = 163586
@@ -188,21 +189,21 @@ def test_an_engine_without_a_tokenizer_drops_only_vllms_warning_that_its_warmup_
 # ---- what the CPU build cannot run: one line, vLLM's own ---------------------------------------------
 
 def test_a_cpu_build_limit_is_one_gpu_only_line_with_vllms_error():
-    assert vllm_limits.gpu_only_line(NotImplementedError(WNA16), "cpu") == f"GPU-only: NotImplementedError: {WNA16}"
-    assert vllm_limits.gpu_only_line(ValueError(BLOCKS), "cpu") == f"GPU-only: ValueError: {BLOCKS}"
+    assert gpu_only_line(NotImplementedError(WNA16), "cpu") == f"GPU-only: NotImplementedError: {WNA16}"
+    assert gpu_only_line(ValueError(BLOCKS), "cpu") == f"GPU-only: ValueError: {BLOCKS}"
     try:  # re-raised by vLLM around the original
         try:
             raise ValueError(BLOCKS)
         except ValueError as e:
             raise RuntimeError("Engine core initialization failed. See root cause above.") from e
     except RuntimeError as wrapped:
-        assert vllm_limits.gpu_only_line(wrapped, "cpu") == f"GPU-only: ValueError: {BLOCKS}"
+        assert gpu_only_line(wrapped, "cpu") == f"GPU-only: ValueError: {BLOCKS}"
 
 
 def test_other_errors_and_any_error_on_a_gpu_stay_failures():
-    assert vllm_limits.gpu_only_line(NotImplementedError(WNA16), "cuda") is None
-    assert vllm_limits.gpu_only_line(ValueError("max_model_len is too large"), "cpu") is None
-    assert vllm_limits.gpu_only_line(RuntimeError(WNA16), "cpu") is None       # same words, other error
+    assert gpu_only_line(NotImplementedError(WNA16), "cuda") is None
+    assert gpu_only_line(ValueError("max_model_len is too large"), "cpu") is None
+    assert gpu_only_line(RuntimeError(WNA16), "cpu") is None       # same words, other error
 
 
 # ---- engines on the Kimi kind: what the CPU build cannot run is one line, not a traceback ----------

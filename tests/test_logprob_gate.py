@@ -11,7 +11,7 @@ import torch
 
 from draftsmith.config import HiddenConfig, ProvidersConfig
 from draftsmith.hidden import check, stage as hidden_stage
-from draftsmith.hidden.extract import extract
+from draftsmith.hidden.stage import extract
 from draftsmith.paths import Run
 from draftsmith.providers import logprobs, outputs, stage
 from draftsmith.targets.checkpoint import resolve_target
@@ -141,8 +141,9 @@ def test_a_zeroed_mlp_inside_the_engine_fails_the_reference_gate_with_the_cause_
     _tokens_file(run)
     copy = _zeroed_mlp_copy(resolve_target(TARGET, log=lambda *a: None), tmp_path / "zeroed")
     with pytest.raises(check.CheckFailed) as failed:
-        extract(copy, [run.root / "tokens" / "chat.jsonl"], tmp_path / "hidden", target_backend="hf", device="cpu",
-                shard_mb=1.0, reference_logprobs=str(outputs.logprobs_file(run)), log=lambda m: None)
+        extract(copy, [run.root / "tokens" / "chat.jsonl"], tmp_path / "hidden",
+                HiddenConfig(target_backend="hf", device="cpu", shard_mb=1.0),
+                reference_logprobs=str(outputs.logprobs_file(run)), log=lambda m: None)
     r = failed.value.record
     assert r.reference["mean_abs_diff"] > check.REFERENCE.mean_abs
     assert all("providers' answers" in p or p.startswith("...") for p in r.problems), r.problems
@@ -155,7 +156,7 @@ def test_without_a_usable_reference_the_check_says_so_and_falls_back(probed, tmp
     _tokens_file(run)
     said = []
     summary = extract(resolve_target(TARGET, log=lambda *a: None), [run.root / "tokens" / "chat.jsonl"], tmp_path,
-                      target_backend="hf", device="cpu", shard_mb=1.0, check_answers=True,
+                      HiddenConfig(target_backend="hf", device="cpu", shard_mb=1.0, check_answers=True),
                       reference_logprobs=str(tmp_path / "none.jsonl"), log=said.append)
     line = [m for m in said if "no independent reference" in m]
     assert len(line) == 1 and f"mean NLL <= {check.ANSWERS.max_nll}" in line[0]
@@ -174,7 +175,8 @@ def test_one_provider_apart_from_the_others_is_named_not_the_engine(probed, tmp_
     path.write_text("".join(json.dumps(r) + "\n" for r in shifted))
     with pytest.raises(check.CheckFailed) as failed:
         extract(resolve_target(TARGET, log=lambda *a: None), [run.root / "tokens" / "chat.jsonl"], tmp_path / "h",
-                target_backend="hf", device="cpu", shard_mb=1.0, reference_logprobs=str(path), log=lambda m: None)
+                HiddenConfig(target_backend="hf", device="cpu", shard_mb=1.0),
+                reference_logprobs=str(path), log=lambda m: None)
     r = failed.value.record
     assert r.reference["per_provider"][odd] > check.REFERENCE.mean_abs
     assert r.cause.startswith(odd) and "serves other weights" in r.cause
@@ -186,8 +188,8 @@ def test_vllms_bf16_engine_passes_the_reference_gate_on_the_clean_target(probed,
     run, _, _ = probed
     _tokens_file(run)
     summary = extract(resolve_target(TARGET, log=lambda *a: None), [run.root / "tokens" / "chat.jsonl"], tmp_path,
-                      target_backend="vllm", shard_mb=1.0, reference_logprobs=str(outputs.logprobs_file(run)),
-                      log=lambda m: None)
+                      HiddenConfig(target_backend="vllm", shard_mb=1.0),
+                      reference_logprobs=str(outputs.logprobs_file(run)), log=lambda m: None)
     ref = summary["check"]["reference"]
     assert summary["check"]["passed"] and ref["tokens"] >= check.REFERENCE.min_tokens, summary["check"]
     assert 1e-4 < ref["mean_abs_diff"] <= check.REFERENCE.mean_abs and ref["p95_abs_diff"] <= check.REFERENCE.p95_abs

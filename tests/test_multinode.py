@@ -18,10 +18,10 @@ import psutil
 import pytest
 import torch
 
-from draftsmith.config import DrafterConfig
+from draftsmith.config import DrafterConfig, HiddenConfig
 from draftsmith.drafter import outputs as drafter_outputs, stage as drafter_stage
 from draftsmith.drafter.stage import TrainJob
-from draftsmith.hidden.extract import extract
+from draftsmith.hidden.stage import extract
 from draftsmith.paths import Run
 from draftsmith.hidden.outputs import HiddenShards
 from draftsmith.targets.corpus import chat_examples
@@ -122,7 +122,8 @@ def token_run(tmp_path_factory, target_tokenizer) -> Path:
 def one_node(token_run, tiny_target, tmp_path_factory) -> Path:
     """The same features extracted by one process: the reference."""
     out = tmp_path_factory.mktemp("one_node") / "hidden"
-    extract(tiny_target, [Run(token_run, "r").dir("tokens") / "chat.jsonl"], out, log=lambda m: None, **HIDDEN)
+    extract(tiny_target, [Run(token_run, "r").dir("tokens") / "chat.jsonl"], out, HiddenConfig(**HIDDEN),
+            log=lambda m: None)
     return out
 
 
@@ -198,8 +199,9 @@ def test_nodes_with_other_settings_or_unshared_folders_stop_before_anything_is_w
         d.mkdir()
     files = [str(Run(tmp_path, "r").dir("tokens") / "chat.jsonl")]
     # other settings: node 2 asks for another shard size
-    code = ("import sys; from draftsmith.hidden import stage; stage.launch(1, sys.argv[1], [sys.argv[2]], 'hidden', "
-            "nnodes=2, rdzv_endpoint=sys.argv[3], attempts=1, target_backend='hf', shard_mb=float(sys.argv[4]))")
+    code = ("import sys; from draftsmith.config import HiddenConfig; from draftsmith.hidden import stage; "
+            "stage.launch(sys.argv[1], [sys.argv[2]], 'hidden', HiddenConfig(nnodes=2, rdzv_endpoint=sys.argv[3], "
+            "target_backend='hf', shard_mb=float(sys.argv[4])), attempts=1)")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def run_pair(cwds, shard_mbs):

@@ -33,9 +33,8 @@ OWNERS = {
     "supervision.safetensors": {"drafter/outputs.py"}, "train_config.json": {"drafter/outputs.py"},
     # an export folder in the engines' format; a target checkpoint in Hugging Face's
     "model.safetensors": {"drafter/export.py"},
-    "config.json": {"drafter/export.py", "targets/checkpoint.py", "targets/identity.py",
-                    "targets/tiny.py", "emulator/__init__.py"},
-    "tokenizer_config.json": {"targets/checkpoint.py", "targets/kimi_tokenizer.py"},
+    "config.json": {"drafter/export.py", "targets/checkpoint.py", "targets/tiny.py", "emulator/__init__.py"},
+    "tokenizer_config.json": {"targets/checkpoint.py", "targets/kimi_mini.py"},
     "draftsmith_target.json": {"targets/tiny.py"},
     # stage 06
     "rounds.jsonl": {"evaluate/outputs.py"}, "engine_rounds.jsonl": {"evaluate/outputs.py"},

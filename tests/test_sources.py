@@ -10,7 +10,8 @@ import json
 import pytest
 
 from draftsmith import tokens
-from draftsmith.hidden.extract import extract
+from draftsmith.config import HiddenConfig
+from draftsmith.hidden.stage import extract
 from draftsmith.targets.corpus import chat_examples
 from draftsmith.config import DrafterConfig
 from draftsmith.drafter import stage
@@ -210,12 +211,14 @@ def test_imports_parameter_errors_name_the_entry(tmp_path):
 def test_source_reaches_the_hidden_index_and_the_drafters_report(merged, tiny_target, tmp_path):
     run, report, lines, tok = merged
     files = tokens.token_files(run, [s["name"] for s in SPECS])
-    extract(tiny_target, files, tmp_path / "hidden", target_backend="hf", log=lambda *a: None)
+    extract(tiny_target, files, tmp_path / "hidden", HiddenConfig(target_backend="hf"),
+            log=lambda *a: None)
     shards = HiddenShards(tmp_path / "hidden")
     got = {(s.dataset, s.sample_id): s.source for s in shards.samples}
     assert got == {(ln["dataset"], ln["sample_id"]): ln["source"] for name in lines for ln in lines[name]}
     # a rerun keeps the shards and still names each sample's source
-    extract(tiny_target, files, tmp_path / "hidden", target_backend="hf", log=lambda *a: None)
+    extract(tiny_target, files, tmp_path / "hidden", HiddenConfig(target_backend="hf"),
+            log=lambda *a: None)
     assert {(s.dataset, s.sample_id): s.source for s in HiddenShards(tmp_path / "hidden").samples} == got
 
     cfg = DrafterConfig(draft_vocab_size=512, ttt_steps=2, train_epochs=1.0,

@@ -525,11 +525,11 @@ def rank_main(rank: int, world: int, backend: str, mib: int, out: Path, latency_
 
 def disk_finding(values: dict) -> Finding:
     """Free space where `outputs_dir` points against stage 04's features for the run (the same
-    arithmetic as stage 04's own check, `hidden.plan`): stage 03's kept tokens when it has run, else
+    arithmetic as stage 04's own check, `hidden.stage`): stage 03's kept tokens when it has run, else
     the datasets' output_token_budget (responses only: a lower bound); shards already written
     count as done."""
     from .hidden import outputs
-    from .hidden.plan import bytes_per_token, check_disk
+    from .hidden.stage import bytes_per_token, check_disk
     from .layers import capture_layer_ids
     from .paths import Run
     from .targets.checkpoint import resolve_target, target_config

@@ -228,7 +228,7 @@ def _tokenizer(path: str, trust_remote_code: bool, where) -> list[str]:
 
     if str(path) in BUILT_IN_TARGETS:  # known without building: the Kimi-shaped ones ship tokenizer code
         from .targets import kimi_mini
-        from .targets.kimi_tokenizer import tokenizer_config
+        from .targets.kimi_mini import tokenizer_config
 
         if str(path) in kimi_mini.VARIANTS and not trust_remote_code:
             code = tokenizer_config()["auto_map"]["AutoTokenizer"][0]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..progress import Progress
-from ..targets.hooks import LayerOutputs
+from ..targets.hf import LayerOutputs
 from .methods import HeldoutPrompt, Method, prompt_seed
 from .metrics import repeat_start, summarize, verdict
 from .outputs import RoundsFile
@@ -43,7 +43,7 @@ class Target:
     """One sequence through the target with a KV cache. `forward(ids)` runs the new tokens and
     returns their logits [T, V] (float32, on the CPU) and, when `layer_ids` (output convention) are
     given, the drafter's features aux [T, nH]: the outputs of those decoder layers
-    (`target.hooks.LayerOutputs`)."""
+    (`targets.hf.LayerOutputs`)."""
 
     def __init__(self, model, layer_ids: list[int] | None = None):
         from transformers import DynamicCache

@@ -37,9 +37,8 @@ from .. import progress
 from ..config import EvaluateConfig
 from ..paths import Run
 from ..targets.vllm import die_with_parent, engine_settings, vllm_env
-from ..targets.vllm_capture import engine_record
+from ..targets.vllm_capture import engine_record, gpu_only_line
 from ..targets.vllm_fixes import apply_fixes
-from ..targets.vllm_limits import gpu_only_line
 from . import outputs
 from .methods import EngineMethod, prompt_seed
 
@@ -525,7 +524,7 @@ def run_job(job: EngineJob, fixed: bool) -> None:
         from .benchmarks import load_turns
 
         follow = load_turns(job.target, cfg.trust_remote_code).follow
-    # an engine vLLM's CPU build cannot start (`target.vllm_limits`: EAGLE-3 beside an MLA target)
+    # an engine vLLM's CPU build cannot start (`vllm_capture.CPU_BUILD_LIMITS`: EAGLE-3 beside an MLA target)
     # gets one row with its `gpu_only` line and no decodes; the other methods of its kind get the
     # same line without another start
     gpu_only: dict[str, str] = {}   # method kind -> vLLM's line: one failed start stands for its kind

@@ -27,7 +27,7 @@ from ..drafter.export import for_engine, read_export_config
 from ..drafter.outputs import has_exports, read_exports, read_heldout
 from ..hidden.outputs import HiddenShards, hidden_dir
 from ..paths import Run
-from ..targets.identity import fingerprint
+from ..targets.checkpoint import fingerprint
 
 
 # ---- the prompts ----

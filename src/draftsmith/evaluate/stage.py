@@ -20,7 +20,7 @@ from ..drafter import outputs as drafter_outputs
 from ..config import EvaluateConfig
 from ..paths import Run
 from ..targets.checkpoint import load_target, resolve_target
-from ..targets.identity import target_identity
+from ..targets.checkpoint import target_identity
 from ..targets.vllm import engine_settings
 from . import benchmarks, engine, outputs
 from .decode import decoder_report, decoder_scope
@@ -39,7 +39,7 @@ class Inputs:
     turns: object            # the chat turns a multi-turn benchmark needs (None without benchmarks)
     methods: list            # methods.Method: no drafter, prompt lookup, every export
     layer_ids: list
-    fingerprint: str         # the target's (targets.identity)
+    fingerprint: str         # the target's (targets.checkpoint)
     model: object            # the target in transformers when our decoder measures, else None
 
     @property

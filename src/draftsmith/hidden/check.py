@@ -9,12 +9,13 @@ at); the index then lists no shard and every reader refuses it (`outputs.HiddenS
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from . import outputs
+from .outputs import CheckRecord
 
 CHECK_TOKENS = 128  # response tokens of each checked sample (its first ones: a prefix's features are the prefix's)
 # prompt + checked tokens of a sample checked against the engine's prompt logprobs, at most: the
@@ -124,65 +125,6 @@ class ReferenceBounds:
 # more than the mean: such flips are rare (estimated, not measured on Kimi-K2.5) and the p95 takes
 # them; read `reference` in check.json on a first GPU run.
 REFERENCE = ReferenceBounds(mean_abs=0.010, p95_abs=0.030, min_tokens=64)
-
-
-ENGINE_FIELDS = ("vllm", "model_runner", "model_runner_class", "attention_backend", "moe_kernel",
-                 "max_num_batched_tokens", "chunked_prefill", "tensor_parallel_size", "engine_core", "platform",
-                 "transformers", "torch", "engine_env", "disable_custom_all_reduce", "kv_cache_dtype")  # `engine_of`'s keys
-FIGURES = ("logprob_mean_abs_err", "logprob_max_abs_err", "top1_agreement")  # `_figures`' keys
-# left out of the dict when None: what older records lack, and what only some records have
-_OPTIONAL = ("captured", "answers", "reference", "cause", "ranks_checked")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckRecord:
-    """One early check (`run_check`): what ran, its figures beside their `tolerance`, and the verdict;
-    the nested parts are dicts as written. On disk (check.json, the index's and the summary's
-    `check`) it is `to_dict()`, `ran`'s keys among the top-level ones; `from_dict` reads that, also
-    from older runs without `ran`, `captured`, `step_crossing` or `answers`."""
-
-    samples: int
-    positions: int
-    engine: str                                    # the capture's backend: hf or vllm
-    engine_dtype: str
-    storage_dtype: str
-    ran: dict = field(default_factory=dict)        # what ran (`engine_of`)
-    logprob_mean_abs_err: float                    # FIGURES of the final state as stored
-    logprob_max_abs_err: float
-    top1_agreement: float
-    captured: dict | None = None                   # FIGURES of the final state as captured
-    roundtrip_rel_err: dict
-    health: dict
-    tolerance: dict
-    step_crossing: dict | None = None              # `run_crossing`; None: the engine does not prefill in steps
-    answers: dict | None = None                    # `answer_figures`, with `gated` and `bounds`
-    reference: dict | None = None                  # `reference_figures`: the engine against the providers'
-    #                                                logprobs (None: no usable reference, the fallback held)
-    problems: list[str]
-    passed: bool
-    cause: str | None = None                       # `likely_cause`, when it failed
-    seconds: float
-    ranks_checked: int | None = None               # several ranks: `passed` is all of theirs
-
-    @property
-    def stored(self) -> dict:
-        """FIGURES of the final state as stored, as `captured` holds them."""
-        return {k: getattr(self, k) for k in FIGURES}
-
-    def to_dict(self) -> dict:
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "ran":
-                out.update(value)
-            elif value is not None or f.name not in _OPTIONAL:
-                out[f.name] = value
-        return out
-
-    @classmethod
-    def from_dict(cls, d: dict) -> CheckRecord:
-        names = {f.name for f in fields(cls)} - {"ran"}
-        return cls(ran={k: v for k, v in d.items() if k in ENGINE_FIELDS}, **{k: v for k, v in d.items() if k in names})
 
 
 class CheckFailed(RuntimeError):

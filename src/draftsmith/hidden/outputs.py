@@ -3,7 +3,8 @@
 A shard is one safetensors file of many samples' tokens concatenated (`write_shard` lists its
 tensors), never torn on disk. `index.json` lists the shards with their samples and records the
 layer ids, their convention, the dtype and the target's identity; `summary.json` holds the last
-extraction's figures, `check.json` stage 04's own check. Only this module knows these names: every
+extraction's figures, `check.json` stage 04's own check (a `CheckRecord`, also kept in the index
+and the summary). Only this module knows these names: every
 reader opens the folder with `HiddenShards` (memory-mapped, float32 samples), which refuses an
 index whose check failed."""
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -32,6 +33,66 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 DTYPES = ("bf16", "fp8")
 FIELDS = ("aux", "last", "input_ids", "loss_mask")
+
+
+# `check.engine_of`'s keys
+ENGINE_FIELDS = ("vllm", "model_runner", "model_runner_class", "attention_backend", "moe_kernel",
+                 "max_num_batched_tokens", "chunked_prefill", "tensor_parallel_size", "engine_core", "platform",
+                 "transformers", "torch", "engine_env", "disable_custom_all_reduce", "kv_cache_dtype")
+FIGURES = ("logprob_mean_abs_err", "logprob_max_abs_err", "top1_agreement")  # `check._figures`' keys
+# left out of the dict when None: what older records lack, and what only some records have
+_OPTIONAL = ("captured", "answers", "reference", "cause", "ranks_checked")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckRecord:
+    """check.json: one early check of stage 04 (`check.run_check`): what ran, its figures beside
+    their `tolerance`, and the verdict; the nested parts are dicts as written. On disk (check.json, the index's and the summary's
+    `check`) it is `to_dict()`, `ran`'s keys among the top-level ones; `from_dict` reads that, also
+    from older runs without `ran`, `captured`, `step_crossing` or `answers`."""
+
+    samples: int
+    positions: int
+    engine: str                                    # the capture's backend: hf or vllm
+    engine_dtype: str
+    storage_dtype: str
+    ran: dict = field(default_factory=dict)        # what ran (`engine_of`)
+    logprob_mean_abs_err: float                    # FIGURES of the final state as stored
+    logprob_max_abs_err: float
+    top1_agreement: float
+    captured: dict | None = None                   # FIGURES of the final state as captured
+    roundtrip_rel_err: dict
+    health: dict
+    tolerance: dict
+    step_crossing: dict | None = None              # `run_crossing`; None: the engine does not prefill in steps
+    answers: dict | None = None                    # `answer_figures`, with `gated` and `bounds`
+    reference: dict | None = None                  # `reference_figures`: the engine against the providers'
+    #                                                logprobs (None: no usable reference, the fallback held)
+    problems: list[str]
+    passed: bool
+    cause: str | None = None                       # `likely_cause`, when it failed
+    seconds: float
+    ranks_checked: int | None = None               # several ranks: `passed` is all of theirs
+
+    @property
+    def stored(self) -> dict:
+        """FIGURES of the final state as stored, as `captured` holds them."""
+        return {k: getattr(self, k) for k in FIGURES}
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "ran":
+                out.update(value)
+            elif value is not None or f.name not in _OPTIONAL:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CheckRecord:
+        names = {f.name for f in fields(cls)} - {"ran"}
+        return cls(ran={k: v for k, v in d.items() if k in ENGINE_FIELDS}, **{k: v for k, v in d.items() if k in names})
 
 
 def hidden_dir(run: Run) -> Path:
@@ -135,18 +196,11 @@ def read_summary(directory: str | os.PathLike) -> dict:
 
 
 def read_check(directory: str | os.PathLike):
-    """check.json: stage 04's own check of its last run, a `check.CheckRecord`."""
+    """check.json: stage 04's own check of its last run."""
     path = Path(directory) / CHECK
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no record of stage 04's check (run stage 04 first)")
-    return _check_record(json.loads(path.read_text()))
-
-
-def _check_record(d: dict | None):
-    """The `check.CheckRecord` of a dict written from one (None: no check ran)."""
-    from .check import CheckRecord  # check.py writes through this module
-
-    return CheckRecord.from_dict(d) if d else None
+    return CheckRecord.from_dict(json.loads(path.read_text()))
 
 
 def remove_summary(directory: str | os.PathLike) -> None:
@@ -242,7 +296,7 @@ class HiddenShards:
         self.index = json.loads(path.read_text())
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{path}: format {self.index.get('format')!r}, expected {FORMAT!r}")
-        check = _check_record(self.index.get("check"))
+        check = CheckRecord.from_dict(self.index["check"]) if self.index.get("check") else None
         if check and not check.passed:
             raise ValueError(f"{path}: stage 04's own check failed ({'; '.join(check.problems)}; likely "
                              f"cause: {check.cause}): these features are not to be trained on; fix the cause "

@@ -5,11 +5,16 @@
 `draftsmith.targets.kimi_mini`) or a Hugging Face checkpoint folder; `resolve_target` turns it into
 the folder. Everything else here reads that folder: the config (`target_config`), the tokenizer, single
 tensors straight from its safetensors without building the model (`target_tensors`, `final_norm`),
-and the whole model through transformers (`load_target`).
+and the whole model through transformers (`load_target`). What names a checkpoint is one
+fingerprint of its config.json and the names, sizes and first MiB of its safetensors (`fingerprint`,
+`target_identity`: cheap on a 1 TB checkpoint, changed when the weights are replaced): stage 04
+records it in its index, stage 06 keys its measurements by it. Tokenizer code shipped in a folder
+(Kimi-K2.5's) that imports what transformers moved is bridged (`bridge_moved_imports`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -59,9 +64,7 @@ def load_tokenizer(target_model_path: str | os.PathLike, trust_remote_code: bool
     tokenizer.json (the built-in targets) loads without importing torch, seconds faster than
     AutoTokenizer; any other goes through AutoTokenizer (`trust_remote_code` is opt-in: Kimi-K2.5's
     tiktoken tokenizer needs it). A tokenizer shipped as code is refused without it rather than
-    silently replaced by transformers' generic conversion (`target.remote_code`)."""
-    from .remote_code import bridge_moved_imports
-
+    silently replaced by transformers' generic conversion (`bridge_moved_imports`)."""
     path = resolve_target(target_model_path, log=log)
     config = path / "tokenizer_config.json"
     if (path / "tokenizer.json").is_file() and config.is_file() and \
@@ -232,3 +235,50 @@ def _text_model(wrapper, text_config):
     if hasattr(wrapper, "hf_device_map"):
         lm.hf_device_map = wrapper.hf_device_map
     return lm
+
+
+def fingerprint(folder: str | os.PathLike) -> str:
+    """16 hex digits of config.json + every `*.safetensors` file's name, size and first MiB."""
+    folder = Path(folder)
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def target_identity(path: str | os.PathLike, trust_remote_code: bool = False) -> dict:
+    """What names the target in the hidden-state index: its shape from the config, and `fingerprint`."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    raw = (path / "config.json").read_bytes()
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
+    return {"path": str(path), "model_type": cfg.model_type,
+            "config_sha256": hashlib.sha256(raw).hexdigest(), "fingerprint": fingerprint(path),
+            "num_hidden_layers": int(cfg.num_hidden_layers), "hidden_size": int(cfg.hidden_size),
+            "vocab_size": int(cfg.vocab_size), "pad_token_id": cfg.pad_token_id}
+
+
+_OLD_HOME = "transformers.models.gpt2.tokenization_gpt2"
+
+
+def bridge_moved_imports(folder: str | Path, log=print) -> bool:
+    """Make `from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode` work for the
+    folder's tokenizer code, if that code needs it and this transformers lacks it. True if bridged."""
+    sources = [p for p in Path(folder).glob("*.py")
+               if _OLD_HOME in (text := p.read_text(encoding="utf-8", errors="replace")) and "bytes_to_unicode" in text]
+    if not sources:
+        return False
+    import importlib
+
+    old = importlib.import_module(_OLD_HOME)
+    if hasattr(old, "bytes_to_unicode"):
+        return False
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    old.bytes_to_unicode = bytes_to_unicode
+    log(f"compatibility: {sources[0].name} imports bytes_to_unicode from {_OLD_HOME}, which this transformers "
+        f"moved to transformers.convert_slow_tokenizer; bridged (the same function)")
+    return True

@@ -9,7 +9,9 @@ the checkpoint) itself. Asked for a `reference`, the engine also returns its own
 `draftsmith.targets.vllm_capture`, the one file that touches vLLM internals for capture. The engine
 process gets the environment vLLM's CPU build needs (`vllm_env`), so the calling process is never
 preloaded with it; stage 06 starts its engines with the same `vllm_env` and `die_with_parent`. An
-engine that vLLM's CPU build cannot run (`target.vllm_limits`) raises `GpuOnly` with vLLM's line.
+engine that vLLM's CPU build cannot run (`vllm_capture.CPU_BUILD_LIMITS`: not our bugs, and not
+worked around) raises `GpuOnly` with vLLM's line; the stage records `GPU-only: <vLLM's error line>`
+instead of a traceback. Any other error, and any error on a GPU, stays a failure.
 """
 
 from __future__ import annotations
@@ -30,13 +32,20 @@ import torch
 
 from .. import layers
 from .checkpoint import final_norm, target_config
-from .vllm_limits import GpuOnly
 
 # vLLM's model runners (`VLLM_USE_V2_MODEL_RUNNER`): v1 is the one vLLM's CPU build runs, so the one
 # the tests exercise; v2 (vLLM 0.32's default where Triton is present) needs Triton (docs/design/gpu.md)
 MODEL_RUNNERS = ("v1", "v2")
 # the `kv_cache_dtype` values vLLM 0.32 takes (`CacheDType`) that a drafter job uses
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+class GpuOnly(RuntimeError):
+    """An engine that cannot start on vLLM's CPU build; `line` is what the stage records."""
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.line = line
 
 
 def engine_settings(vllm_model_runner: str = "v1", engine_env: dict | None = None,

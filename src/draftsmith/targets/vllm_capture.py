@@ -5,7 +5,8 @@ Runs inside the engine's process (`python -m draftsmith.targets.vllm_capture`, s
 request is a prefill of one sample's token ids; the residual stream at the asked layers comes back
 as one safetensors file per request, whole or absent, at the path the request names. Each function
 lists the vLLM internals it uses ("vLLM internals:"); one that moves fails loudly at engine start
-or at the first finished request."""
+or at the first finished request. An engine start that fails on what vLLM's CPU build cannot
+run (`CPU_BUILD_LIMITS`, told from vLLM's own error) is answered as one `GPU-only:` line."""
 
 from __future__ import annotations
 
@@ -25,6 +26,41 @@ CONNECTOR = "HiddenStatesToFiles"
 # beside its features (`<path>` + STEPS_SUFFIX) as the scheduler ran them
 STEPS_KEY = "record_steps"
 STEPS_SUFFIX = ".steps.json"
+
+
+# (exception type name, start of vLLM 0.32.0's message)
+CPU_BUILD_LIMITS = (
+    # INT4 compressed-tensors MoE (Kimi-K2.5's routed experts): CPU kernels need AMX or zentorch
+    ("NotImplementedError", "No WNA16 MoE backend supports the deployment configuration"),
+    # EAGLE-3 with a Llama-style drafter over an MLA target: CPU MLA pages by 16, CPU attention by 32
+    ("ValueError", "No common block size for"),
+)
+
+
+def error_line(exc: BaseException) -> str:
+    """vLLM's error as one line: `Type: first line of the message`."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def gpu_only_line(exc: BaseException, device_type: str | None = None) -> str | None:
+    """`GPU-only: <vLLM's error line>` when `exc`, raised by an engine start on vLLM's CPU build
+    (`device_type`, default the running platform's), is one of `CPU_BUILD_LIMITS`; else None."""
+    if device_type is None:
+        from vllm.platforms import current_platform
+
+        device_type = current_platform.device_type
+    if device_type != "cpu":
+        return None
+    seen = set()
+    while exc is not None and id(exc) not in seen:  # vLLM may re-raise it wrapped: look at the causes
+        seen.add(id(exc))
+        message = str(exc).strip()
+        for name, start in CPU_BUILD_LIMITS:
+            if type(exc).__name__ == name and message.startswith(start):
+                return f"GPU-only: {error_line(exc)}"
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _connector_class():
@@ -209,13 +245,12 @@ def serve(config: dict, requests, replies) -> None:
     """The engine process: start the engine, then for each request line (JSON: `prompts`, lists of
     token ids, and `paths`, one file each) run the prefills (`max_tokens=1`) and answer once every
     file is whole. `target.vllm_fixes` are applied first; an engine start that fails on one of the
-    CPU build's limits (`target.vllm_limits`) answers `gpu_only` with vLLM's error line instead."""
+    CPU build's limits (`CPU_BUILD_LIMITS`) answers `gpu_only` with vLLM's error line instead."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from .. import progress
     from .vllm_fixes import apply_fixes
-    from .vllm_limits import gpu_only_line
 
     def reply(obj):
         replies.write(json.dumps(obj) + "\n")
