@@ -151,7 +151,7 @@ def engine_options(cfg: HiddenConfig) -> dict:
 
 
 def check_settings(cfg: HiddenConfig) -> None:
-    """Raise ValueError naming the first setting of `cfg` that `extract` cannot run with (its declared
+    """Raise ValueError naming the first setting of `cfg` that `extract` cannot run with (the
     backend, the engine's settings, the storage dtype; its bounds were checked when it was built)."""
     if cfg.target_backend not in BACKENDS:
         raise ValueError(f"target_backend must be one of {BACKENDS}, got {cfg.target_backend!r}")
