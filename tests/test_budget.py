@@ -14,9 +14,9 @@ import pytest
 from draftsmith.openrouter.budget import SpendBudget, TokenBudget, prompt_tokens_bound
 
 
-def simulate(budget, max_tokens, slots, draw, seed, prompts=10**9):
+def simulate(budget, max_tokens, slots, draw, seed, prompts=10**9, **budget_args):
     rng = random.Random(seed)
-    tb = TokenBudget(budget, max_tokens)
+    tb = TokenBudget(budget, max_tokens, **budget_args)
     t, events, started, peak = 0.0, [], 0, 0
     while True:
         while len(events) < slots and started < prompts and tb.can_start(now=t):
@@ -49,6 +49,21 @@ def test_overshoot_stays_within_tolerance(dist, budget, max_tokens, slots, seeds
         # and it does not stop early: nothing more could have started
         assert tb.done > budget - max_tokens, (dist, seed, tb.done)
         assert tb.tolerance == max(math.ceil(budget / 100), max_tokens)
+
+
+def test_a_budget_of_a_few_flights_holds_where_trusting_a_few_long_responses_overran_it():
+    """The issue's shape: 100 in flight, max_tokens 2048, a budget of 0.5 to 2 flights' worth. The
+    expectation of a request older than nearly all seen, read off a handful of long responses
+    (tail 1, the old rule), overran the allowed max_tokens; with TAIL it holds."""
+    draw = DISTS["lognormal"]
+    old_over = 0
+    for budget in (30_000, 60_000, 112_000):
+        for seed in range(6):
+            tb, _ = simulate(budget, 2048, 100, draw, seed)
+            assert budget - 2048 < tb.done <= budget + tb.tolerance, (budget, seed, tb.done)
+            old, _ = simulate(budget, 2048, 100, draw, seed, tail=1)
+            old_over += old.done > budget + old.tolerance
+    assert old_over >= 1      # the case is one the old rule failed
 
 
 def test_full_concurrency_until_near_the_end():

@@ -16,6 +16,7 @@ from .. import parameters
 from .pricing import Prices
 
 MIN_SAMPLES = 30
+TAIL = 100    # fewer longer responses seen than this: a request in flight is in the tail (see TokenBudget)
 
 
 class TokenBudget:
@@ -29,11 +30,19 @@ class TokenBudget:
     A request in flight is not an average one: the longer it has run, the longer its response is
     likely to be. So each is expected to end at E[L | a response still running at its age], read off
     past (duration, length) pairs; one older than any seen is assumed to come back at max_tokens.
+    A mean of a few long responses has an error its own spread does not show (trusted, it overran a
+    budget of a few flights' worth by up to 15% where 2-7% were allowed: bench/bench_budget_overshoot.py).
+    So a request older than all but `tail` of the responses seen (the tail) is expected at max_tokens
+    while fewer than `tail` lengths are known, then at the mean of the longer ones with the spread of
+    the `tail` longest as the error of that mean (one draw's, not a mean's). Near the budget the
+    requests in flight are the old ones, so dispatch tapers off there.
     The past pairs are not an unbiased draw either (short responses come back first), so only a
     complete cohort counts: requests all of whose predecessors have ended."""
 
-    def __init__(self, budget: int | None, max_tokens: int, history: int = 20000, refresh_s: float = 0.25):
+    def __init__(self, budget: int | None, max_tokens: int, history: int = 20000, refresh_s: float = 0.25,
+                 tail: int = TAIL):
         self.budget = budget
+        self.tail = max(1, tail)     # 1: every mean of longer responses trusted as it is (bench: "before")
         self.max_tokens = max_tokens
         self.tolerance = max(math.ceil(0.01 * budget), max_tokens) if budget else 0
         self.done = 0          # completion tokens of completed samples (all sessions)
@@ -106,11 +115,17 @@ class TokenBudget:
             self._model_count, self._model_built = k, now
         durs, means, variances, errors = self._model[:4]
         worst, k = float(self.worst), len(durs)
+        spread_of_tail = variances[max(0, k - self.tail)]
         est, total, total_var, total_err = {}, 0.0, 0.0, 0.0
         for ticket, t0 in self._open.items():
             j = bisect.bisect_right(durs, now - t0)
-            # older than any seen: assume the worst
-            e = (means[j], variances[j], errors[j]) if j < k else (worst, 0.0, 0.0)
+            if j >= k or (k - j < self.tail and k < self.tail):    # older than any seen, or a tail not yet known
+                e = (worst, 0.0, 0.0)
+            elif k - j < self.tail:
+                v = max(variances[j], spread_of_tail)
+                e = (means[j], v, math.sqrt(v))
+            else:
+                e = (means[j], variances[j], errors[j])
             est[ticket] = e
             total += e[0]
             total_var += e[1]
