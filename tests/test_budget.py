@@ -14,16 +14,17 @@ import pytest
 from draftsmith.openrouter.budget import SpendBudget, TokenBudget, prompt_tokens_bound
 
 
-def simulate(budget, max_tokens, slots, draw, seed, prompts=10**9):
+def simulate(budget, max_tokens, slots, draw, seed, prompts=10**9, seconds=1.0, **budget_args):
+    """One run to the budget; `seconds` scales every response's duration (a fast emulator's: 0.001)."""
     rng = random.Random(seed)
-    tb = TokenBudget(budget, max_tokens)
+    tb = TokenBudget(budget, max_tokens, **budget_args)
     t, events, started, peak = 0.0, [], 0, 0
     while True:
         while len(events) < slots and started < prompts and tb.can_start(now=t):
             n = min(max_tokens, max(1, int(draw(rng))))
             ticket = tb.start(now=t)
             started += 1
-            heapq.heappush(events, (t + rng.uniform(0.5, 2.0) + n / 40.0, n, ticket))
+            heapq.heappush(events, (t + seconds * (rng.uniform(0.5, 2.0) + n / 40.0), n, ticket))
             peak = max(peak, len(events))
         if not events:
             return tb, peak
@@ -49,6 +50,41 @@ def test_overshoot_stays_within_tolerance(dist, budget, max_tokens, slots, seeds
         # and it does not stop early: nothing more could have started
         assert tb.done > budget - max_tokens, (dist, seed, tb.done)
         assert tb.tolerance == max(math.ceil(budget / 100), max_tokens)
+
+
+def test_a_budget_of_a_few_flights_holds_where_trusting_a_few_long_responses_overran_it():
+    """The issue's shape: 100 in flight, max_tokens 2048, a budget of 0.5 to 2 flights' worth. The
+    expectation of a request older than nearly all seen, read off a handful of long responses
+    (tail 1, the old rule), overran the allowed max_tokens; with TAIL it holds."""
+    draw = DISTS["lognormal"]
+    old_over = 0
+    for budget in (30_000, 60_000, 112_000):
+        for seed in range(6):
+            tb, _ = simulate(budget, 2048, 100, draw, seed)
+            assert budget - 2048 < tb.done <= budget + tb.tolerance, (budget, seed, tb.done)
+            old, _ = simulate(budget, 2048, 100, draw, seed, tail=1)
+            old_over += old.done > budget + old.tolerance
+    assert old_over >= 1      # the case is one the old rule failed
+
+
+@pytest.mark.parametrize("seconds", [1.0, 0.001])
+def test_a_run_ended_by_the_taper_leaves_a_re_run_nothing_to_do(seconds):
+    """Stage 02 ends a run when nothing is in flight and `can_start` says no; a re-run rebuilds the
+    budget from the saved lengths (`add`) and asks `can_start` first. The two must agree, also when
+    the responses come back faster than the statistics of the requests in flight are refreshed
+    (seconds 0.001, as against the emulator): the run's end reads the lengths as they are then."""
+    narrow = lambda r: r.gauss(20, 6)      # noqa: E731  (the e2e test's synthetic answers)
+    for budget, max_tokens, slots, draw in ((800, 48, 16, narrow), (1500, 48, 16, narrow),
+                                            (1500, 48, 16, DISTS["exponential"]),
+                                            (37_500, 2048, 100, DISTS["lognormal"])):
+        for seed in range(100):
+            tb, _ = simulate(budget, max_tokens, slots, draw, seed, seconds=seconds)
+            assert tb.in_flight == 0 and budget - max_tokens < tb.done <= budget + tb.tolerance
+            again = TokenBudget(budget, max_tokens)
+            for duration, n in tb.cohort:
+                again.add(n, duration)
+            assert again.done == tb.done
+            assert not again.can_start() and not tb.can_start(), (budget, seed, tb.done)
 
 
 def test_full_concurrency_until_near_the_end():

@@ -15,6 +15,7 @@ from collections import deque
 from .pricing import Prices
 
 MIN_SAMPLES = 30
+TAIL = 100    # fewer longer responses seen than this: a request in flight is in the tail (see TokenBudget)
 
 
 class TokenBudget:
@@ -28,11 +29,22 @@ class TokenBudget:
     A request in flight is not an average one: the longer it has run, the longer its response is
     likely to be. So each is expected to end at E[L | a response still running at its age], read off
     past (duration, length) pairs; one older than any seen is assumed to come back at max_tokens.
+    A mean of a few long responses has an error its own spread does not show (trusted, it overran a
+    budget of a few flights' worth by up to 15% where 2-7% were allowed: bench/bench_budget_overshoot.py).
+    So a request older than all but `tail` of the responses seen (the tail) is expected at max_tokens
+    while fewer than `tail` lengths are known, then at the mean of the longer ones with the spread of
+    the `tail` longest as the error of that mean (one draw's, not a mean's). Near the budget the
+    requests in flight are the old ones, so dispatch tapers off there.
     The past pairs are not an unbiased draw either (short responses come back first), so only a
-    complete cohort counts: requests all of whose predecessors have ended."""
+    complete cohort counts: requests all of whose predecessors have ended.
+    With nothing in flight the test reads only the tokens done and every length known (their count,
+    sum and sum of squares, exact), so a run that ends for want of room leaves a state that a re-run,
+    given the same saved lengths (`add`), judges the same: nothing to do."""
 
-    def __init__(self, budget: int | None, max_tokens: int, history: int = 20000, refresh_s: float = 0.25):
+    def __init__(self, budget: int | None, max_tokens: int, history: int = 20000, refresh_s: float = 0.25,
+                 tail: int = TAIL):
         self.budget = budget
+        self.tail = max(1, tail)     # 1: every mean of longer responses trusted as it is (bench: "before")
         self.max_tokens = max_tokens
         self.tolerance = max(math.ceil(0.01 * budget), max_tokens) if budget else 0
         self.done = 0          # completion tokens of completed samples (all sessions)
@@ -40,12 +52,13 @@ class TokenBudget:
         self.refresh_s = refresh_s
         # the cohort the statistics come from (see `end`): (duration, tokens), the latest `history`
         self.cohort: deque[tuple[float, int]] = deque(maxlen=history)
+        self._n = self._s1 = self._s2 = 0     # every length that joined the cohort: count, sum, sum of squares
         self._next = 0         # dispatch sequence numbers
         self._open: dict[int, float] = {}      # ticket -> start time
         self._ended: dict[int, tuple[float, int] | None] = {}
         self._low = 0
         # (sorted durations, then per duration: mean, variance and standard error of the lengths of the
-        # responses that ran longer; then the same three over all)
+        # responses that ran longer)
         self._model = None
         self._model_at = -math.inf
         self._model_count = -1
@@ -65,7 +78,19 @@ class TokenBudget:
         """A sample completed in an earlier session (or otherwise known in full)."""
         self.done += tokens
         self.longest = max(self.longest, tokens)
-        self.cohort.append((duration, tokens))
+        self._join((duration, tokens))
+
+    def _join(self, pair: tuple[float, int]) -> None:
+        self.cohort.append(pair)
+        self._n += 1
+        self._s1 += pair[1]
+        self._s2 += pair[1] * pair[1]
+
+    def _overall(self) -> tuple[float, float, float]:
+        """Mean, variance and standard error of every length known (`_join`), from exact sums."""
+        mean = self._s1 / self._n
+        var = max(0.0, self._s2 / self._n - mean * mean)
+        return mean, var, math.sqrt(var / self._n)
 
     @property
     def worst(self) -> int:
@@ -79,7 +104,7 @@ class TokenBudget:
         now = time.monotonic() if now is None else now
         if now - self._model_at >= self.refresh_s:
             self._refresh(now)
-        mean, var, err = self._model[4:]
+        mean, var, err = self._overall()
         expected = self.done + self._est_sum + mean
         # the sum's own spread, and the error of the estimated means (shared by all, so it adds up)
         spread = 3 * math.sqrt(self._var_sum + var + (self._err_sum + err) ** 2)
@@ -101,21 +126,28 @@ class TokenBudget:
                 m = s1 / (k - j)
                 means[j], variances[j] = m, max(0.0, s2 / (k - j) - m * m)
                 errors[j] = math.sqrt(variances[j] / (k - j))     # how far off that mean may be
-            self._model = (durs, means, variances, errors, means[0], variances[0], errors[0])
+            self._model = (durs, means, variances, errors)
             self._model_count, self._model_built = k, now
-        durs, means, variances, errors = self._model[:4]
-        worst, k = float(self.worst), len(durs)
         est, total, total_var, total_err = {}, 0.0, 0.0, 0.0
         for ticket, t0 in self._open.items():
-            j = bisect.bisect_right(durs, now - t0)
-            # older than any seen: assume the worst
-            e = (means[j], variances[j], errors[j]) if j < k else (worst, 0.0, 0.0)
-            est[ticket] = e
+            e = est[ticket] = self._expect(now - t0)
             total += e[0]
             total_var += e[1]
             total_err += e[2]
         self._est, self._est_sum, self._var_sum, self._err_sum = est, total, total_var, total_err
         self._model_at = now
+
+    def _expect(self, age: float) -> tuple[float, float, float]:
+        """(expected tokens, variance, error) of a request in flight for `age` seconds, by the last model."""
+        durs, means, variances, errors = self._model
+        k = len(durs)
+        j = bisect.bisect_right(durs, age)
+        if j >= k or (k - j < self.tail and k < self.tail):    # older than any seen, or a tail not yet known
+            return float(self.worst), 0.0, 0.0
+        if k - j < self.tail:
+            v = max(variances[j], variances[k - self.tail])
+            return means[j], v, math.sqrt(v)
+        return means[j], variances[j], errors[j]
 
     def start(self, now: float | None = None) -> int:
         """A request starts; returns its ticket for `end`."""
@@ -125,9 +157,8 @@ class TokenBudget:
             self._open[seq] = 0.0
             return seq
         self._open[seq] = time.monotonic() if now is None else now
-        if self._model is not None:
-            e = self._model[4:]
-            self._est[seq] = e
+        if self._model is not None:        # until the next refresh, as a request of age 0
+            e = self._est[seq] = self._expect(0.0)
             self._est_sum += e[0]
             self._var_sum += e[1]
             self._err_sum += e[2]
@@ -145,7 +176,9 @@ class TokenBudget:
                 self.done += tokens
             return
         e = self._est.pop(ticket, None)
-        if e is not None:
+        if not self._open:          # exactly nothing in flight, not a rounding residue
+            self._est_sum = self._var_sum = self._err_sum = 0.0
+        elif e is not None:
             self._est_sum -= e[0]
             self._var_sum -= e[1]
             self._err_sum -= e[2]
@@ -157,7 +190,7 @@ class TokenBudget:
         while self._low < self._next and self._low not in self._open:
             pair = self._ended.pop(self._low, None)
             if pair is not None:
-                self.cohort.append(pair)
+                self._join(pair)
             self._low += 1
 
     @property
