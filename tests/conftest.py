@@ -2,12 +2,15 @@
 run on it, `shared_run`; a throwaway API key) and the test tiers: which tier each test is in, so that
 `pytest -m TIER` imports and builds only what it runs."""
 
+import ast
+import functools
 import json
 import os
 import secrets
 import socket
 import sys
 import time
+import tomllib
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,158 +51,89 @@ def stage_02_at(base_url: str, api_key, run, datasets: list, **args):
 
 # ---- tiers -------------------------------------------------------------------------------------
 # Each test belongs to one tier, the heaviest thing it needs (pyproject.toml registers them and says
-# what each covers): unit < emulator < crash < notebook < engine; browser and network-resolver apart.
-# A file's entry is the tier of its tests; "file::test" entries take single tests elsewhere.
-# `pytest -m TIERS` (`make test-fast` is `-m "unit or emulator"`) does not even import a file whose
-# tests are all in other tiers; tests/test_tiers.py checks that every test file is listed here.
-TIERS = {
-    "test_benchmarks.py": "unit",
-    "test_budget.py": "unit",
-    "test_chain.py": "notebook",
-    "test_client.py": "emulator",
-    "test_compare.py": "unit",
-    "test_demo_data.py": "unit",
-    "test_dflash.py": "unit",
-    "test_drafter.py": "unit",
-    "test_drafter.py::test_two_gloo_processes_train_like_one_process_with_ddp_and_with_fsdp": "engine",
-    "test_drafter.py::test_fsdp_scores_a_held_out_split_that_two_ranks_cannot_share_evenly": "engine",
-    "test_emulator.py": "emulator",
-    "test_emulator_contract.py": "emulator",
-    "test_emulator_model.py": "emulator",
-    "test_emulator_process.py": "emulator",
-    "test_engine_source.py": "engine",
-    "test_eval_vllm.py": "engine",
-    "test_evaluate.py": "unit",
-    "test_evaluate.py::test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report": "notebook",
-    "test_evaluate.py::test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_held_out_prompts": "notebook",
-    "test_exit_codes.py": "notebook",
-    "test_figure_rules.py": "unit",
-    "test_notebook_words.py": "unit",
-    "test_files.py": "unit",
-    "test_foundation.py": "unit",
-    "test_foundation.py::test_target_build_is_deterministic_for_a_seed": "engine",
-    "test_foundation.py::test_an_interrupted_target_build_resumes_from_its_last_checkpoint_to_the_same_weights": "engine",
-    "test_generate_availability.py": "emulator",
-    "test_generate_availability.py::test_the_notebook_parameter_stops_stage_02_in_an_outage_and_says_so": "notebook",
-    "test_generate_contract.py": "emulator",
-    "test_generate_e2e.py": "emulator",
-    "test_generate_edits.py": "emulator",
-    "test_generate_e2e.py::test_a_signal_stops_cleanly_and_a_rerun_finishes": "crash",
-    "test_generate_e2e.py::test_kill_9_at_random_moments_then_resume_pays_twice_only_for_in_flight": "crash",
-    "test_generate_e2e.py::test_an_interrupt_asks_the_cost_of_lost_answers_for_seconds_and_counts_the_rest_at_their_worst": "crash",
-    "test_generate_message.py": "emulator",
-    "test_generate_notebook.py": "notebook",
-    "test_generate_retry.py": "unit",
-    "test_generate_stalls.py": "emulator",
-    "test_gpu_requirements.py": "network-resolver",
-    "test_gpu_smoke.py": "unit",
-    "test_node_preflight.py": "unit",
-    "test_heap.py": "unit",
-    "test_hidden.py": "unit",
-    "test_hidden.py::test_two_rank_torchrun_gives_the_same_samples_as_one_process": "engine",
-    "test_hidden.py::test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun": "engine",
-    "test_hidden.py::test_a_failed_torchrun_says_what_the_ranks_said_not_only_torchruns_own_traceback": "engine",
-    "test_hidden.py::test_kill_mid_run_then_rerun_has_every_sample_once_and_no_torn_shard": "crash",
-    "test_hidden.py::test_notebook_04_extracts_checks_and_plots": "notebook",
-    "test_hidden_check.py": "engine",
-    "test_hidden_vllm.py": "engine",
-    "test_import_sglang.py": "unit",
-    "test_kimi_mini.py": "engine",
-    "test_kimi_params.py": "unit",
-    "test_kimi_tokenizer.py": "unit",
-    "test_kimi_tokenizer.py::test_emulator_bills_with_a_tiktoken_tokenizer_and_stage_03_rebuilds_its_ids": "emulator",
-    "test_kimi_vllm.py": "engine",
-    "test_lab.py": "notebook",
-    "test_logprob_gate.py": "emulator",
-    "test_logprob_gate.py::test_vllms_bf16_engine_passes_the_reference_gate_on_the_clean_target": "engine",
-    "test_multinode.py": "engine",
-    "test_openrouter_conformance.py": "emulator",
-    "test_ownership.py": "unit",
-    "test_preflight.py": "unit",
-    "test_pricing.py": "emulator",
-    "test_progress.py": "emulator",
-    "test_providers.py": "emulator",
-    "test_providers.py::test_stage_01_end_to_end_excludes_fp4_and_flags_the_perturbed_provider": "notebook",
-    "test_readme.py": "unit",
-    "test_rehearsal.py": "notebook",
-    "test_report_browser.py": "browser",
-    "test_report_agrees.py": "unit",
-    "test_report_figures.py": "unit",
-    "test_report_html.py": "unit",
-    "test_run_guard.py": "notebook",
-    "test_run_guard.py::test_each_changed_setting_is_named_and_a_template_that_cannot_be_read_is_not_compared": "unit",
-    "test_runner.py": "unit",
-    "test_runner.py::test_runner_passes_only_declared_parameters_with_absolute_paths": "notebook",
-    "test_runner.py::test_a_failing_stage_names_the_notebook_and_cell": "notebook",
-    "test_runner.py::test_a_failing_stage_points_to_its_traceback_in_the_log_with_the_same_cell_number": "notebook",
-    "test_runner.py::test_ctrl_c_stops_the_run_with_one_line_and_exit_130": "notebook",
-    "test_runner.py::test_on_several_nodes_each_node_keeps_its_own_executed_notebook_and_log": "notebook",
-    "test_runner_params.py": "unit",
-    "test_runner_signals.py": "notebook",
-    "test_setting_names.py": "unit",
-    "test_sources.py": "unit",
-    "test_sources.py::test_stage_02_does_not_ask_for_prompts_an_import_answers": "emulator",
-    "test_store.py": "unit",
-    "test_summary.py": "unit",
-    "test_tables.py": "unit",
-    "test_tensor_parallel.py": "engine",
-    "test_tiers.py": "unit",
-    "test_tokens.py": "unit",
-    "test_tokens_emulator.py": "emulator",
-    "test_tokens_outputs.py": "unit",
-    "test_tokens_stage.py": "unit",
-    "test_tokens_verdict.py": "unit",
-    "test_vllm_fixes.py": "unit",
-}
-# the built-in targets a tier's tests use: built (or found in the cache) before the first test runs,
-# so that no build counts against a test's time-out; "kimi-mini" builds "kimi-mini-bf16" with it.
-# The tiers are in order, heaviest first: under `make test`'s workers (pytest-xdist, one file to a
-# worker at a time) the files of the heavier tiers start first and the short ones fill in at the end.
-TARGETS = {"engine": ("tiny-test", "kimi-mini", "kimi-mini-bf16"), "network-resolver": (), "notebook": ("tiny-test",),
-           "crash": ("tiny-test",), "browser": ("tiny-test",), "emulator": ("tiny-test",), "unit": ("tiny-test",)}
+# what each covers): unit < emulator < crash < notebook < engine; browser and network_resolver apart.
+# A test file declares its tier itself, `pytestmark = pytest.mark.TIER` after its imports; a test in
+# another tier than its file's carries `@pytest.mark.TIER` and is in that tier only. Both are read
+# from the file's text, so `pytest -m TIER` (`make test-fast` is `-m "unit or emulator"`) does not
+# even import a file none of whose tests is in the chosen tiers.
+TIER_NAMES = tuple(line.split(":")[0] for line in
+                   tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"])
+
+
+def _tier(node) -> str | None:
+    """NAME where `node` is `pytest.mark.NAME` and NAME a tier."""
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"
+            and node.attr in TIER_NAMES):
+        return node.attr
+    return None
+
+
+@functools.cache
+def declared_tiers(path: Path) -> tuple[str | None, dict[str, str]]:
+    """A test file's tier (its `pytestmark`) and its tests in another tier, {test: tier}, read from its text."""
+    module = ast.parse(path.read_text(encoding="utf-8"))
+    marks = next((n.value for n in module.body if isinstance(n, ast.Assign)
+                  and [getattr(t, "id", None) for t in n.targets] == ["pytestmark"]), None)
+    marks = marks.elts if isinstance(marks, ast.List) else [marks]
+    file_tier = next(filter(None, map(_tier, marks)), None)
+    apart = {n.name: tier for n in module.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for tier in [next(filter(None, map(_tier, n.decorator_list)), None)] if tier}
+    return file_tier, apart
 
 
 def tier_of(item) -> str | None:
-    file, test = item.path.name, getattr(item, "originalname", item.name)  # originalname: without [params]
-    return TIERS.get(f"{file}::{test}", TIERS.get(file))
+    file_tier, apart = declared_tiers(item.path)
+    return apart.get(getattr(item, "originalname", item.name), file_tier)  # originalname: without [params]
 
 
-def chosen_tiers(config) -> set[str]:
-    """The tiers `-m` selects; every tier when it is absent or names markers other than tiers (then
+def chosen_tiers(config) -> set[str] | None:
+    """The tiers `-m` selects; None when it is absent or names markers other than tiers (then
     pytest's own selection decides, after importing every file)."""
     from _pytest.mark.expression import Expression  # pytest's own parser of -m
 
-    tiers = set(TIERS.values())
     if not config.option.markexpr:
-        return tiers
+        return None
     expr = Expression.compile(config.option.markexpr)
-    if not expr.idents() <= tiers:
-        return tiers
-    return {t for t in tiers if expr.evaluate(lambda name, **_: name == t)}
+    if not expr.idents() <= set(TIER_NAMES):
+        return None
+    return {t for t in TIER_NAMES if expr.evaluate(lambda name, **_: name == t)}
 
 
 def pytest_ignore_collect(collection_path, config):
     """A test file none of whose tiers is chosen is not imported (most import torch at the top)."""
-    name = collection_path.name
-    tiers = {tier for key, tier in TIERS.items() if key.split("::")[0] == name}
-    if tiers and not tiers & chosen_tiers(config):
+    chosen = chosen_tiers(config)
+    if chosen is None or not collection_path.name.startswith("test_") or collection_path.suffix != ".py":
+        return None
+    file_tier, apart = declared_tiers(collection_path)
+    if not ({file_tier, *apart.values()} & chosen):
         return True
     return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
 def pytest_collection_modifyitems(config, items):
-    """Marks each test with its tier, and orders the files by their heaviest tier (`TARGETS`' order;
-    a file's own tests keep their order)."""
+    """Keeps a test named apart in its own tier only (it carries its file's mark too), and orders the
+    files by their heaviest tier (`TARGETS`' order; a file's own tests keep their order)."""
+    chosen = chosen_tiers(config)
+    if chosen is not None:
+        apart = [item for item in items if tier_of(item) not in chosen]
+        if apart:
+            config.hook.pytest_deselected(items=apart)
+            items[:] = [item for item in items if tier_of(item) in chosen]
     order = {tier: i for i, tier in enumerate(TARGETS)}
     rank = {}
     for item in items:
-        tier = tier_of(item)
-        if tier:
-            item.add_marker(tier)
-        here = order.get(tier, len(order))
+        here = order.get(tier_of(item), len(order))
         rank[item.path] = min(rank.get(item.path, here), here)
     items.sort(key=lambda item: rank[item.path])
+
+
+# the built-in targets a tier's tests use: built (or found in the cache) before the first test runs,
+# so that no build counts against a test's time-out; "kimi-mini" builds "kimi-mini-bf16" with it.
+# The tiers are in order, heaviest first: under `make test`'s workers (pytest-xdist, one file to a
+# worker at a time) the files of the heavier tiers start first and the short ones fill in at the end.
+TARGETS = {"engine": ("tiny-test", "kimi-mini", "kimi-mini-bf16"), "network_resolver": (), "notebook": ("tiny-test",),
+           "crash": ("tiny-test",), "browser": ("tiny-test",), "emulator": ("tiny-test",), "unit": ("tiny-test",)}
 
 
 def pytest_configure(config):

@@ -10,6 +10,8 @@ from draftsmith.evaluate import benchmarks
 from draftsmith.evaluate.decode import Target, decode_turns
 from draftsmith.targets.checkpoint import load_target
 
+pytestmark = pytest.mark.unit
+
 
 def quiet(*a, **k):
     pass

@@ -13,6 +13,8 @@ import pytest
 
 from draftsmith.openrouter.budget import SpendBudget, TokenBudget, prompt_tokens_bound
 
+pytestmark = pytest.mark.unit
+
 
 def simulate(budget, max_tokens, slots, draw, seed, prompts=10**9, seconds=1.0, **budget_args):
     """One run to the budget; `seconds` scales every response's duration (a fast emulator's: 0.001)."""

@@ -20,6 +20,8 @@ from draftsmith import summary
 from draftsmith.paths import Run
 from draftsmith.tokens.outputs import verdict_line as tokens_verdict
 
+pytestmark = pytest.mark.notebook
+
 
 REPO = Path(__file__).resolve().parents[1]
 

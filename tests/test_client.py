@@ -15,6 +15,8 @@ from aiohttp import web
 from draftsmith.openrouter import client
 from draftsmith.openrouter.client import SLOWEST_TOKENS_PER_S, KeepaliveWatch, request_deadline
 
+pytestmark = pytest.mark.emulator
+
 OK = {"id": "gen-1", "provider": "Novita", "model": "moonshotai/kimi-k2.5", "object": "chat.completion",
       "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop",
                    "message": {"role": "assistant", "content": "Hello.", "reasoning": "Think."}}],

@@ -9,6 +9,8 @@ from draftsmith import cli, summary
 from draftsmith.evaluate import results
 from draftsmith.paths import Run
 
+pytestmark = pytest.mark.unit
+
 
 def stage_06_report(code: float, code_se: float, chat: float = 1.9) -> dict:
     """A stage 06 report measured in vLLM at T = 0: the final drafter at `code` (its SE `code_se`) and

@@ -25,7 +25,7 @@ from draftsmith.targets.checkpoint import load_target, target_config
 from conftest import stage_config
 from test_drafter import quiet, resumes_identically, small_config, train, write_tokens
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

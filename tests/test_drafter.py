@@ -37,7 +37,7 @@ def write_tokens(path: Path, tok, n: int, seed: int = 1) -> Path:
     return write_token_rows(path, tok, convs)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -381,6 +381,7 @@ def test_stage_run_trains_the_runs_drafter_from_notebook_05s_parameters(hidden_d
     assert again["finished"] and again["steps"] == summary["steps"]
 
 
+@pytest.mark.engine
 def test_two_gloo_processes_train_like_one_process_with_ddp_and_with_fsdp(hidden_dir, tiny_target, tmp_path):
     one = small_config(hidden_dir, tiny_target, tmp_path / "one", train_batch_size=4, train_micro_batch_size=1, train_epochs=1.0)
     s1 = train(one)
@@ -396,6 +397,7 @@ def test_two_gloo_processes_train_like_one_process_with_ddp_and_with_fsdp(hidden
         assert r1 == pytest.approx(r2, rel=1e-4), name
 
 
+@pytest.mark.engine
 def test_fsdp_scores_a_held_out_split_that_two_ranks_cannot_share_evenly(hidden_dir, tiny_target, tmp_path):
     """3 held-out micro-batches on 2 FSDP ranks: every forward is a collective, so the rank with one
     fewer repeats one (left out of the sums) instead of leaving the other waiting forever."""

@@ -17,6 +17,8 @@ from draftsmith.emulator.output import TRUNCATE_CHARS
 
 from conftest import wait_until
 
+pytestmark = pytest.mark.emulator
+
 MODEL = "moonshotai/kimi-k2.5"
 QUIET = {"fault_scale": 0, "generation_delay_s": 0.0}
 

@@ -12,6 +12,8 @@ from draftsmith.emulator.catalogue import Endpoint, bill, prices, worst_case
 
 from conftest import wait_until
 
+pytestmark = pytest.mark.emulator
+
 MODEL = "moonshotai/kimi-k2.5"
 
 

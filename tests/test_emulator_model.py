@@ -9,6 +9,8 @@ import torch
 from draftsmith.emulator import running
 from draftsmith.emulator.catalogue import default_catalogue
 
+pytestmark = pytest.mark.emulator
+
 MODEL = "moonshotai/kimi-k2.5"
 
 

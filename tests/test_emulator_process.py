@@ -14,6 +14,8 @@ from draftsmith.paths import Run
 
 from conftest import wait_until
 
+pytestmark = pytest.mark.emulator
+
 MODEL = "moonshotai/kimi-k2.5"
 
 

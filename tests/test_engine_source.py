@@ -31,6 +31,8 @@ from draftsmith.targets.vllm import vllm_env
 
 from conftest import free_port, get_json, stage_02_at
 
+pytestmark = pytest.mark.engine
+
 pytest.importorskip("vllm")
 
 SERVED = "tiny-test"

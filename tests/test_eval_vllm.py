@@ -45,7 +45,7 @@ def quiet(*a, **k):
 
 # the engine fixture (training a drafter, three vLLM engines, our decoder) takes ~3-4 min on 2 idle
 # cores and is charged to the first test that uses it: 15 min means a hang, not a slow box
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(900)]
 
 
 def random_export(tiny_target, out: Path, layer_ids, engine="vllm") -> Path:

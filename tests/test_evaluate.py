@@ -31,7 +31,7 @@ def quiet(*a, **k):
     pass
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +250,7 @@ def test_sampled_verification_keeps_the_target_distribution():
 
 # -- the stage -------------------------------------------------------------------------------------
 
+@pytest.mark.notebook
 def test_stage_06_run_like_a_user_writes_report_json_figures_and_the_run_report(trained_run, tiny_target):
     """`draftsmith run 06` on a run folder that stages 04-05 filled: every export and both baselines
     measured on held-out prompts at T = 0 and 1, report.json, figures, report.html; a re-run
@@ -486,6 +487,7 @@ def test_serving_commands_name_the_3_1_4_chain_and_trust_the_targets_code_when_a
                                                                     trust_remote_code=False)["sglang_server"]
 
 
+@pytest.mark.notebook
 def test_stage_06_measures_a_users_benchmark_file_and_mt_bench_apart_from_the_held_out_prompts(
         trained_run, tmp_path):
     """`draftsmith run 06` with `eval_benchmarks` (our decoder, `eval_backend: hf`): a user's JSONL

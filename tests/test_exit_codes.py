@@ -23,6 +23,8 @@ from draftsmith.runner import VerdictFailed
 
 from conftest import copy_run
 
+pytestmark = pytest.mark.notebook
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("draftsmith"))
 

@@ -24,6 +24,8 @@ from draftsmith.generate import figures as generate_figures
 from draftsmith.hidden import figures as hidden_figures
 from draftsmith.providers import figures as provider_figures
 
+pytestmark = pytest.mark.unit
+
 tokens_figures = importlib.import_module("draftsmith.tokens.figures")
 
 matplotlib.use("Agg")

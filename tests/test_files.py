@@ -7,6 +7,8 @@ import pytest
 
 from draftsmith.files import read_jsonl, replacing, write_json_atomic
 
+pytestmark = pytest.mark.unit
+
 
 def test_replacing_keeps_the_old_file_when_the_writer_fails(tmp_path):
     p = tmp_path / "a.jsonl"

@@ -16,6 +16,8 @@ from draftsmith.targets.checkpoint import resolve_target
 
 from conftest import wait_until
 
+pytestmark = pytest.mark.unit
+
 
 def write_jsonl(path, rows):
     with open(path, "w", encoding="utf-8") as f:
@@ -151,6 +153,7 @@ def test_chat_template_renders_multi_turn_with_thinking_exactly(target_tokenizer
                     "<think>R</think>A<｜end▁of▁sentence｜>")
 
 
+@pytest.mark.engine
 def test_target_build_is_deterministic_for_a_seed(tmp_path, monkeypatch):
     import dataclasses
 
@@ -191,6 +194,7 @@ def test_waiting_for_another_process_building_the_target_is_never_silent(tmp_pat
     assert lines[-1] == out and any(str(x).startswith("[target build] done waiting") for x in lines)
 
 
+@pytest.mark.engine
 def test_an_interrupted_target_build_resumes_from_its_last_checkpoint_to_the_same_weights(tmp_path, monkeypatch):
     """Ctrl-C (here: raised where the build logs its step 4 of 6, just after the checkpoint there) keeps
     the checkpoint in the build's temporary folder; the next build trains only steps 5 and 6 and ends

@@ -16,6 +16,8 @@ from draftsmith.emulator import running
 from test_generate_e2e import MODEL, assert_whole_and_unique, billed, emu_config, generate, prompt_keys, \
     prompts_file, saved
 
+pytestmark = pytest.mark.emulator
+
 
 # a loaded 2-core box may take seconds to answer: a read timeout here would be a real failure
 PATIENT = dict(request_timeout_s=60.0)
@@ -141,6 +143,7 @@ def test_an_in_flight_402_throttles_and_a_credits_402_stops(tmp_path):
         assert sorted(billed(emu).elements()) == sorted(keys[x["sample_id"]] for x in rows)
 
 
+@pytest.mark.notebook
 def test_the_notebook_parameter_stops_stage_02_in_an_outage_and_says_so(tmp_path, api_key_file):
     """`draftsmith run 02 -p outage_limit_s 1` against an emulator whose router is down: the stage
     fails with the outage message, nothing is written off, and the manifest says why it stopped."""

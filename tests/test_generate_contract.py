@@ -30,6 +30,8 @@ from test_generate_e2e import assert_whole_and_unique, billed, emu_config, promp
 from test_generate_e2e import generate as emu_generate
 from test_generate_e2e import saved as emu_saved
 
+pytestmark = pytest.mark.emulator
+
 MODEL = "moonshotai/kimi-k2.5"
 PRICE_IN, PRICE_OUT = 0.5e-6, 2.0e-6
 SEED_PARAMS = ["max_tokens", "temperature", "top_p", "seed", "reasoning", "stop"]

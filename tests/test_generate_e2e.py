@@ -31,6 +31,8 @@ from draftsmith.paths import Run
 
 from conftest import stage_02_at, wait_until
 
+pytestmark = pytest.mark.emulator
+
 MODEL = "moonshotai/kimi-k2.5"
 CONTRACT = {"sample_id", "dataset", "messages", "content", "reasoning", "finish_reason", "native_finish_reason",
             "provider", "model", "generation_id", "usage", "request", "attempts", "latency_s"}
@@ -321,6 +323,7 @@ PACED = {"time_scale": 1.0, "synthetic_tokens": 20, "fault_scale": 0.0, "credits
                         "tokens_per_s": {"median": 60.0, "sigma": 0.3}, "capacity": 1000}]}
 
 
+@pytest.mark.crash
 @pytest.mark.parametrize("sig,in_loop", [(signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGINT, True)])
 def test_a_signal_stops_cleanly_and_a_rerun_finishes(tmp_path, sig, in_loop):
     """SIGTERM to a script; SIGINT (a notebook's interrupt) while called from inside a running event
@@ -346,6 +349,7 @@ def test_a_signal_stops_cleanly_and_a_rerun_finishes(tmp_path, sig, in_loop):
         assert len(rows) == 120 and rows[:len(first)] == first
 
 
+@pytest.mark.crash
 def test_kill_9_at_random_moments_then_resume_pays_twice_only_for_in_flight(tmp_path):
     """Three kill -9s at random moments, then a run to completion: every sample id exactly once,
     and the only prompts the ledger billed twice were in flight (billed, not yet saved) at a kill."""
@@ -469,6 +473,7 @@ def test_a_balance_for_a_tenth_of_the_slots_is_spent_down_to_the_floor(tmp_path)
         assert sorted(billed(emu).elements()) == sorted(keys[x["sample_id"]] for x in rows)  # nothing paid is lost
 
 
+@pytest.mark.crash
 def test_an_interrupt_asks_the_cost_of_lost_answers_for_seconds_and_counts_the_rest_at_their_worst(tmp_path):
     """The stop button (SIGINT) while answers lost to hung streams wait for /generation to know their
     cost (here it would take minutes): the session ends within seconds, those bills counted at

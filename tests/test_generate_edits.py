@@ -23,6 +23,8 @@ from draftsmith.tokens.responses import read_responses as stage_03_reads
 
 from conftest import stage_02_at
 
+pytestmark = pytest.mark.emulator
+
 MODEL = "moonshotai/kimi-k2.5"
 FAST = dict(balance_poll_s=0.2, backoff_base_s=0.02, backoff_cap_s=0.3, request_timeout_s=5.0, stop_grace_s=5.0)
 SMOKE = str(Path(__file__).resolve().parents[1] / "params" / "smoke.yaml")

@@ -4,6 +4,10 @@ from test_generate_e2e import emu_config, generate, prompts_file
 
 from draftsmith.emulator import running
 
+import pytest
+
+pytestmark = pytest.mark.emulator
+
 
 def test_a_dataset_that_runs_out_of_prompts_says_so_and_one_at_its_budget_does_not(tmp_path):
     few = prompts_file(tmp_path / "few.jsonl", 3, "few")

@@ -4,6 +4,10 @@ import random
 
 from draftsmith.openrouter.retry import Aimd, backoff_delay
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 
 def test_backoff_grows_with_jitter_and_cap():
     rng = random.Random(0)

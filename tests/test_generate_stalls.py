@@ -16,6 +16,8 @@ from draftsmith.emulator import read_ledger, running
 from draftsmith.generate import stage
 from draftsmith.paths import Run
 
+pytestmark = pytest.mark.emulator
+
 FAST = dict(balance_poll_s=0.2, backoff_base_s=0.02, backoff_cap_s=0.2, recovery_patience_s=30.0)
 TARGET = "tiny-test"   # built in seconds (the notebook's default, tiny, takes minutes)
 STALL_S = 60.0      # how long a stalled provider keeps the connection alive (the emulator's `stall_s`)

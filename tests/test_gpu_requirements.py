@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.network_resolver
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = "requirements/common.txt"
 GPU_FILES = sorted(f"requirements/{p.name}" for p in (ROOT / "requirements").glob("gpu*.txt"))

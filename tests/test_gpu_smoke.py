@@ -17,6 +17,8 @@ import pytest
 
 from draftsmith import node_preflight as npf
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_smoke.py"
 

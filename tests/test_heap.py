@@ -12,6 +12,8 @@ import pytest
 
 from draftsmith import heap
 
+pytestmark = pytest.mark.unit
+
 CHILD = """
 import json, resource
 from draftsmith import heap

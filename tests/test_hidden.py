@@ -28,7 +28,7 @@ from draftsmith.targets.checkpoint import load_target
 from conftest import stage_config, wait_until
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
 
 def write_tokens(path: Path, tokenizer, n: int, seed: int, dataset: str, excluded: int = 0) -> list[dict]:
@@ -125,6 +125,7 @@ def test_fp8_storage_reads_back_close_in_about_half_the_bytes(tiny_target, token
     assert b["bytes"] < 0.62 * a["bytes"]
 
 
+@pytest.mark.engine
 def test_two_rank_torchrun_gives_the_same_samples_as_one_process(tiny_target, tokens, tmp_path):
     """nproc_per_node 2 (what notebook 04 passes): `stage.run` launches two torchrun ranks that read
     their settings from the one config file it writes."""
@@ -146,6 +147,7 @@ def test_two_rank_torchrun_gives_the_same_samples_as_one_process(tiny_target, to
         torch.testing.assert_close(a.sample(i)["aux"], b.sample(pos[k])["aux"], rtol=2 ** -7, atol=1e-4)
 
 
+@pytest.mark.engine
 def test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun(tiny_target, tokens, tmp_path):
     """kill -9 of one worker: torchrun fails, `launch` starts it again, the second run keeps the whole
     shards and redoes the rest: every sample once, as one process writes them."""
@@ -179,6 +181,7 @@ def test_a_rank_killed_mid_run_is_redone_by_a_fresh_torchrun(tiny_target, tokens
     assert not list(out.glob("*.tmp"))
 
 
+@pytest.mark.engine
 def test_a_failed_torchrun_says_what_the_ranks_said_not_only_torchruns_own_traceback(tiny_target, tmp_path):
     missing = tmp_path / "no-such-tokens.jsonl"
     with pytest.raises(RuntimeError) as e:
@@ -193,6 +196,7 @@ def shard_files(d: Path) -> list[Path]:
     return sorted(d.glob("shard-*.safetensors"))
 
 
+@pytest.mark.crash
 @pytest.mark.timeout(1800)  # an extraction, killed, then a whole one with its check: slow on a loaded box
 def test_kill_mid_run_then_rerun_has_every_sample_once_and_no_torn_shard(tiny_target, target_tokenizer, tmp_path):
     files = [tmp_path / "many.jsonl"]
@@ -318,6 +322,7 @@ def test_batches_are_longest_first_under_the_token_limit_and_shards_cover_each_o
     assert all(sum(lengths[i] for b in s for i in b) <= 5000 or len(s) == 1 for s in planned)
 
 
+@pytest.mark.notebook
 def test_notebook_04_extracts_checks_and_plots(tiny_target, tokens, tmp_path):
     from draftsmith import cli
 

@@ -25,6 +25,8 @@ from draftsmith.targets.vllm import rms_norm
 
 from test_hidden import write_tokens
 
+pytestmark = pytest.mark.engine
+
 FAULTS = {  # fault -> words the check's likely cause must contain
     "final state one layer early": "not the one the engine's lm_head reads",
     "post-norm state stored as pre-norm": "before the final norm",

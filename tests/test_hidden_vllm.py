@@ -29,6 +29,8 @@ from draftsmith.hidden.outputs import INDEX, HiddenShards
 
 from test_hidden import keys_of, shard_files, write_tokens
 
+pytestmark = pytest.mark.engine
+
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = layers.default_layer_ids(8)  # output ids [1, 3, 4] = vLLM ids [2, 4, 5], plus 8 for `last`
 # vLLM computes in bf16 (8 significant bits), the reference in float32. The error moves from run to

@@ -8,6 +8,10 @@ import json
 from draftsmith import cli
 from draftsmith.imports import answered, parse_imports, to_raw
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 PROMPT = [{"role": "user", "content": "What is 2+2?"}]
 
 

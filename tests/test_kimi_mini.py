@@ -20,7 +20,7 @@ from draftsmith.targets.checkpoint import load_target, target_config, target_ten
 
 # The first test to ask for the targets builds them when the cache has none (minutes on two cores),
 # and the chain's first test runs the whole chain: pytest-timeout counts fixtures in the test's time.
-pytestmark = pytest.mark.timeout(2400)
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
 
 REPO = Path(__file__).resolve().parents[1]
 BF16_TOLERANCE = 0.02  # relative error per captured layer: bf16 storage and vLLM's bf16 compute vs fp32

@@ -14,6 +14,10 @@ from draftsmith import cli
 from draftsmith.datasets import parse_datasets
 from draftsmith.providers import stage as stage_01
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = REPO / "params" / "kimi-k2.5.yaml"
 

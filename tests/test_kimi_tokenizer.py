@@ -8,6 +8,8 @@ import pytest
 from draftsmith.targets.kimi_mini import (ADDITIONAL_SPECIAL_TOKENS, NAMED_TOKENS, NUM_RANKS, VOCAB_SIZE,
                                           write_tokenizer_files)
 
+pytestmark = pytest.mark.unit
+
 MARKERS = set(range(163595, 163600))  # the tool-call markers
 
 
@@ -371,6 +373,7 @@ def test_without_a_count_reasoning_that_meets_a_tool_call_is_taken_as_closed_and
 
 # ---- the emulator bills with it; stage 03 rebuilds what it served ---------------------------------
 
+@pytest.mark.emulator
 def test_emulator_bills_with_a_tiktoken_tokenizer_and_stage_03_rebuilds_its_ids(tmp_path, kimi_dir):
     from draftsmith import generate
     from draftsmith.config import GenerateConfig

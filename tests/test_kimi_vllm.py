@@ -16,6 +16,8 @@ import torch
 from draftsmith.targets import vllm_fixes
 from draftsmith.targets.vllm_capture import gpu_only_line
 
+pytestmark = pytest.mark.engine
+
 REPO = Path(__file__).resolve().parents[1]
 IM_END = 163586
 WNA16 = "No WNA16 MoE backend supports the deployment configuration."

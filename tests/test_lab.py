@@ -19,6 +19,10 @@ from conftest import free_port, get_json, wait_until
 
 from draftsmith import cli, parameters
 
+import pytest
+
+pytestmark = pytest.mark.notebook
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -16,6 +16,8 @@ from draftsmith.paths import Run
 from draftsmith.providers import logprobs, outputs, stage
 from draftsmith.targets.checkpoint import resolve_target
 
+pytestmark = pytest.mark.emulator
+
 TARGET = "tiny-test"
 
 
@@ -182,6 +184,7 @@ def test_one_provider_apart_from_the_others_is_named_not_the_engine(probed, tmp_
     assert r.cause.startswith(odd) and "serves other weights" in r.cause
 
 
+@pytest.mark.engine
 def test_vllms_bf16_engine_passes_the_reference_gate_on_the_clean_target(probed, tmp_path):
     """The engine the gate is for: vLLM's CPU build in bf16, its prompt logprobs on the probe's ids,
     against the emulator's float32 logprobs: inside the bounds, yet not equal (a real comparison)."""

@@ -28,7 +28,7 @@ from draftsmith.targets.corpus import chat_examples
 
 from conftest import free_port, stage_config, write_token_rows
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("one_thread")]
 
 # One node: the call notebook 04 or 05 makes, on one of `nnodes` (default 2).
 NODE = """

@@ -15,6 +15,8 @@ import pytest
 
 from draftsmith import node_preflight as npf
 
+pytestmark = pytest.mark.unit
+
 GPU_Q = """GPU 00000000:{bus}:00.0
     Product Name                          : NVIDIA RTX PRO 6000 Blackwell Server Edition
     Minor Number                          : {minor}

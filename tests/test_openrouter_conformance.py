@@ -17,7 +17,7 @@ from draftsmith.emulator import running
 
 MODEL = "moonshotai/kimi-k2.5"
 # /key still carries two fields the SDK marks deprecated (rate_limit, is_provisioning_key): required, so sent
-pytestmark = pytest.mark.filterwarnings("ignore:.*DEPRECATED.*:DeprecationWarning")
+pytestmark = [pytest.mark.emulator, pytest.mark.filterwarnings("ignore:.*DEPRECATED.*:DeprecationWarning")]
 
 # the SDK's model for each error status of POST /chat/completions (as its chat.send maps them)
 ERROR_MODELS = {400: errors.BadRequestResponseErrorData, 401: errors.UnauthorizedResponseErrorData,

@@ -10,6 +10,10 @@ import re
 
 from draftsmith.paths import REPO_ROOT
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 LIB = REPO_ROOT / "src" / "draftsmith"
 
 # file name -> the modules (under src/draftsmith) allowed to name it, in stage order

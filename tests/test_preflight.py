@@ -11,6 +11,8 @@ import yaml
 from draftsmith import cli
 from draftsmith.paths import REPO_ROOT
 
+pytestmark = pytest.mark.unit
+
 SMOKE = str(REPO_ROOT / "params" / "smoke.yaml")
 CODE = REPO_ROOT / "data" / "demo" / "code.jsonl"
 

@@ -10,6 +10,8 @@ from draftsmith.openrouter.budget import SpendBudget
 from draftsmith.emulator import running
 from draftsmith.openrouter.pricing import below_native, routed
 
+pytestmark = pytest.mark.emulator
+
 MODEL = "moonshotai/kimi-k2.5"
 
 

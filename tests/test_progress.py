@@ -15,6 +15,10 @@ from draftsmith.emulator import running
 from draftsmith.progress import Progress
 from draftsmith.targets import tiny
 
+import pytest
+
+pytestmark = pytest.mark.emulator
+
 
 def notebook_bars(monkeypatch) -> list:
     """Make Progress draw Jupyter's widget bar (as in Lab) and collect each bar it draws."""

@@ -15,6 +15,8 @@ from draftsmith.providers import outputs, probe, stage
 from draftsmith.openrouter import pricing
 from draftsmith.openrouter.api import Api, ApiError
 
+pytestmark = pytest.mark.emulator
+
 MODEL = "moonshotai/kimi-k2.5"
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -129,6 +131,7 @@ def test_api_retries_faults_and_stops_on_permanent_errors(tmp_path):
         assert e.value.status == 400
 
 
+@pytest.mark.notebook
 def test_stage_01_end_to_end_excludes_fp4_and_flags_the_perturbed_provider(tmp_path, api_key_file):
     """`draftsmith run 01` on the smoke params: the emulator serves the tiny target (model backend),
     the policy drops nvfp4/fp4/down/unknown, the probe catches the provider with noisy weights."""

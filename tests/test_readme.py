@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 SEPARATORS = {"|", "||", "&&", ";", "&"}
 PREFIXES = {"time", "nice", "env", "sudo", "exec"}

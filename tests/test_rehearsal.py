@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.notebook
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import rehearsal  # noqa: E402
 

@@ -9,6 +9,10 @@ import pandas as pd
 
 from draftsmith.evaluate import figures, results
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 
 def _two(x) -> str:
     return f"{x:.2f}"

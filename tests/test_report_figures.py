@@ -13,6 +13,8 @@ from draftsmith import tokens
 from draftsmith.drafter import figures as drafter_figures
 from draftsmith.evaluate import figures
 
+pytestmark = pytest.mark.unit
+
 matplotlib.use("Agg")
 
 

@@ -11,6 +11,10 @@ from draftsmith.paths import REPO_ROOT, Run
 from draftsmith.report import write_report
 from draftsmith.targets.tiny import BUILD_LOG
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 
 def executed(run: Run, outputs: list) -> None:
     nb = nbformat.v4.new_notebook()

@@ -24,6 +24,8 @@ from draftsmith.emulator.config import load_config
 
 from conftest import wait_until
 
+pytestmark = pytest.mark.notebook
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("draftsmith"))
 MODEL = "moonshotai/kimi-k2.5"
@@ -200,6 +202,7 @@ def test_a_rerun_with_another_max_tokens_is_refused_naming_the_difference(tmp_pa
     assert man["settings"]["code"]["max_tokens"] == man["settings"]["chat"]["max_tokens"] == 16
 
 
+@pytest.mark.unit
 def test_each_changed_setting_is_named_and_a_template_that_cannot_be_read_is_not_compared(tmp_path):
     from draftsmith.generate.stage import chat_template_id, changes, data_settings
 

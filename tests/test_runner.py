@@ -13,6 +13,8 @@ from draftsmith.paths import NOTEBOOKS_DIR, REPO_ROOT
 
 from conftest import wait_until
 
+pytestmark = pytest.mark.unit
+
 PARAMS = sorted((REPO_ROOT / "params").glob("*.yaml"))
 
 
@@ -158,6 +160,7 @@ def test_the_library_takes_its_defaults_and_bounds_without_the_notebooks_folder(
     assert "concurrency must be at least 1" in r.stderr
 
 
+@pytest.mark.notebook
 def test_runner_passes_only_declared_parameters_with_absolute_paths(toy_stages, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     f = tmp_path / "p.yaml"
@@ -174,6 +177,7 @@ def test_runner_passes_only_declared_parameters_with_absolute_paths(toy_stages, 
     assert "first done 5" in report and "Path(outputs_dir" not in report  # outputs shown, inputs hidden
 
 
+@pytest.mark.notebook
 def test_a_failing_stage_names_the_notebook_and_cell(toy_stages, tmp_path):
     values = parameters.effective_params(toy_stages, None, [("run_name", "r2"), ("outputs_dir", str(tmp_path)),
                                                          ("flag", "true")])
@@ -184,6 +188,7 @@ def test_a_failing_stage_names_the_notebook_and_cell(toy_stages, tmp_path):
     assert (tmp_path / "r2" / "notebooks" / "02_second.ipynb").exists()
 
 
+@pytest.mark.notebook
 def test_on_several_nodes_each_node_keeps_its_own_executed_notebook_and_log(tmp_path, monkeypatch):
     """nnodes > 1: the same command on every node, one shared run folder; each node's executed
     notebook and log carry its host name, and the run's report shows them all."""
@@ -267,6 +272,7 @@ def test_an_unwritable_outputs_folder_is_one_line_not_a_traceback(tmp_path, caps
     assert "Traceback" not in err
 
 
+@pytest.mark.notebook
 def test_a_failing_stage_points_to_its_traceback_in_the_log_with_the_same_cell_number(
         toy_stages, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(parameters, "discover", lambda: toy_stages)
@@ -288,6 +294,7 @@ def test_a_failing_stage_points_to_its_traceback_in_the_log_with_the_same_cell_n
     assert "assert not flag" in source.cells[4 - 1].source  # cell 4 as the notebook shows it
 
 
+@pytest.mark.notebook
 def test_ctrl_c_stops_the_run_with_one_line_and_exit_130(toy_stages, tmp_path):
     import os
     import signal

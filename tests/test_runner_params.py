@@ -10,6 +10,8 @@ import yaml
 from draftsmith import cli, config, parameters
 from draftsmith.paths import REPO_ROOT
 
+pytestmark = pytest.mark.unit
+
 PARAMS = sorted((REPO_ROOT / "params").glob("*.yaml"))
 
 # What every stage of `make demo` ran on at commit 0fec386, when params/demo.yaml restated 76 keys:

@@ -12,6 +12,10 @@ import psutil
 
 from conftest import wait_until
 
+import pytest
+
+pytestmark = pytest.mark.notebook
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -16,6 +16,10 @@ import pkgutil
 import draftsmith
 from draftsmith import parameters
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 
 def _package(module_name: str) -> str:
     parts = module_name.split(".")

@@ -24,6 +24,8 @@ from test_tokens_stage import stage_03
 
 from conftest import stage_02_at
 
+pytestmark = pytest.mark.unit
+
 SPECS = [{"name": "code", "path": "unused"}, {"name": "chat", "path": "unused"}, {"name": "legacy", "path": "unused"}]
 
 
@@ -243,6 +245,7 @@ def test_source_reaches_the_hidden_index_and_the_drafters_report(merged, tiny_ta
     assert all(0 <= by[k]["acc_i"][0] <= 1 and per[k]["heldout"] == by[k] for k in by)
 
 
+@pytest.mark.emulator
 def test_stage_02_does_not_ask_for_prompts_an_import_answers(tmp_path, target_tokenizer):
     """The import file doubles as `legacy`'s prompt file: nothing of it is requested. `chat` has its
     own prompt file, two of whose prompts an import answers (matched by prompt, no shared ids)."""

@@ -9,6 +9,8 @@ from draftsmith.files import repair_tail
 from draftsmith.paths import Run
 from draftsmith.generate.outputs import DatasetStore, Manifest
 
+pytestmark = pytest.mark.unit
+
 
 def line(sid, tokens=10, cost=0.001, provider="P", finish="stop"):
     return json.dumps({"sample_id": sid, "dataset": "d", "content": "x", "finish_reason": finish, "provider": provider,

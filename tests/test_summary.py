@@ -16,6 +16,8 @@ from draftsmith.report import write_report
 from draftsmith.summary import Verdict
 from draftsmith.evaluate import results
 
+pytestmark = pytest.mark.unit
+
 TITLES = ["01_providers", "02_generate", "03_validate_tokens", "04_hidden_states", "05_train_drafter", "06_evaluate"]
 
 

@@ -9,6 +9,10 @@ import pandas as pd
 
 from draftsmith import tables
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 
 def cells(html: str) -> list[str]:
     return [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>.*?</td>", html, re.S)]

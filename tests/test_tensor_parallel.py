@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 USER_EXPORTS = ("VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING")
 STEP = 128  # tokens a step: the smoke run's samples are a few hundred tokens, so the check's sample crosses
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(1200)]
 
 
 def draftsmith(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -1,33 +1,24 @@
-"""The test tiers hold: every test file and every single test conftest's TIERS names exists and has a
-tier pyproject.toml registers, and `pytest -m TIER` collects its tier's tests without importing the
-files of the others (they import torch, vLLM, the notebooks' machinery)."""
+"""The test tiers hold: every test file declares its tier (`pytestmark`), each a tier pyproject.toml
+registers, and `pytest -m TIER` collects its tier's tests without importing the files of the others
+(they import torch, vLLM, the notebooks' machinery); a test marked apart is in its own tier only."""
 
-import ast
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
-from conftest import REPO, TIERS
+import pytest
+from conftest import REPO, TIER_NAMES, declared_tiers
+
+pytestmark = pytest.mark.unit
 
 TESTS = REPO / "tests"
+FILES = sorted(TESTS.glob("test_*.py"))
 
 
-def defined_tests(path: Path) -> set[str]:
-    return {node.name for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")}
-
-
-def test_every_test_file_and_each_test_named_apart_has_a_registered_tier():
-    registered = {line.split(":")[0] for line in tomllib.loads((REPO / "pyproject.toml").read_text())
-                  ["tool"]["pytest"]["ini_options"]["markers"]}
-    files = {p.name for p in TESTS.glob("test_*.py")}
-    assert files - TIERS.keys() == set(), "test files without a tier in tests/conftest.py TIERS"
-    for key, tier in TIERS.items():
-        file, _, test = key.partition("::")
-        assert file in files, f"TIERS names {file}, which is not in tests/"
-        assert not test or test in defined_tests(TESTS / file), f"TIERS names {key}, which is not a test there"
-        assert tier in registered, f"{key}: tier {tier!r} is not among pyproject.toml's markers"
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_test_file_declares_a_registered_tier(path: Path):
+    file_tier, _ = declared_tiers(path)
+    assert file_tier in TIER_NAMES, f"{path.name}: no `pytestmark = pytest.mark.TIER` after its imports (tiers: {TIER_NAMES})"
 
 
 def collect(marks: str) -> tuple[list[str], str]:
@@ -42,15 +33,16 @@ def collect(marks: str) -> tuple[list[str], str]:
 
 
 def test_a_tier_collects_its_tests_and_imports_no_file_of_the_other_tiers():
-    ids, torch = collect("network-resolver")
-    file = next(f for f, tier in TIERS.items() if tier == "network-resolver")
-    assert ids and {i.split("::")[0] for i in ids} == {f"tests/{file}"}
-    assert {i.split("::")[1].split("[")[0] for i in ids} == defined_tests(TESTS / file)
+    ids, torch = collect("network_resolver")
+    files = [p for p in FILES if declared_tiers(p)[0] == "network_resolver"]
+    assert len(files) == 1 and {i.split("::")[0] for i in ids} == {f"tests/{files[0].name}"}
     assert torch == "torch imported: False"
 
 
-def test_tests_named_apart_are_collected_in_their_own_tier_and_not_in_their_files():
-    named = {key for key, tier in TIERS.items() if tier == "crash"}
-    assert named and all("::" in key and TIERS[key.split("::")[0]] != "crash" for key in named)
+def test_tests_marked_apart_are_collected_in_their_own_tier_and_not_in_their_files():
+    named = {f"{p.name}::{test}" for p in FILES for test, tier in declared_tiers(p)[1].items() if tier == "crash"}
+    assert named and all(declared_tiers(TESTS / key.split("::")[0])[0] != "crash" for key in named)
     crash, _ = collect("crash")
     assert {i[len("tests/"):].split("[")[0] for i in crash} == named
+    emulator, _ = collect("emulator")
+    assert not named & {i[len("tests/"):].split("[")[0] for i in emulator}

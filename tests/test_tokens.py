@@ -11,6 +11,8 @@ from draftsmith.tokens import Reconstructor, Response, Thresholds
 
 from conftest import stage_config
 
+pytestmark = pytest.mark.unit
+
 _03 = stage_config("03")
 DECLARED = Thresholds(_03.sample_tolerance, _03.min_clean_rate, _03.max_relative_error)
 

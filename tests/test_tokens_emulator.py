@@ -22,6 +22,8 @@ from test_tokens_stage import stage_03
 
 from conftest import stage_02_at
 
+pytestmark = pytest.mark.emulator
+
 FULL = os.environ.get("DRAFTSMITH_TOKENS_FULL") == "1"
 INT4 = {"quantizations": ["int4", "unknown"]}
 

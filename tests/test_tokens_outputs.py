@@ -7,6 +7,8 @@ import pytest
 from draftsmith.paths import Run
 from draftsmith.tokens import read_report, read_tokens, token_files
 
+pytestmark = pytest.mark.unit
+
 
 def test_bad_token_lines_are_errors_naming_file_and_line(tmp_path):
     ok = {"sample_id": "a", "dataset": "d", "input_ids": [0, 5, 1], "loss_mask": [0, 1, 1]}

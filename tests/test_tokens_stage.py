@@ -16,6 +16,8 @@ from draftsmith.paths import Run
 
 from conftest import stage_config
 
+pytestmark = pytest.mark.unit
+
 PROVIDERS = ("Clean", "Strip", "OtherTok", "Split", "Trunc", "Drop")
 EXPECTED_CAUSE = {"Strip": "stripped_whitespace", "OtherTok": "other_tokenizer", "Split": "non_canonical_split",
                   "Trunc": "truncated_reasoning", "Drop": "dropped_reasoning"}

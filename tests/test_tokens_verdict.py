@@ -7,6 +7,10 @@ from test_tokens_stage import SPECS, stage_03, synthetic_rows, synthetic_run, wr
 from draftsmith import tokens
 from draftsmith.paths import Run
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 
 def verdict_line(report: dict) -> str:
     [line] = [x for x in tokens.summary(report).splitlines() if x.startswith("verdict:")]

@@ -9,6 +9,8 @@ import pytest
 
 from draftsmith.targets import vllm_fixes
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def cuda_platform(monkeypatch):
