@@ -202,7 +202,7 @@ PROBE_ENV = {"DRAFTSMITH_ENGINE_PROBE": "stage 06"}
 def test_every_engine_row_of_the_report_and_the_summary_names_the_runner_that_ran(engine_only_report, custom_run):
     """vllm_model_runner (v1 by default) reaches every engine; each records the runner class its
     worker held, and the engine_env its worker read, in the report and the run's summary."""
-    from draftsmith.evaluate import outputs as evaluate_outputs
+    from draftsmith.evaluate import results as evaluate_results
     from draftsmith.paths import Run
 
     for part in (engine_only_report["engine"], engine_only_report["benchmarks"]["engine"]):
@@ -212,7 +212,7 @@ def test_every_engine_row_of_the_report_and_the_summary_names_the_runner_that_ra
         for t in part["temperatures"].values():
             assert all(m["model_runner"] == "v1" and m["model_runner_class"] for m in t["methods"].values())
     assert set(engine_only_report["engine"]["engines"]) == {"none", "ngram", "eagle3 50%", "eagle3", "dflash"}
-    numbers, _, figures, _ = evaluate_outputs.verdict(Run(custom_run.parent, custom_run.name), "eval")
+    numbers, _, figures, _ = evaluate_results.verdict(Run(custom_run.parent, custom_run.name), "eval")
     assert {(e.method, e.prompt_sets, e.model_runner) for e in numbers.engines} == {
         *((m, "held-out", "v1") for m in ("none", "ngram", "eagle3 50%", "eagle3", "dflash")),
         *((m, "benchmarks", "v1") for m in ("none", "ngram", "eagle3", "dflash"))}

@@ -1,6 +1,7 @@
 """The run summary: one line per stage that ran, its verdict and the figures that decide it.
 
-Each stage says its own verdict, beside its files: `<stage>/outputs.verdict(run, anchor)` reads
+Each stage says its own verdict, beside its files: `<stage>/outputs.verdict(run, anchor)` (stage 06:
+`evaluate/results.verdict`, beside what its numbers mean) reads
 them (providers/summary.json, generate/manifest.json, tokens/report.json, hidden/check.json,
 drafter/summary.json, eval/report.json) and returns its numbers, verdict, figures and notes in the
 words of `draftsmith.verdicts`; this module only assembles them with each stage's executed notebook
@@ -157,12 +158,13 @@ class Summary:
 
 
 def _verdicts() -> dict:
-    """The stage notebooks' titles -> each stage's own `outputs.verdict(run, anchor)`: the stage's
+    """The stage notebooks' titles -> each stage's own `verdict(run, anchor)` (beside its files, in its
+    `outputs`; stage 06's beside what its numbers mean, `evaluate.results`): the stage's
     numbers, verdict, figures and notes from its files (Unreadable when they are missing or damaged).
     A notebook of another name is summed up from its executed notebook alone (time, and whether a
     cell failed)."""
     from .drafter import outputs as drafter
-    from .evaluate import outputs as evaluate
+    from .evaluate import results as evaluate
     from .generate import outputs as generate
     from .hidden import outputs as hidden
     from .providers import outputs as providers

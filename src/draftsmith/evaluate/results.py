@@ -19,7 +19,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import pandas as pd
 
 from ..files import write_text_atomic
 from ..paths import Run
+from ..verdicts import Figure, Note, Reason, Verdict, read_file
 from .outputs import read_report, results_csv_path
 
 PUBLISHED = "published (model card)"
@@ -388,3 +389,83 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---- the stage's verdict, for the run summary (`draftsmith.summary` assembles the stages') ----
+
+def _length(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+@dataclass
+class EngineRan:
+    method: str                         # the engine's method (none, ngram, an export)
+    prompt_sets: str                    # "held-out" or "benchmarks": each set of prompts has its engines
+    model_runner: str | None            # v1 or v2; where the engine did not start, the one asked for
+    model_runner_class: str | None      # the runner's class as the worker held it; None: it did not start
+    started: bool
+
+
+@dataclass
+class EvalNumbers:
+    source: str                         # "vllm" (the engine's counters) or "decoder" (ours, eval_backend hf)
+    drafter: str                        # the method measured as "the drafter"
+    rows: list[Headline]                # the final drafter, n-gram and no drafter per prompt set and T
+    engines: list[EngineRan] = field(default_factory=list)  # every vLLM engine of the report (none: no vLLM)
+    engine_env: dict = field(default_factory=dict)          # the job's engine settings as the engines held them
+    disable_custom_all_reduce: bool | None = None
+    kv_cache_dtype: str | None = None
+    headline: RunHeadline | None = None     # the run's headline (`run_headline`)
+
+
+def _pm(x: float | None, se: float | None) -> str:
+    """An acceptance length with its standard error: `1.76 ± 0.05`."""
+    return _length(x) + ("" if x is None or se is None else f" ± {se:.2f}")
+
+
+def _count(prompts: int | None) -> str:
+    return "" if prompts is None else f" ({prompts} prompt{'s' * (prompts != 1)})"
+
+
+def verdict(run: Run, anchor: str):
+    """Stage 06's line of the run summary from eval/report.json: (EvalNumbers, verdict, figures, notes);
+    failed when the drafter changed greedy outputs or nothing was measured."""
+    r = read_file(run, read_report, run)
+    n = EvalNumbers("vllm" if r.get("engine") else "decoder", "eagle3", headlines(results(r)),
+                    headline=run_headline(r))
+    parts = [("held-out", r.get("engine")), ("benchmarks", (r.get("benchmarks") or {}).get("engine"))]
+    n.engines = [EngineRan(name, where, e.get("model_runner"), e.get("model_runner_class"), bool(e.get("started")))
+                 for where, part in parts if part for name, e in (part.get("engines") or {}).items()]
+    if r.get("engine"):
+        n.engine_env = r["engine"].get("engine_env") or {}
+        n.disable_custom_all_reduce = r["engine"].get("disable_custom_all_reduce")
+        n.kv_cache_dtype = r["engine"].get("kv_cache_dtype")
+    engines = ([Figure(f"vLLM engines ({where}): " + ", ".join(
+        f"{e.method} {e.model_runner or '?'} ({e.model_runner_class if e.started else 'did not start'})"
+        for e in n.engines if e.prompt_sets == where), anchor) for where in ("held-out", "benchmarks")
+        if any(e.prompt_sets == where for e in n.engines)] +
+        ([Figure(f"engine settings: engine_env {' '.join(f'{k}={v}' for k, v in n.engine_env.items()) or 'none'}, "
+                 f"custom all-reduce {'off' if n.disable_custom_all_reduce else 'on'}, KV cache {n.kv_cache_dtype}",
+                 anchor)] if n.kv_cache_dtype is not None else []))
+    figures = engines + [Figure(f"{row.prompt_set} T={row.temperature:g}: acceptance {_pm(row.drafter, row.drafter_se)}"
+                                f"{_count(row.drafter_prompts)} vs ngram {_pm(row.ngram, row.ngram_se)}, none "
+                                f"{_length(row.no_drafter)}" + ("" if row.lossless is None else
+                                                             ", lossless" if row.lossless else ", NOT lossless"), anchor)
+                         for row in n.rows]
+    notes = []
+    lossy = sorted({f"T={row.temperature:g}" for row in n.rows if row.lossless is False})
+    if lossy:
+        notes.append(Note(Reason.NOT_LOSSLESS, f"the drafter's outputs differ from no drafter's at {', '.join(lossy)}: "
+                          f"speculative decoding must not change greedy outputs"))
+    for row in n.rows:
+        v = row.versus_ngram()
+        if v and v[0] == Versus.BELOW:
+            gap, margin = v[1], v[2]
+            notes.append(Note(Reason.BELOW_NGRAM, f"the drafter is below ngram beyond noise on {row.prompt_set} "
+                              f"T={row.temperature:g}: {_length(row.drafter)} vs {_length(row.ngram)}, gap {gap:+.2f}"
+                              + (f" (beyond 2 standard errors of the difference, {margin:.2f})" if margin is not None
+                                 else " (no standard error recorded: any gap counts)")))
+    if not n.rows:
+        notes.append(Note(Reason.NOTHING_MEASURED, "no acceptance length was measured"))
+    outcome = Verdict.FAILED if lossy or not n.rows else Verdict.WARNING if notes else Verdict.OK
+    return n, outcome, figures, notes

@@ -402,11 +402,21 @@ _GENERATE_OK = ("finished", "nothing_to_do")
 _GENERATE_FAILED = ("fatal", "write_error", "no_room", "killed")
 
 
+def prompt_edits_line(record: dict | None) -> str | None:
+    """What the prompt files changed, from a session's record of its comparison (`prompt_edits.as_record`:
+    counts per dataset), as stage 02's line says it: "N reworded (asked again), M removed, K added; J
+    answers set aside"; None when no answer was set aside or is to be (nothing reworded or removed)."""
+    edits = list((record or {}).values())
+    if not any(e.get("reworded") or e.get("removed") or e.get("set_aside") for e in edits):
+        return None
+    total = lambda f: sum(e.get(f, 0) for e in edits)  # noqa: E731
+    return (f"{total('reworded')} reworded (asked again), {total('removed')} removed, {total('added')} added; "
+            f"{total('set_aside')} answers set aside")
+
+
 def verdict(run: Run, anchor: str):
     """Stage 02's line of the run summary from manifest.json and the timeline: (GenerateNumbers,
     verdict, figures, notes); failed when its last session ended in an error or nothing was saved."""
-    from . import prompt_edits   # it reads this module's files
-
     m = read_file(run, read_manifest, run)
     timeline = read_timeline(run)
     last = (m.get("sessions") or [{}])[-1]
@@ -422,7 +432,7 @@ def verdict(run: Run, anchor: str):
                       anchor)]
     figures += [Figure(f"{d.name} {d.output_tokens:,}" + (f" / {d.budget:,}" if d.budget else "") + " tokens"
                        + (" (its prompts ran out)" if ran_out and d in short else ""), anchor) for d in n.datasets]
-    edits = prompt_edits.stage_line(prompt_edits.from_record(last.get("prompt_edits")))
+    edits = prompt_edits_line(last.get("prompt_edits"))
     if edits:   # the prompt files changed since the answers were saved (its last session's comparison)
         figures.append(Figure(edits, anchor))
     notes = []

@@ -234,23 +234,6 @@ def _sync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def stage_line(edits: list[PromptEdits]) -> str | None:
-    """What the prompt files changed, over every dataset, as stage 02's line says it: "N reworded
-    (asked again), M removed, K added; J answers set aside"; None when no answer was set aside or
-    is to be (nothing reworded or removed)."""
-    if not any(e.reworded or e.removed or e.set_aside for e in edits):
-        return None
-    total = lambda f: sum(getattr(e, f) for e in edits)  # noqa: E731
-    return (f"{total('reworded')} reworded (asked again), {total('removed')} removed, {total('added')} added; "
-            f"{total('set_aside')} answers set aside")
-
-
-def from_record(record: dict) -> list[PromptEdits]:
-    """`as_record`'s counts back as PromptEdits (fields it does not know are left out)."""
-    known = set(PromptEdits.__dataclass_fields__)
-    return [PromptEdits(**{k: v for k, v in d.items() if k in known}) for d in (record or {}).values()]
-
-
 def as_record(edits: list[PromptEdits]) -> dict:
     """The manifest's record of a session's comparison: counts per dataset."""
     return {e.dataset: asdict(e) for e in edits}
