@@ -118,7 +118,7 @@ def test_ngram_against_our_prompt_lookup_is_not_comparable_and_speed_stands_besi
 def test_a_long_serving_command_is_shown_one_option_a_line_and_is_the_same_command_to_a_shell():
     import shlex
 
-    from draftsmith.evaluate.benchmarks import SHELL_WIDTH, shell_lines
+    from draftsmith.tables import SHELL_WIDTH, shell_lines
 
     command = ("python -m sglang.launch_server --model-path ~/.cache/draftsmith/targets/tiny-4dd9ea "
                "--speculative-algorithm EAGLE3 --speculative-draft-model-path drafter/eagle3 "

@@ -7,7 +7,8 @@ two-column table.
 
 What every stage's figures share: a panel with nothing to show is switched off and says "none" in
 its title (`none_panel`) rather than drawing empty axes or a flat line; a dataset has one colour in
-every stage's figures (`dataset_color`); a log axis is labelled in plain numbers (`plain_log_ticks`)."""
+every stage's figures (`dataset_color`); a log axis is labelled in plain numbers (`plain_log_ticks`); a
+long shell command is shown one option a line (`shell_lines`)."""
 
 from __future__ import annotations
 
@@ -136,3 +137,14 @@ def dataset_color(name: str, names) -> str:
     place in the sorted names, whatever order a stage meets them in."""
     ordered = sorted(set(names) | {name})
     return DATASET_COLORS[ordered.index(name) % len(DATASET_COLORS)]
+
+
+SHELL_WIDTH = 100   # a longer command is shown one option a line (`\\` continuations): whole on the page
+
+
+def shell_lines(command: str) -> str:
+    """`command` as a user copies it: one option a line with `\\` continuations where it is longer
+    than SHELL_WIDTH (the same command to a shell), else as is."""
+    if len(command) <= SHELL_WIDTH or "\n" in command:
+        return command
+    return command.replace(" --", " \\\n    --")

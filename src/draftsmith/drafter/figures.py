@@ -107,7 +107,7 @@ def serving_markdown(summary: dict, target_path: str | Path) -> str:
     """The SGLang and vLLM commands serving the target with the final export, each pointed at the
     export folder written in its own layer-id convention, drafting notebook 06's `draft_tokens`
     (the default stage 06 measures)."""
-    from ..evaluate.benchmarks import shell_lines   # one option a line: the whole command on the page
+    from ..tables import shell_lines   # one option a line: the whole command on the page
 
     final = summary["exports"][-1]["dir"]
     if summary.get("kind") == "dflash":

@@ -31,6 +31,7 @@ from ..datasets import DatasetReader, DatasetSpec
 from ..drafter.export import for_engine, serving_command
 from ..generate.outputs import read_responses
 from ..paths import Run, check_name
+from ..tables import shell_lines
 from ..targets.checkpoint import target_config
 from . import outputs
 from .methods import HeldoutPrompt
@@ -324,17 +325,6 @@ def serving_commands(export_dir: str | os.PathLike, target_path: str, bench_file
             f"# acceptance length = 1 + num_accepted_tokens_total / num_drafts_total (difference of two scrapes\n"
             f"# around the benchmark); per position: num_accepted_tokens_per_pos_total / num_drafts_total"),
     }
-
-
-SHELL_WIDTH = 100   # a longer command is shown one option a line (`\\` continuations): whole on the page
-
-
-def shell_lines(command: str) -> str:
-    """`command` as a user copies it: one option a line with `\\` continuations where it is longer
-    than SHELL_WIDTH (the same command to a shell), else as is."""
-    if len(command) <= SHELL_WIDTH or "\n" in command:
-        return command
-    return command.replace(" --", " \\\n    --")
 
 
 def serving_commands_text(serving: dict) -> str:
