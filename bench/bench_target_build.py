@@ -1,6 +1,6 @@
 """The tiny target's training steps on the CPU with glibc's default malloc thresholds (every step's
 freed logits and gradients handed back to the OS and faulted in again) and inside
-`heap.keep_freed_buffers` (as the build runs).
+`targets.tiny.keep_freed_buffers` (as the build runs).
 
 Each build is a new process, building the `tiny` variant cut to `--steps` steps; rounds alternate
 the two so both see the same box. Prints seconds per training step (after the first), the minor

@@ -1,4 +1,4 @@
-"""heap.keep_freed_buffers: freed big blocks are reused inside it, handed back to the OS outside.
+"""targets.tiny.keep_freed_buffers: freed big blocks are reused inside it, handed back to the OS outside.
 
 The faults are counted in a new Python process: in a long-lived one (the test session, after
 hundreds of tests' allocations) a free stretch of the heap can already hold a big block's pages, and
@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from draftsmith import heap
+from draftsmith.targets import tiny
 
 pytestmark = pytest.mark.unit
 
 CHILD = """
 import json, resource
-from draftsmith import heap
+from draftsmith.targets import tiny
 
 BIG = 64 << 20                 # above glibc's largest automatic mmap threshold (32 MiB)
 
@@ -30,7 +30,7 @@ def faults_of_a_big_buffer():
 
 faults_of_a_big_buffer()
 outside = faults_of_a_big_buffer()
-with heap.keep_freed_buffers():
+with tiny.keep_freed_buffers():
     faults_of_a_big_buffer()
     inside = faults_of_a_big_buffer()
 after = faults_of_a_big_buffer()
@@ -38,7 +38,7 @@ print(json.dumps({"pages": BIG // resource.getpagesize(), "outside": outside, "i
 """
 
 
-@pytest.mark.skipif(heap._glibc() is None, reason="the C library is not glibc")
+@pytest.mark.skipif(tiny._glibc() is None, reason="the C library is not glibc")
 def test_a_freed_big_buffer_is_reused_inside_and_faulted_in_again_outside():
     r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

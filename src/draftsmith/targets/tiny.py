@@ -9,18 +9,19 @@ into the cache; the folder loads with `from_pretrained` like any checkpoint."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import progress
 from ..files import replacing
-from ..heap import keep_freed_buffers
 from ..progress import wait_for_lock
 from .corpus import training_stream
 
@@ -218,6 +219,44 @@ class _Layers:
         with torch.no_grad():
             for n, p in self.named.items():
                 p.copy_(state[n])
+
+
+# ---- freed buffers kept in the heap while `_train` runs on the CPU ----
+# glibc gives every freed block above its mmap threshold (at most 32 MiB) back to the system, and the
+# next allocation of that size faults its pages in again, zeroed: a CPU training step frees and
+# re-allocates its logits, softmax and gradients (~480 MB here), a fifth of its time in page faults.
+# Within `keep_freed_buffers` they are reused from the heap; on leaving, the heap is trimmed and the
+# thresholds are what glibc's own adjustment reaches in a long-running torch process. Not glibc: no
+# change. `bench/bench_target_build.py` measures it.
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # mallopt's parameter numbers (malloc.h)
+_MMAP_MAX = 32 << 20                             # glibc's DEFAULT_MMAP_THRESHOLD_MAX (64-bit)
+_NEVER = 2**31 - 1                               # mallopt takes an int
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+@contextmanager
+def keep_freed_buffers():
+    """Within: freed blocks of any size stay in the heap for the next allocation (glibc)."""
+    libc = _glibc()
+    if libc is None:
+        yield
+        return
+    try:
+        libc.mallopt(_M_MMAP_THRESHOLD, _NEVER)
+        libc.mallopt(_M_TRIM_THRESHOLD, _NEVER)
+        yield
+    finally:
+        libc.malloc_trim(0)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_MAX)
 
 
 def _train(model, stream: list[int], v: Variant, log, t0: float, checkpoint: Path, key: str,
