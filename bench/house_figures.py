@@ -365,24 +365,31 @@ def redeclared(mods: dict[str, Module]) -> list[str]:
 
 
 def spend_bounds(mods: dict[str, Module]) -> list[str]:
+    """Places that check spend_limit_usd's bound: a bound checker's definition (`*check_bounds`), a
+    call of one (or of `parameters.check`) in a module that handles spend_limit_usd, and a comparison
+    of spend_limit_usd with a number."""
     def names(n):
         return any((isinstance(x, ast.Name) and x.id.lower() == "spend_limit_usd")
                    or (isinstance(x, ast.Attribute) and x.attr == "spend_limit_usd")
                    or (isinstance(x, ast.Constant) and x.value == "spend_limit_usd") for x in ast.walk(n))
+
+    def checker(f):
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        return name.endswith("check_bounds") or (isinstance(f, ast.Attribute) and f.attr == "check"
+                                                 and getattr(f.value, "id", "") == "parameters")
     out = []
     for m in mods.values():
         if not m.name.startswith("draftsmith"):
             continue
+        handles = names(m.tree)
         for n in ast.walk(m.tree):
-            if isinstance(n, ast.Compare) and names(n) and any(   # against a number: a bound, not a use
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.endswith("check_bounds"):
+                out.append(f"{m.name}:{n.lineno} {n.name}")
+            elif isinstance(n, ast.Call) and handles and checker(n.func):
+                out.append(f"{m.name}:{n.lineno} {ast.unparse(n.func)}()")
+            elif isinstance(n, ast.Compare) and names(n) and any(
                     isinstance(x, ast.Constant) and type(x.value) in (int, float) for x in (n.left, *n.comparators)):
-                out.append(f"{m.name}:{n.lineno}")
-            declared = (isinstance(n, ast.Assign) and names(n.targets[0])) or \
-                       (isinstance(n, ast.AnnAssign) and names(n.target))
-            if declared and n.value is not None and any(
-                    k.arg in ("bound", "gt", "ge", "lt", "le") for c in ast.walk(n.value) if isinstance(c, ast.Call)
-                    for k in c.keywords):
-                out.append(f"{m.name}:{n.lineno}")
+                out.append(f"{m.name}:{n.lineno} {ast.unparse(n)}")
     return out
 
 
