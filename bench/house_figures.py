@@ -20,8 +20,9 @@ Definitions:
   itself (positionally or by keyword; `cfg.x` is a value read, not the setting passed on) that
   resolves through the module's imports, or its own definitions, to a function of src/draftsmith is
   followed into the callee's matching parameter (a class: its __init__), depth-first, 12 calls deep
-  at most, each (function, parameters) once. Names made from the setting itself (`settings =
-  split(Settings, vars(cfg))[0]`) carry it on, `**settings` passes it into the callee's **kwargs or
+  at most, each (function, parameters) once. The setting under another name carries it on (a copy
+  or split of it: `settings = split(Settings, vars(cfg))[0]`, `replace(cfg, ...)`; a value computed
+  from it does not), `**settings` passes it into the callee's **kwargs or
   every parameter the call does not name; an object given it keeps it as `self.<param>` in all its
   methods. The moves from file to file, calls and returns, give: files entered (distinct); climbs back
   up (moves to a file on a higher level of the module import order than the one just left: the
@@ -271,6 +272,22 @@ def whole(expr: ast.AST, carriers: set[str]) -> bool:
                for n in ast.walk(expr))
 
 
+REPACK = ("replace", "vars", "asdict", "dict", "split", "model_copy", "copy")
+
+
+def repacked(expr: ast.AST, carriers: set[str]) -> bool:
+    """`expr` is the setting again under another name: a carrier itself, or a copy or split of it
+    (`replace(cfg, ...)`, `vars(cfg)`, `split(Settings, vars(cfg))[0]`); a value computed from it is not."""
+    while isinstance(expr, ast.Subscript):
+        expr = expr.value
+    if isinstance(expr, (ast.Name, ast.Attribute)):
+        return ast.unparse(expr) in carriers
+    if isinstance(expr, ast.Call):
+        name = expr.func.attr if isinstance(expr.func, ast.Attribute) else getattr(expr.func, "id", "")
+        return name in REPACK and any(repacked(a, carriers) for a in [*expr.args, *(k.value for k in expr.keywords)])
+    return False
+
+
 def follow(start: str, mods: dict[str, Module]) -> list[tuple[str, str]] | None:
     """The steps ("call" or "return", module) following FILE:FUNCTION:PARAM; None if the function is gone."""
     path, func, param = start.split(":")
@@ -285,10 +302,10 @@ def follow(start: str, mods: dict[str, Module]) -> list[tuple[str, str]] | None:
             return
         done.add((m.name, fn.name, carriers))
         held = set(carriers)
-        for _ in range(2):              # names made from the setting itself carry it on
+        for _ in range(2):              # the setting under another name carries it on
             for n in ast.walk(fn):
                 if isinstance(n, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and n.value is not None \
-                        and whole(n.value, held):
+                        and repacked(n.value, held):
                     targets = n.targets if isinstance(n, ast.Assign) else [n.target]
                     held |= {ast.unparse(x) for t in targets for x in ast.walk(t) if isinstance(x, ast.Name)}
                     held |= {ast.unparse(t) for t in targets if isinstance(t, ast.Attribute)}
