@@ -19,7 +19,7 @@ from draftsmith.datasets import DatasetReader, DatasetSpec, prompt_hash
 from draftsmith.emulator import running
 from draftsmith.generate import outputs, prompt_edits
 from draftsmith.paths import Run
-from draftsmith.tokens.responses import read_responses as stage_03_reads
+from draftsmith.tokens.stage import read_responses as stage_03_reads
 
 from conftest import stage_02_at
 

@@ -74,7 +74,7 @@ def test_an_answer_whose_rebuilt_ids_are_not_its_tokens_is_left_out(probed):
     rows = logprobs.read_reference(outputs.logprobs_file(run))
     from draftsmith.openrouter.client import Reply
     from draftsmith.targets.checkpoint import load_tokenizer
-    from draftsmith.tokens.rebuild import Reconstructor
+    from draftsmith.targets.rebuild import Reconstructor
 
     tok = load_tokenizer(resolve_target(TARGET, log=lambda *a: None))
     rebuilder = Reconstructor(tok)
@@ -217,7 +217,7 @@ def test_an_endpoint_that_never_answers_is_set_aside_as_unavailable_and_the_prob
     demo's load): the probe records each endpoint as unavailable instead of stopping stage 01."""
     from draftsmith.emulator import running
     from draftsmith.openrouter.api import Api
-    from draftsmith.tokens.rebuild import Reconstructor
+    from draftsmith.targets.rebuild import Reconstructor
     from draftsmith.targets.checkpoint import load_tokenizer
 
     prompts = [[{"role": "user", "content": "Say one word."}]]

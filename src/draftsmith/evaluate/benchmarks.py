@@ -142,7 +142,7 @@ def read_conversations(spec: BenchmarkSpec, log=print) -> list[Conversation]:
 
 
 class Turns:
-    """A benchmark's turns through the target's chat template (`tokens.rebuild.Reconstructor`): the
+    """A benchmark's turns through the target's chat template (`targets.rebuild.Reconstructor`): the
     ids of a first turn, and of a follow-up asked after the target's own answer."""
 
     def __init__(self, reconstructor):
@@ -167,7 +167,7 @@ class Turns:
 
 
 def load_turns(target_path: str, trust_remote_code: bool = False) -> Turns:
-    from ..tokens.rebuild import load_reconstructor
+    from ..targets.rebuild import load_reconstructor
 
     return Turns(load_reconstructor(str(target_path), None, trust_remote_code))
 

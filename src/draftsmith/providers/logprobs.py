@@ -34,8 +34,7 @@ from ..openrouter.api import Api
 from ..openrouter.client import BodyMaker, messages_json, request_settings
 from ..openrouter.pricing import table_worst_prices
 from ..paths import Run
-from ..tokens.rebuild import Reconstructor
-from ..tokens.responses import Response
+from ..targets.rebuild import Reconstructor, Response
 from . import outputs
 from .probe import shortest_prompts
 

@@ -18,8 +18,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import kimi_mini, tiny
+
+if TYPE_CHECKING:
+    import torch
 
 BUILT_IN_TARGETS = (*tiny.VARIANTS, *kimi_mini.VARIANTS)
 

@@ -20,8 +20,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from ..templates import Layout
-from .rebuild import Rebuilt
-from .responses import Response
+from ..targets.rebuild import Rebuilt, Response
 
 # What the model did rather than what its provider did: flags the sample, does not count against
 # the provider (a provider that dropped the answer also shows a count mismatch).

@@ -30,8 +30,7 @@ from ..files import read_jsonl, replacing, write_json_atomic
 from ..paths import Run
 from ..progress import Progress
 from ..verdicts import Figure, Note, Reason, Verdict, read_file
-from .rebuild import Rebuilt
-from .responses import Response
+from ..targets.rebuild import Rebuilt, Response
 
 FORMAT_VERSION = 3  # 3: check rows carry the layout a sample took
 REPORT = "report.json"

@@ -8,19 +8,20 @@ and the outputs and report are written (`outputs`).
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict
 from pathlib import Path
 
 from ..datasets import parse_datasets
+from ..generate import outputs as generate_outputs
 from ..generate.outputs import responses_file
-from ..imports import parse_imports, source_files
+from ..imports import parse_imports, source_files, to_raw
 from ..config import TokensConfig
 from ..paths import Run
 from ..progress import Progress
+from ..targets.rebuild import BadLine, Reconstructor, Response, load_reconstructor
 from .checks import Thresholds, analyse, check, drop_answered_elsewhere, mark_duplicates, source_report, totals
 from .outputs import FORMAT_VERSION, Work, check_row, write_dataset, write_report
-from .rebuild import Reconstructor, load_reconstructor
-from .responses import BadLine, read_responses
 
 
 def _fingerprint(src: Path, rec: Reconstructor, thresholds: Thresholds) -> dict:
@@ -133,3 +134,40 @@ def run(run: Run, cfg: TokensConfig, *, batch_size: int = 256, log=print) -> dic
         for _, w in ps:
             w.remove()
     return report
+
+
+# ---- reading the answers of one source ----
+
+def read_responses(run: Run, dataset: str, unit: str, path: Path):
+    """(line number, Response or BadLine) per line of one source of `dataset`. Stage 02's responses
+    (`unit` "generate") come through stage 02's own reader: a torn last line (a run still writing,
+    or killed) is left out, a line that is not JSON is an error naming file:line. An import file
+    (`path`) is the user's: every line that cannot be used, torn last line included, is reported."""
+    if unit == "generate":
+        for lineno, row in generate_outputs.read_responses(run, dataset):
+            yield lineno, _parse(row, None)
+        return
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            if not raw.endswith(b"\n"):
+                yield lineno, BadLine("torn last line (no newline)")
+                return
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                yield lineno, BadLine(f"not valid JSON: {e}")
+                continue
+            yield lineno, _parse(row, dataset)
+
+
+def _parse(row, import_of: str | None) -> Response | BadLine:
+    try:
+        if import_of is not None:
+            row = to_raw(row, import_of)
+        return Response.parse(row, imported=import_of is not None)
+    except BadLine as e:
+        return e
+    except ValueError as e:  # the import shape
+        return BadLine(str(e))

@@ -6,7 +6,11 @@ and wrote them. What the model wrote is text, so a special-token string in an an
 truth, and the text's rebuild is kept beside them. Each sample records the layout it took after the
 prompt (`LAYOUTS`) and what decided it (`DECIDED_BY`): a reasoning block unless the template has
 none or the request turned reasoning off, ended by think_end, by the tool-call section's opening
-marker (Kimi-K2.5's reasoning parsers), or never; then the answer, with or without tool calls."""
+marker (Kimi-K2.5's reasoning parsers), or never; then the answer, with or without tool calls.
+
+Its input is an answer as a `Response` (a line of stage 02's responses or of an import file, parsed;
+`BadLine` names the field that cannot be used): stage 03 rebuilds the training data with it, and
+stage 01's logprob probe its own answers."""
 
 from __future__ import annotations
 
@@ -16,7 +20,95 @@ from functools import lru_cache
 
 from ..encoding import Encoding
 from ..templates import Layout, load_chat_template, response_layout, tool_calls_text
-from .responses import Response
+
+
+
+class BadLine(ValueError):
+    """A response line that cannot be used; the message names the field."""
+
+
+@dataclass
+class Response:
+    """The fields of a response line that reconstruction and checks use."""
+
+    sample_id: str
+    dataset: str
+    provider: str
+    generation_id: str | None
+    messages: list[dict]
+    reasoning: str          # "" when absent, null or empty
+    content: str            # "" when null
+    finish_reason: str | None
+    billed_prompt: int | None
+    billed_completion: int | None
+    billed_reasoning: int | None
+    reasoning_excluded: bool  # the request asked the provider to leave the reasoning out of the reply
+    reasoning_disabled: bool  # the request turned reasoning off: the prompt closes it, the reply is the answer
+    source: str = "openrouter"  # where the answer came from (see `sources`)
+    imported: bool = False      # read from an import file, not from stage 02's responses
+    output_ids: list[int] | None = None  # the ids the engine sampled, when it returned them: the truth
+    prompt_ids: list[int] | None = None  # the prompt ids the engine read, when it returned them
+    prompt: str | None = None  # the rendered prompt, once rendered
+    tool_calls: list[dict] | None = None  # the message's tool calls (OpenAI shape), when it made any
+
+    @property
+    def expects_usage(self) -> bool:
+        """Whether the line should carry token counts to check against: stage 02's lines without
+        saved ids (an import has no usage; saved ids are checked against the text instead)."""
+        return not self.imported and self.output_ids is None
+
+    @classmethod
+    def parse(cls, row: dict, imported: bool = False) -> "Response":
+        if not isinstance(row, dict):
+            raise BadLine("line is not a JSON object")
+        sid = row.get("sample_id")
+        if not isinstance(sid, (str, int)) or isinstance(sid, bool) or sid == "":
+            raise BadLine(f"field 'sample_id' must be a non-empty string, got {sid!r}")
+        msgs = row.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+            raise BadLine("field 'messages' must be a non-empty list of {role, content} objects with string values")
+        texts = {}
+        for key in ("reasoning", "content"):
+            v = row.get(key)
+            if v is not None and not isinstance(v, str):
+                raise BadLine(f"field {key!r} must be a string or null, got {type(v).__name__}")
+            texts[key] = v or ""
+        usage = row.get("usage") or {}
+        if not isinstance(usage, dict):
+            raise BadLine("field 'usage' must be an object")
+        counts = {}
+        for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens"):
+            v = usage.get(key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise BadLine(f"field 'usage.{key}' must be a non-negative integer, got {v!r}")
+            counts[key] = v
+        request = row.get("request") if isinstance(row.get("request"), dict) else {}
+        opts = request.get("reasoning") if isinstance(request.get("reasoning"), dict) else {}
+        excluded = bool(opts.get("exclude")) or request.get("include_reasoning") is False
+        disabled = opts.get("enabled") is False or opts.get("effort") == "none"
+        ids = {}
+        for key in ("output_ids", "prompt_ids"):
+            v = row.get(key)
+            if v is not None and (not isinstance(v, list) or not v or not all(type(t) is int and t >= 0 for t in v)):
+                raise BadLine(f"field {key!r} must be a non-empty list of non-negative token ids")
+            ids[key] = v
+        if ids["prompt_ids"] is not None and ids["output_ids"] is None:
+            raise BadLine("field 'prompt_ids' without 'output_ids': save both or neither")
+        if ids["output_ids"] is not None:  # the ids are the truth; the engine's counts are theirs
+            counts = dict.fromkeys(counts)
+        calls = row.get("tool_calls") or None
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+            raise BadLine("field 'tool_calls' must be a list of {id, type, function: {name, arguments}} objects")
+        source = row.get("source") or "openrouter"  # stage 02 lines written before sources existed
+        if not isinstance(source, str):
+            raise BadLine(f"field 'source' must be a string, got {type(source).__name__}")
+        return cls(str(sid), str(row.get("dataset") or ""), str(row.get("provider") or source),
+                   row.get("generation_id"), msgs, texts["reasoning"], texts["content"],
+                   row.get("finish_reason"), counts["prompt_tokens"], counts["completion_tokens"],
+                   counts["reasoning_tokens"], excluded, disabled, source, imported,
+                   ids["output_ids"], ids["prompt_ids"], tool_calls=calls)
 
 
 LAYOUTS = ("answer", "tool_calls", "reasoning_answer", "reasoning_tool_calls", "reasoning_into_tool_calls",
