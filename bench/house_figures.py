@@ -250,7 +250,7 @@ def params(fn) -> list[str]:
 
 def callee(call: ast.Call, m: Module, mods):
     """(module, function or class) a call resolves to in src/draftsmith, or None."""
-    f, local, names = call.func, definitions(m), None
+    f, local = call.func, definitions(m)
     if isinstance(f, ast.Name):
         if f.id in local:
             found = m, local[f.id]

@@ -1,8 +1,6 @@
 """`draftsmith compare RUN_A RUN_B ...` on run folders as stage 06 and the run summary leave them:
 each run's headline, the results side by side, a difference beyond noise marked and one within it not."""
 
-import json
-
 import pytest
 
 from draftsmith import cli, summary

@@ -15,7 +15,6 @@ settings are kept but not used, and a last line torn by a kill is cut before any
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..files import read_jsonl, repair_tail, write_json_atomic, write_text_atomic

@@ -94,7 +94,6 @@ def _part(temps: dict, ours_temps: dict, source: str, held_out: bool, draft_toke
         ours_methods = (ours_temps or {}).get(key, {}).get("methods", {})
         final = next((n for n, s in t["methods"].items() if s["kind"] == "eagle3" and s.get("final")),
                      "eagle3" if "eagle3" in t["methods"] else None)
-        none = next((s for s in t["methods"].values() if s["kind"] == "none"), {})
         sets = sorted({ds for s in t["methods"].values() for ds in s.get("per_dataset", {})})
         # the held-out prompts of every dataset together are a prompt set too: the run's headline
         for ds in sets + ([ALL_HELD_OUT] if held_out and sets else []):
